@@ -1,0 +1,72 @@
+"""What every implementation shares: the static call description and the three matmuls of the head.
+
+An implementation module exposes, for a 2-D problem (``x`` [B, H], ``w`` [H, V] or [V, H], ``bias`` [V] or
+None, normalised ``labels`` [B] int32, see :func:`lce_flax._math.normalize_labels`):
+
+* ``supported(spec, platform) -> None``: raises ``NotImplementedError`` naming what it cannot do;
+* ``lean(x, w, bias, labels, spec, config) -> TokenOut``: differentiable with *any* per-token cotangent on
+  ``loss`` and ``lse``; keeps O(B) residuals and recomputes logits in the backward (8·B·H·V FLOPs);
+* ``fast(x, w, bias, labels, weights, spec, config) -> (Σ_t weights_t·loss_t, TokenOut)``: forms the
+  gradients while the logits are on hand (6·B·H·V FLOPs); only the scalar is differentiable.
+
+``api.py`` owns validation, flattening, label normalisation and reductions, so no backend repeats them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lce_flax._math import LossOptions
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """Static description of one call (hashable: used as a ``nondiff_argnums`` argument)."""
+
+  opts: LossOptions
+  w_layout: str = "hv"  # "hv": w is [H, V] (a Dense kernel); "vh": w is [V, H] (an Embed table)
+  interpret: bool = False
+
+  @property
+  def vocab_axis(self) -> int:
+    return 1 if self.w_layout == "hv" else 0
+
+
+def vocab_size(w, w_layout: str) -> int:
+  return w.shape[1] if w_layout == "hv" else w.shape[0]
+
+
+def slice_vocab(w, start, size: int, w_layout: str):
+  """Columns ``[start, start+size)`` of the head, in the layout of ``w``."""
+  axis = 1 if w_layout == "hv" else 0
+  return lax.dynamic_slice_in_dim(w, start, size, axis=axis)
+
+
+def logits(x, w, w_layout: str):
+  """``x @ w`` (or ``x @ w.T`` for [V, H]) accumulated in float32: [B, v]."""
+  contract = 0 if w_layout == "hv" else 1
+  return lax.dot_general(x, w, (((1,), (contract,)), ((), ())), preferred_element_type=F32)
+
+
+def grad_x(dz, w, w_layout: str):
+  """``dz @ w.T`` for [H, V] weights (``dz @ w`` for [V, H]), accumulated in float32: [B, H]."""
+  contract = 1 if w_layout == "hv" else 0
+  return lax.dot_general(dz, w, (((1,), (contract,)), ((), ())), preferred_element_type=F32)
+
+
+def grad_w(x, dz, w_layout: str):
+  """``x.T @ dz`` ([H, v]) or ``dz.T @ x`` ([v, H]), accumulated in float32."""
+  if w_layout == "hv":
+    return lax.dot_general(x, dz, (((0,), (0,)), ((), ())), preferred_element_type=F32)
+  return lax.dot_general(dz, x, (((0,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def mxu_dtype(x: jax.Array):
+  """dtype the logit gradient is cast to before it enters a matmul: the inputs' (bf16 stays bf16)."""
+  return x.dtype

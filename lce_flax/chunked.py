@@ -1,0 +1,213 @@
+"""``impl="chunked"``: pure JAX, never more than one chunk of logits alive. Runs on CPU, GPU and TPU.
+
+Two designs behind ``mode``:
+
+``"lean"`` (recompute)
+  Forward: a loop over vocabulary chunks of ``chunk_size`` columns; each chunk's [B, c] logits feed the online
+  logsumexp (:func:`lce_flax._math.merge_stats`) and die. Residuals: x, w, labels and the [B] lse.
+  Backward: the same loop again; each chunk's logits are recomputed and turned into the logit gradient, which
+  gives its slice of dw exactly (no accumulation across chunks) and adds into a float32 dx.
+  FLOPs 8·B·H·V (2 forward + 2 recompute + 4 gradient); extra memory ≈ 3 chunks of B·c·4 bytes + B·H·4 (dx).
+
+``"fast"`` (gradients formed in the forward)
+  One loop over token chunks of ``chunk_size`` rows; each chunk's full-vocabulary logits give the loss *and*,
+  weighted by the per-token weights the reduction will apply (1 for ``sum``, 1/count for ``mean``), the logit
+  gradient, from which the chunk's dx rows and its contribution to a float32 dw accumulator are formed at once.
+  The backward only scales the stored dx, dw by the incoming scalar cotangent.
+  FLOPs 6·B·H·V; extra memory ≈ H·V·4 (the float32 dw accumulator) + 3 chunks of c·V·4 bytes.
+  Only the reduced loss is differentiable; ``reduction="none"`` and gradients of the aux outputs need ``lean``.
+
+Ragged sizes: the vocabulary's last chunk is moved back to end at V (a clamped window) and its columns already
+counted by the previous chunk are masked, so ``w`` is never padded or copied; tokens are padded to a multiple of
+the chunk with uncounted labels (x is B·H, small next to w).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lce_flax import _base, _math
+from lce_flax._base import F32
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """``chunk_size``: vocabulary columns per chunk (lean) or tokens per chunk (fast); None picks by shape."""
+
+  chunk_size: int | None = None
+
+
+# Budget for one chunk of float32 logits in the lean design: 3 such buffers live at once in its backward.
+LEAN_CHUNK_BYTES = 256 * 2**20
+
+
+def _pow2_floor(n: int) -> int:
+  return 1 << max(int(n).bit_length() - 1, 0)
+
+
+def lean_chunk(num_tokens: int, vocab: int, requested: int | None = None) -> int:
+  """Vocabulary columns per chunk: ``LEAN_CHUNK_BYTES`` of float32 logits, a power of two in [128, 16384]."""
+  c = requested or min(max(_pow2_floor(LEAN_CHUNK_BYTES // (4 * max(num_tokens, 1))), 128), 16384)
+  return max(1, min(c, vocab))
+
+
+def fast_chunk(num_tokens: int, hidden: int, vocab: int, requested: int | None = None) -> int:
+  """Tokens per chunk. The fast design must hold an H×V float32 dw anyway; a logits chunk of about a quarter
+  of that (H/4 tokens, a power of two in [16, 2048]) keeps its extra memory near 2× that floor while the chunk
+  matmuls stay large enough to run at the matmul rate (2048 tokens at llama3-8b)."""
+  c = requested or min(max(_pow2_floor(hidden // 4), 16), 2048)
+  return max(1, min(c, num_tokens))
+
+
+def supported(spec: _base.Spec, platform: str) -> None:
+  del spec, platform
+
+
+def _window(i, c: int, vocab: int):
+  """Chunk i covers columns [i·c, i·c + c) ∩ [0, V); its window is clamped to end at V."""
+  nominal = i * c
+  start = jnp.minimum(nominal, vocab - c)
+  cols = start + jnp.arange(c, dtype=jnp.int32)
+  return start, cols, cols >= nominal
+
+
+def _chunk_logits(x, w, bias, start, c, spec):
+  z = _base.logits(x, _base.slice_vocab(w, start, c, spec.w_layout), spec.w_layout)
+  if bias is not None:
+    z = z + lax.dynamic_slice_in_dim(bias, start, c).astype(F32)
+  return z
+
+
+# ----------------------------------------------------------------------------------------------- lean
+
+
+def _lean_forward(x, w, bias, labels, spec, c):
+  opts = spec.opts
+  n = -(-opts.vocab_size // c)
+
+  def body(i, st):
+    start, cols, valid = _window(i, c, opts.vocab_size)
+    zc = _math.softcap(_chunk_logits(x, w, bias, start, c, spec), opts.logit_softcap)
+    return _math.merge_stats(st, _math.tile_stats(zc, cols, labels, valid, opts))
+
+  st = lax.fori_loop(0, n, body, _math.empty_stats(x.shape[0]))
+  return _math.finalize(st, labels, opts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _lean(x, w, bias, labels, spec, c):
+  return _lean_forward(x, w, bias, labels, spec, c)
+
+
+def _lean_fwd(x, w, bias, labels, spec, c):
+  out = _lean_forward(x, w, bias, labels, spec, c)
+  return out, (x, w, bias, labels, out.lse)
+
+
+def _lean_bwd(spec, c, res, g):
+  x, w, bias, labels, lse = res
+  opts = spec.opts
+  n = -(-opts.vocab_size // c)
+  vaxis = spec.vocab_axis
+
+  def body(i, carry):
+    dx, dw, db = carry
+    start, cols, valid = _window(i, c, opts.vocab_size)
+    z = _chunk_logits(x, w, bias, start, c, spec)
+    dz = _math.dlogits(z, lse, labels, cols, valid, g.loss, g.lse, opts)
+    dzm = dz.astype(_base.mxu_dtype(x))
+    dx = dx + _base.grad_x(dzm, _base.slice_vocab(w, start, c, spec.w_layout), spec.w_layout)
+    # Columns masked as overlap carry an exact 0, so adding into the window never double-counts.
+    old = lax.dynamic_slice_in_dim(dw, start, c, axis=vaxis).astype(F32)
+    dw = lax.dynamic_update_slice_in_dim(dw, (old + _base.grad_w(x, dzm, spec.w_layout)).astype(dw.dtype), start, vaxis)
+    if db is not None:
+      db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, c) + dz.sum(0), start, 0)
+    return dx, dw, db
+
+  init = (jnp.zeros(x.shape, F32), jnp.zeros_like(w), None if bias is None else jnp.zeros(bias.shape, F32))
+  dx, dw, db = lax.fori_loop(0, n, body, init)
+  return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
+
+
+_lean.defvjp(_lean_fwd, _lean_bwd)
+
+
+def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> _math.TokenOut:
+  c = lean_chunk(x.shape[0], spec.opts.vocab_size, (config or Config()).chunk_size)
+  return _lean(x, w, bias, labels, spec, c)
+
+
+# ----------------------------------------------------------------------------------------------- fast
+
+
+def _fast_forward(x, w, bias, labels, weights, spec, c):
+  """Returns (Σ weights·loss, TokenOut, (dx, dw, db)) with the gradients of that sum."""
+  opts = spec.opts
+  b = x.shape[0]
+  n = -(-b // c)
+  pad = n * c - b
+  xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(n, c, x.shape[1])
+  ls = jnp.pad(labels, (0, pad), constant_values=_math.IGNORED).reshape(n, c)
+  ws = jnp.pad(weights.astype(F32), (0, pad)).reshape(n, c)
+  cols = jnp.arange(opts.vocab_size, dtype=jnp.int32)
+  all_cols = jnp.ones((opts.vocab_size,), bool)
+
+  def body(carry, chunk):
+    dw, db = carry
+    xc, lc, wc = chunk
+    z = _chunk_logits(xc, w, bias, 0, opts.vocab_size, spec)
+    zc = _math.softcap(z, opts.logit_softcap)
+    out = _math.finalize(_math.tile_stats(zc, cols, lc, all_cols, opts), lc, opts)
+    dz = _math.dlogits(z, out.lse, lc, cols, all_cols, wc, None, opts)
+    dzm = dz.astype(_base.mxu_dtype(x))
+    dxc = _base.grad_x(dzm, w, spec.w_layout).astype(x.dtype)
+    dw = dw + _base.grad_w(xc, dzm, spec.w_layout)
+    if db is not None:
+      db = db + dz.sum(0)
+    return (dw, db), (dxc, out)
+
+  init = (jnp.zeros(w.shape, F32), None if bias is None else jnp.zeros(bias.shape, F32))
+  (dw, db), (dx, out) = lax.scan(body, init, (xs, ls, ws))
+  out = jax.tree.map(lambda a: a.reshape(n * c)[:b], out)
+  dx = dx.reshape(n * c, -1)[:b]
+  total = jnp.sum(weights.astype(F32) * out.loss)
+  grads = (dx, dw.astype(w.dtype), None if bias is None else db.astype(bias.dtype))
+  return total, out, grads
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fast(x, w, bias, labels, weights, spec, c):
+  total, out, _ = _fast_forward(x, w, bias, labels, weights, spec, c)
+  return total, out
+
+
+def _fast_fwd(x, w, bias, labels, weights, spec, c):
+  # symbolic_zeros=True wraps each array argument in a CustomVJPPrimal (None stays None).
+  total, out, grads = _fast_forward(x.value, w.value, None if bias is None else bias.value,
+                                    labels.value, weights.value, spec, c)
+  return (total, out), grads
+
+
+def _fast_bwd(spec, c, grads, g):
+  g_total, g_out = g
+  for name in ("loss", "lse"):
+    if not isinstance(getattr(g_out, name), jax.custom_derivatives.SymbolicZero):
+      raise ValueError(
+          f"mode='fast' forms only the gradient of the reduced loss; the aux output {name!r} was differentiated."
+          " Use mode='lean' (or reduction='none') to differentiate per-token values.")
+  dx, dw, db = grads
+  scale = lambda a: None if a is None else (g_total * a.astype(F32)).astype(a.dtype)
+  return scale(dx), scale(dw), scale(db), None, None
+
+
+_fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
+
+
+def fast(x, w, bias, labels, weights, spec: _base.Spec, config: Config | None = None):
+  c = fast_chunk(x.shape[0], x.shape[1], spec.opts.vocab_size, (config or Config()).chunk_size)
+  return _fast(x, w, bias, labels, weights, spec, c)
