@@ -128,7 +128,8 @@ def finalize(st: RowStats, labels, opts: LossOptions) -> TokenOut:
     loss = loss + opts.z_loss * lse * lse
   counted = labels >= 0
   bad = labels >= opts.vocab_size
-  loss = jnp.where(bad, jnp.nan, jnp.where(counted, loss, 0.0))
+  # Multiplying (rather than selecting) by NaN makes autodiff through this function NaN too.
+  loss = jnp.where(counted, loss, 0.0) * jnp.where(bad, jnp.nan, 1.0)
   correct = counted & ~bad & (st.target >= st.m)
   return TokenOut(loss, lse, correct)
 

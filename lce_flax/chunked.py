@@ -43,7 +43,7 @@ class Config:
 
 
 # Budget for one chunk of float32 logits in the lean design: 3 such buffers live at once in its backward.
-LEAN_CHUNK_BYTES = 256 * 2**20
+LEAN_CHUNK_BYTES = 32 * 2**20
 
 
 def _pow2_floor(n: int) -> int:
