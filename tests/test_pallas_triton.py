@@ -1,0 +1,154 @@
+"""``impl="pallas_triton"`` against the float64 oracle.
+
+On CPU the kernels run in Pallas interpret mode (the op's default there) with small blocks, so several vocabulary
+tiles, splits, backward chunks, H steps and ragged edges of B, V and H are all exercised. The ``gpu``-marked
+tests run the compiled kernels at the llama3-8b shape (``pytest -m gpu`` on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lce_flax import _base, _math, linear_cross_entropy, pallas_triton
+from lce_flax.pallas_triton import Config
+from tests.reference_np import linear_cross_entropy_np, rel_err
+from tests.test_api import OPTIONS, check_impl, make_inputs
+
+# 16-token, 32-column, 16-deep tiles; 3 splits of the forward; backward chunks of 64 columns: with B=37, H=24,
+# V=301 every loop runs several times and ends on a ragged tile (37 = 2·16 + 5, 24 = 16 + 8, 301 = 9·32 + 13,
+# 301 = 4·64 + 45).
+SMALL = Config(block_t=16, block_v=32, block_k=16, num_splits=3, chunk_size=64)
+on_gpu = jax.default_backend() == "gpu"
+
+
+def check(**kw):
+  kw.setdefault("config", SMALL)
+  return check_impl("pallas_triton", mode="lean", **kw)
+
+
+@pytest.mark.parametrize("opt", list(OPTIONS))
+def test_options(opt):
+  check(options=OPTIONS[opt], bias=True, seed=hash(opt) % 1000)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("w_layout", ["hv", "vh"])
+def test_dtypes_and_layouts(dtype, w_layout):
+  check(dtype=dtype, w_layout=w_layout, batch_shape=(3, 13), v=333, h=48, seed=7, bias=w_layout == "vh")
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_reductions_and_where(reduction):
+  check(reduction=reduction, where=True, options=OPTIONS["all"], seed=3, w_layout="vh", bias=True)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,  # the heuristic: one tile holds the whole problem
+        Config(block_t=16, block_v=16, block_k=16, num_splits=64, chunk_size=1000),  # splits > tiles; chunk > V
+        Config(block_t=64, block_v=64, block_k=32, num_splits=1, chunk_size=16),  # B < block_t; one split
+    ],
+    ids=["heuristic", "many-splits", "one-split"],
+)
+def test_configs(config):
+  check(config=config, options=OPTIONS["smoothing"], bias=True, seed=5)
+
+
+def test_lse_cotangent():
+  """Cotangents on the aux lse flow through the backward kernel: d(Σ_t c_t lse_t)/dx = (c ⊙ softmax) @ w.T."""
+  (x, w, y, _), (xn, wn, _, _) = make_inputs(4, (21,), 40, 77, jnp.float32)
+  c = np.random.default_rng(0).standard_normal(21).astype(np.float32)
+  g = jax.grad(lambda x: (c * linear_cross_entropy(x, w, y, impl="pallas_triton", mode="lean", config=SMALL,
+                                                   return_aux=True)[1].lse).sum())(x)
+  z = xn.astype(np.float64) @ wn
+  p = np.exp(z - z.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  assert rel_err(g, (c[:, None] * p) @ wn.T) < 1e-5
+
+
+def test_out_of_range_label_is_nan_and_ignored_is_zero():
+  (x, w, y, b), _ = make_inputs(2, (19,), 16, 70, jnp.float32, bias=True, ignore_frac=0.0)
+  y = y.at[4].set(70).at[7].set(-100)
+  f = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, impl="pallas_triton", reduction="none",
+                                           config=SMALL).sum()
+  loss, (dx, dw, db) = jax.value_and_grad(f, (0, 1, 2))(x, w, b)
+  assert np.isnan(loss) and np.isnan(dx[4]).all() and np.isnan(dw).any() and np.isnan(db).any()
+  tok = linear_cross_entropy(x, w, y, bias=b, impl="pallas_triton", reduction="none", config=SMALL)
+  assert np.isnan(tok[4]) and tok[7] == 0.0 and np.isfinite(np.delete(np.asarray(tok), 4)).all()
+  # all tokens ignored: zero loss and exactly zero gradients (no NaN from the padding rows of the kernels)
+  y0 = jnp.full((19,), -100)
+  g = jax.grad(lambda x, w, b: linear_cross_entropy(x, w, y0, bias=b, impl="pallas_triton", z_loss=0.1,
+                                                    config=SMALL), (0, 1, 2))(x, w, b)
+  for a in g:
+    assert np.isfinite(a).all() and not np.any(a)
+
+
+def test_jit_and_checkpoint_agree():
+  (x, w, y, _), _ = make_inputs(5, (4, 9), 20, 55, jnp.float32)
+  f = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_triton", config=SMALL, z_loss=1e-3)
+  l0, g0 = jax.value_and_grad(f, (0, 1))(x, w)
+  l1, g1 = jax.jit(jax.value_and_grad(f, (0, 1)))(x, w)
+  g2 = jax.jit(jax.grad(jax.checkpoint(f), (0, 1)))(x, w)
+  assert np.allclose(l0, l1, rtol=1e-6)
+  for a, b, c in zip(g0, g1, g2):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-7)
+
+
+def test_supported():
+  spec = _base.Spec(_math.LossOptions(10))
+  pallas_triton.supported(_base.Spec(_math.LossOptions(10), interpret=True), "cpu")
+  with pytest.raises(NotImplementedError, match="platform='cpu'"):
+    pallas_triton.supported(spec, "cpu")
+  if not on_gpu:
+    with pytest.raises(ValueError, match="pallas_triton"):
+      linear_cross_entropy(jnp.ones((4, 8)), jnp.ones((8, 10)), jnp.zeros(4, int), impl="pallas_triton",
+                           interpret=False)
+
+
+def test_plan_heuristic():
+  p = pallas_triton.plan(8192, 4096, 128256, jnp.bfloat16)
+  assert (p.block_t, p.block_v, p.block_k, p.num_warps) == (128, 256, 64, 8)
+  assert p.chunk_size == 2048 and p.chunk_size % p.block_v == 0  # 32 MiB of bf16 dz at B=8192
+  assert 64 * p.num_splits >= 132  # the forward grid covers the SMs
+  p32 = pallas_triton.plan(8192, 4096, 128256, jnp.float32)
+  assert (p32.block_v, p32.block_k) == (128, 32)
+  tiny = pallas_triton.plan(5, 3, 7, jnp.float32)
+  assert (tiny.block_t, tiny.block_v, tiny.block_k) == (16, 16, 16) and tiny.num_splits == 1
+  assert pallas_triton.plan(37, 24, 301, jnp.float32, Config(block_v=32, chunk_size=50)).chunk_size == 64
+  with pytest.raises(ValueError, match="block_v=48"):
+    pallas_triton.plan(37, 24, 301, jnp.float32, Config(block_v=48))
+
+
+# ------------------------------------------------------------------------------------------------ GPU, LLM shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_gpu, reason="needs a GPU")
+def test_llama3_8b_shape():
+  """bf16 at B=8192, H=4096, V=128256: per-token loss vs float64 (64 rows) ≤ 1e-4; grads vs the XLA path on
+  float32 inputs at highest precision ≤ 1e-2 relative norm."""
+  b, h, v = 8192, 4096, 128256
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k1, (b, h), jnp.float32).astype(jnp.bfloat16)
+  w = (0.02 * jax.random.normal(k2, (h, v), jnp.float32)).astype(jnp.bfloat16)
+  y = jax.random.randint(k3, (b,), 0, v, jnp.int32)
+  rows = np.sort(np.random.default_rng(0).choice(b, 64, replace=False))
+  tok = np.asarray(jax.jit(lambda x, w, y: linear_cross_entropy(x, w, y, reduction="none",
+                                                                impl="pallas_triton"))(x, w, y))
+  ref = linear_cross_entropy_np(np.asarray(x[rows].astype(jnp.float32), np.float64),
+                                np.asarray(w.astype(jnp.float32), np.float64), np.asarray(y)[rows],
+                                reduction="none")
+  assert np.max(np.abs(tok[rows] - ref["loss"]) / np.abs(ref["loss"])) <= 1e-4
+  f = lambda impl: lambda x, w: linear_cross_entropy(x, w, y, reduction="sum", impl=impl)
+  loss, grads = jax.jit(jax.value_and_grad(f("pallas_triton"), (0, 1)))(x, w)
+  with jax.default_matmul_precision("highest"):
+    loss_r, grads_r = jax.jit(jax.value_and_grad(f("xla"), (0, 1)))(x.astype(jnp.float32), w.astype(jnp.float32))
+  assert abs(float(loss) - float(loss_r)) / abs(float(loss_r)) <= 1e-4
+  for g, r in zip(grads, grads_r):
+    err = float(jnp.linalg.norm((g.astype(jnp.float32) - r).ravel()) / jnp.linalg.norm(r.ravel()))
+    assert err <= 1e-2, err
