@@ -69,13 +69,20 @@ def available_implementations(spec: _base.Spec | None = None, platform: str | No
 
 
 def _resolve(impl: str, spec: _base.Spec, platform: str, mode: str):
-  """Returns (name, module) of the implementation to run; raises with the alternatives if ``impl`` can't."""
+  """Returns (name, module) of the implementation to run; raises with the alternatives if ``impl`` can't.
+
+  ``"auto"`` walks :func:`_auto_order` and takes the first backend that supports the call *in the requested
+  mode*: a backend without a fast design is skipped when ``mode="fast"``, since its lean design would be
+  slower than the chunked fast one (see README, "Implementations and modes").
+  """
   names = _auto_order() if impl == "auto" else (impl,)
   reasons = []
   for name in names:
     try:
       mod = _module(name)
       mod.supported(spec, platform)
+      if impl == "auto" and mode == "fast" and mod.fast is None and name != names[-1]:
+        raise NotImplementedError("no fast mode")
       return name, mod
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
