@@ -10,8 +10,9 @@ is spent):
 1. small ragged shapes, compiled kernels, every option, both layouts, bf16/fp16/fp32, vs the float64 oracle;
 2. llama3-8b (B=8192, H=4096, V=128256, bf16): per-token loss of 64 random rows vs float64 NumPy, the summed
    loss and the gradients vs the XLA path on float32-upcast inputs at ``highest`` matmul precision;
-3. a sweep of forward block sizes and backward chunks at llama3-8b;
-4. forward and forward+backward times (median wall clock around ``block_until_ready``) and compiled temp memory
+3. the backward's time split (dz kernel alone, the XLA matmuls alone) at llama3-8b;
+4. a sweep of forward block sizes and backward chunks at llama3-8b;
+5. forward and forward+backward times (median wall clock around ``block_until_ready``) and compiled temp memory
    of pallas_triton, xla and chunked at the four anchor shapes.
 
 Writes ``pallas_triton_<date>.json`` into ``--out`` (default ``$OUT`` or ``.``) and prints a table.
@@ -20,6 +21,7 @@ Writes ``pallas_triton_<date>.json`` into ``--out`` (default ``$OUT`` or ``.``) 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -163,13 +165,9 @@ def section_sweep(res):
   res["default_plan"] = default.__dict__
   fwd_cfgs = [
       Config(),
-      Config(num_stages=3),
-      Config(block_v=128, num_warps=4),
-      Config(block_t=64, block_v=256, num_warps=4),
-      Config(block_t=128, block_v=128, num_warps=8),
-      Config(num_splits=4),
-      Config(num_splits=16),
-      Config(block_k=32, num_stages=5),
+      Config(num_stages=4),
+      Config(num_splits=8),
+      Config(block_t=256, block_v=128, num_warps=8),
   ]
   rows = []
   for c in fwd_cfgs:
@@ -183,17 +181,56 @@ def section_sweep(res):
     print("fwd", rows[-1])
   res["sweep_fwd"] = rows
   rows = []
-  for chunk in (2048, 4096, 8192):
+  for c in (Config(chunk_size=2048), Config(chunk_size=4096), Config(chunk_size=8192),
+            Config(chunk_size=4096, group_t=64), Config(chunk_size=4096, group_t=4)):
     if left() < 170:
       break
-    c = Config(chunk_size=chunk)
     try:
       ms = median_ms(jax.jit(jax.grad(loss_fn("pallas_triton", c), argnums=(0, 1))), x, w, y, iters=5)
     except Exception as e:
       ms = f"error: {type(e).__name__}: {str(e)[:200]}"
-    rows.append(dict(chunk_size=chunk, fwd_bwd_ms=ms))
+    rows.append(dict(config={k: val for k, val in c.__dict__.items() if val is not None}, fwd_bwd_ms=ms))
     print("fwd+bwd", rows[-1])
   res["sweep_bwd"] = rows
+
+
+def section_breakdown(res):
+  """Where the backward's time goes at llama3-8b: the dz kernel alone, the two XLA matmuls alone, the whole."""
+  b, h, v = SHAPES["llama3-8b"]
+  x, w, y = inputs(b, h, v, jnp.bfloat16)
+  p = pallas_triton.plan(b, h, v, jnp.bfloat16)
+  spec = pallas_triton._base.Spec(pallas_triton._math.LossOptions(v), interpret=jax.default_backend() != "gpu")
+  p = dataclasses.replace(p, chunk_size=min(p.chunk_size, v // 2))  # (no effect at llama3-8b)
+  c = p.chunk_size
+  n = v // c
+  lse = jnp.zeros((b,), jnp.float32) + 12.0
+  ones = jnp.ones((b,), jnp.float32)
+
+  def dz_only(x, w, y):
+    def body(k, acc):
+      dz, _ = pallas_triton._dz_chunk(k, c, x, w, None, y, lse, ones, ones, spec, p)
+      return acc + dz[0, 0].astype(jnp.float32)
+    return jax.lax.fori_loop(0, n, body, jnp.float32(0))
+
+  dz0 = (1e-3 * jax.random.normal(jax.random.key(3), (b, c), jnp.float32)).astype(jnp.bfloat16)
+
+  def mm_only(x, w, dz0):
+    def body(k, carry):
+      dx, dw = carry
+      off = k * c
+      dx = dx + pallas_triton._base.grad_x(dz0, jax.lax.dynamic_slice_in_dim(w, off, c, 1), "hv")
+      dwc = jax.lax.dot_general(x, dz0, (((0,), (0,)), ((), ())), preferred_element_type=w.dtype)
+      return dx, jax.lax.dynamic_update_slice_in_dim(dw, dwc, off, 1)
+    return jax.lax.fori_loop(0, n, body, (jnp.zeros(x.shape, jnp.float32), jnp.zeros_like(w)))
+
+  f = loss_fn("pallas_triton")
+  out = dict(chunk=c, chunks=n,
+             dz_kernel_all_chunks_ms=median_ms(jax.jit(dz_only), x, w, y, iters=5),
+             xla_matmuls_all_chunks_ms=median_ms(jax.jit(mm_only), x, w, dz0, iters=5),
+             fwd_ms=median_ms(jax.jit(f), x, w, y, iters=5),
+             fwd_bwd_ms=median_ms(jax.jit(jax.grad(f, argnums=(0, 1))), x, w, y, iters=5))
+  res["breakdown"] = out
+  print("breakdown:", out)
 
 
 def section_shapes(res):
@@ -224,7 +261,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   ap.add_argument("--budget", type=float, default=BUDGET)
-  ap.add_argument("--sections", default="small,llama,sweep,shapes")
+  ap.add_argument("--sections", default="small,llama,breakdown,sweep,shapes")
   args = ap.parse_args()
   BUDGET = args.budget
   try:
@@ -236,7 +273,8 @@ def main():
   res = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__, jaxlib=jax.lib.__version__
              if hasattr(jax.lib, "__version__") else None, triton=triton_version, errors={})
-  sections = dict(small=section_small, llama=section_llama_correctness, sweep=section_sweep, shapes=section_shapes)
+  sections = dict(small=section_small, llama=section_llama_correctness, breakdown=section_breakdown,
+                  sweep=section_sweep, shapes=section_shapes)
   for name in args.sections.split(","):
     if left() < 20:
       res["errors"][name] = "skipped: time budget spent"
