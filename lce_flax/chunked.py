@@ -88,17 +88,58 @@ def _chunk_logits(x, w, bias, start, c, spec):
 # ----------------------------------------------------------------------------------------------- lean
 
 
-def _lean_forward(x, w, bias, labels, spec, c):
+def vocab_stats(x, w, bias, labels, spec, c: int, col_offset=0) -> _math.RowStats:
+  """Row stats of the columns held in ``w`` (a vocabulary slice), in chunks of ``c`` columns.
+
+  ``w`` (and ``bias``) may hold only columns ``[col_offset, col_offset + v)`` of the full vocabulary of
+  ``spec.opts.vocab_size`` entries: labels are compared with the global column index, so only the slice that
+  owns a token's label contributes its target logit. Vocab-parallel sharding (``lce_flax.sharding``) merges the
+  slices' stats across devices; with ``col_offset=0`` and the whole ``w`` this is the lean forward.
+  """
   opts = spec.opts
-  n = -(-opts.vocab_size // c)
+  v = _base.vocab_size(w, spec.w_layout)
+  n = -(-v // c)
 
   def body(i, st):
-    start, cols, valid = _window(i, c, opts.vocab_size)
+    start, cols, valid = _window(i, c, v)
     zc = _math.softcap(_chunk_logits(x, w, bias, start, c, spec), opts.logit_softcap)
-    return _math.merge_stats(st, _math.tile_stats(zc, cols, labels, valid, opts))
+    return _math.merge_stats(st, _math.tile_stats(zc, cols + col_offset, labels, valid, opts))
 
-  st = lax.fori_loop(0, n, body, _math.empty_stats(x.shape[0]))
-  return _math.finalize(st, labels, opts)
+  return lax.fori_loop(0, n, body, _math.empty_stats(x.shape[0]))
+
+
+def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int, col_offset=0):
+  """Recompute backward over the columns held in ``w`` (see :func:`vocab_stats`): returns (dx, dw, dbias).
+
+  ``lse`` is the full-vocabulary log-sum-exp. dx is this slice's float32 contribution (slices add up to the
+  whole dx); dw and dbias are exact for the slice. With ``col_offset=0`` and the whole ``w`` this is the lean
+  backward.
+  """
+  opts = spec.opts
+  v = _base.vocab_size(w, spec.w_layout)
+  n = -(-v // c)
+  vaxis = spec.vocab_axis
+
+  def body(i, carry):
+    dx, dw, db = carry
+    start, cols, valid = _window(i, c, v)
+    z = _chunk_logits(x, w, bias, start, c, spec)
+    dz = _math.dlogits(z, lse, labels, cols + col_offset, valid, g_loss, g_lse, opts)
+    dzm = dz.astype(_base.mxu_dtype(x))
+    dx = dx + _base.grad_x(dzm, _base.slice_vocab(w, start, c, spec.w_layout), spec.w_layout)
+    # Columns masked as overlap carry an exact 0, so adding into the window never double-counts.
+    old = lax.dynamic_slice_in_dim(dw, start, c, axis=vaxis).astype(F32)
+    dw = lax.dynamic_update_slice_in_dim(dw, (old + _base.grad_w(x, dzm, spec.w_layout)).astype(dw.dtype), start, vaxis)
+    if db is not None:
+      db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, c) + dz.sum(0), start, 0)
+    return dx, dw, db
+
+  init = (jnp.zeros(x.shape, F32), jnp.zeros_like(w), None if bias is None else jnp.zeros(bias.shape, F32))
+  return lax.fori_loop(0, n, body, init)
+
+
+def _lean_forward(x, w, bias, labels, spec, c):
+  return _math.finalize(vocab_stats(x, w, bias, labels, spec, c), labels, spec.opts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -113,26 +154,7 @@ def _lean_fwd(x, w, bias, labels, spec, c):
 
 def _lean_bwd(spec, c, res, g):
   x, w, bias, labels, lse = res
-  opts = spec.opts
-  n = -(-opts.vocab_size // c)
-  vaxis = spec.vocab_axis
-
-  def body(i, carry):
-    dx, dw, db = carry
-    start, cols, valid = _window(i, c, opts.vocab_size)
-    z = _chunk_logits(x, w, bias, start, c, spec)
-    dz = _math.dlogits(z, lse, labels, cols, valid, g.loss, g.lse, opts)
-    dzm = dz.astype(_base.mxu_dtype(x))
-    dx = dx + _base.grad_x(dzm, _base.slice_vocab(w, start, c, spec.w_layout), spec.w_layout)
-    # Columns masked as overlap carry an exact 0, so adding into the window never double-counts.
-    old = lax.dynamic_slice_in_dim(dw, start, c, axis=vaxis).astype(F32)
-    dw = lax.dynamic_update_slice_in_dim(dw, (old + _base.grad_w(x, dzm, spec.w_layout)).astype(dw.dtype), start, vaxis)
-    if db is not None:
-      db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, c) + dz.sum(0), start, 0)
-    return dx, dw, db
-
-  init = (jnp.zeros(x.shape, F32), jnp.zeros_like(w), None if bias is None else jnp.zeros(bias.shape, F32))
-  dx, dw, db = lax.fori_loop(0, n, body, init)
+  dx, dw, db = vocab_grads(x, w, bias, labels, lse, g.loss, g.lse, spec, c)
   return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
 
 
