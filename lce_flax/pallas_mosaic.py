@@ -1,0 +1,509 @@
+"""``impl="pallas_mosaic"``: Pallas Mosaic GPU kernels (TMA + WGMMA) for Hopper GPUs (SM90: H100, H200).
+
+Both kernels share one building block, :func:`_logit_tile`: a ``[block_t, block_v]`` float32 tile of
+``x @ w`` accumulated by WGMMA over H from shared-memory tiles of x and w that ``plgpu.emit_pipeline`` streams in
+with TMA, ``num_stages`` steps ahead (``delay_release=1``: one WGMMA stays in flight while the next tiles land).
+The accumulator then never leaves the registers: the epilogue reduces or transforms it on chip.
+
+Forward (O(B) output)
+  ``plgpu.kernel`` over a grid ``(num_splits, row_blocks)``, split fastest, so the CTAs resident at one time share
+  a few row blocks of x (in L2) while the vocabulary streams past. CTA ``(j, i)`` walks the vocabulary tiles of
+  split ``j`` for its ``block_t`` tokens; each tile's logits (plus bias, soft cap) are reduced to the online
+  logsumexp statistics (running max, sum of exponentials, target logit, logit sum) and merged into a running
+  per-row state held in registers. Only these 4 float32 per token and split reach HBM; a tiny JAX step merges the
+  splits with :func:`lce_flax._math.merge_stats` and :func:`lce_flax._math.finalize` gives loss and lse.
+
+Backward (recompute, bounded memory)
+  ``jax.custom_vjp`` keeps x, w, bias, labels and the [B] lse. The vocabulary is walked in chunks of
+  ``chunk_size`` columns; per chunk one Mosaic kernel recomputes the chunk's logit tiles and writes the logit
+  gradient ``dz`` [B, chunk] in the input dtype (its epilogue is the factored form of
+  :func:`lce_flax._math.dlogits`, see :func:`row_coefficients`), then two XLA matmuls give ``dw[chunk] = xᵀ dz``
+  (complete, written once) and ``dx += dz wᵀ[chunk]`` (float32 accumulator).
+  FLOPs 2·B·H·V (forward) + 2·B·H·V (recompute) + 4·B·H·V (gradients) = 8·B·H·V.
+  Extra memory: dz (B·chunk·2 bytes: 32 MiB at B=8192, chunk 2048), the float32 dx (B·H·4), one chunk of w.
+
+Shapes: B is padded to a multiple of ``block_t`` (x is small); the vocabulary's last tile is a window clamped to
+end at V whose already-counted columns are masked, so w is never padded or copied (unless V < block_v, or H is not
+a multiple of ``block_k``, where both are zero-padded: small problems only, or a copy of w).
+
+dtypes: bf16 and fp16 run as they are (float32 accumulation). **fp32 inputs are rounded to bf16** before the
+kernels (WGMMA has no fp32 mode; tf32 would need a second swizzle/tiling path): the loss is then that of the
+bf16-rounded x and w (relative error ~1e-3 against fp32), and the gradients come back in fp32.
+
+Interpret mode (CPU): the same kernel bodies run under Mosaic GPU's own interpreter
+(``plgpu.InterpretGPUParams``: simulated GMEM/SMEM, TMA copies, barriers), except the one WGMMA instruction, which
+it cannot interpret: there the pipeline body adds ``jnp.dot`` of the same shared-memory tiles into a carried
+accumulator. Everything else (the TMA pipeline, index maps, tile windows, epilogues, SMEM stores) is what the GPU
+runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from lce_flax import _base, _device, _math
+from lce_flax._base import F32
+
+fast = None  # api.py runs ``lean`` and reduces; the gradient comes from the recompute backward
+
+_L = plgpu.Layout.WGMMA
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per tile row (token)
+_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per tile column (vocabulary entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Kernel configuration; ``None`` fields are chosen by :func:`plan`.
+
+  Attributes:
+    block_t: tokens per tile (multiple of 64: one warpgroup's WGMMA rows).
+    block_v: vocabulary columns per tile (multiple of 64).
+    block_k: hidden units per pipeline step (64: one 128-byte swizzle of bf16).
+    num_stages: TMA pipeline depth (≥ 2).
+    num_splits: vocabulary splits of the forward grid.
+    chunk_size: vocabulary columns per backward chunk (a multiple of ``block_v``).
+    semantics: ``"lane"`` (explicit register layouts) or ``"warpgroup"`` (layouts inferred by Mosaic).
+  """
+
+  block_t: int | None = None
+  block_v: int | None = None
+  block_k: int | None = None
+  num_stages: int | None = None
+  num_splits: int | None = None
+  chunk_size: int | None = None
+  semantics: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  block_t: int
+  block_v: int
+  block_k: int
+  num_stages: int
+  num_splits: int
+  chunk_size: int
+  semantics: str
+
+
+DZ_CHUNK_BYTES = 32 * 2**20
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def _pow2_floor(n: int) -> int:
+  return 1 << max(int(n).bit_length() - 1, 0)
+
+
+def _num_sms() -> int:
+  try:
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+  except Exception:  # no backend details: assume an H100
+    return 132
+
+
+def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None) -> Plan:
+  """Tile sizes for one shape (bf16/fp16 operands): the heuristic, overridden by any field of ``config``.
+
+  128×128 tiles (one warpgroup holds a 64 KB float32 accumulator: 128 registers per thread with the epilogue's
+  temporaries), 64-deep steps, 4 stages (32 KB of SMEM per stage); ``num_splits`` for ~4 waves of CTAs over the
+  SMs; ``chunk_size`` ``DZ_CHUNK_BYTES`` of bf16 dz, a power of two in [block_v, 16384], at most the
+  (block-rounded) vocabulary.
+  """
+  c = config or Config()
+  bt = c.block_t or (64 if num_tokens <= 64 else 128)
+  bv = c.block_v or 128
+  bk = c.block_k or 64
+  for name, val, mult in (("block_t", bt, 64), ("block_v", bv, 64), ("block_k", bk, 64)):
+    if val < mult or val % mult:
+      raise ValueError(f"{name}={val} must be a positive multiple of {mult}")
+  stages = c.num_stages or 4
+  if stages < 2:
+    raise ValueError(f"num_stages={stages} must be >= 2 (one WGMMA stays in flight)")
+  vp = max(vocab, bv)
+  nb = _cdiv(num_tokens, bt)
+  nvt = _cdiv(vp, bv)
+  splits = c.num_splits or max(1, min(nvt, 64, _cdiv(4 * _num_sms(), nb)))
+  if splits < 1:
+    raise ValueError(f"num_splits={splits} must be >= 1")
+  splits = min(splits, nvt)
+  chunk = c.chunk_size or min(max(_pow2_floor(DZ_CHUNK_BYTES // (2 * max(num_tokens, 1))), bv), 16384)
+  if chunk < bv or chunk % bv:
+    raise ValueError(f"chunk_size={chunk} must be a positive multiple of block_v={bv}")
+  chunk = min(chunk, (vp // bv) * bv)
+  sem = c.semantics or "lane"
+  if sem not in ("lane", "warpgroup"):
+    raise ValueError(f"semantics={sem!r} must be 'lane' or 'warpgroup'")
+  return Plan(bt, bv, bk, stages, splits, chunk, sem)
+
+
+def supported(spec: _base.Spec, platform: str) -> None:
+  if spec.interpret:
+    return  # Mosaic GPU's interpreter runs these kernels on any platform (see module docstring)
+  if platform != "gpu":
+    raise NotImplementedError(f"pallas_mosaic needs an NVIDIA GPU (platform={platform!r}) or interpret=True")
+  cc = _device.compute_capability()
+  if cc is None or cc < (9, 0):
+    raise NotImplementedError(f"pallas_mosaic needs WGMMA (compute capability >= 9.0, Hopper), got {cc}")
+
+
+# ------------------------------------------------------------------------------------------------ epilogue math
+# The loss math of _math.py, written with the ops Mosaic GPU lowers on register tiles: per-row values enter a tile
+# through lax.broadcast_in_dim (no reshapes, no [:, None]); tests check these against _math.tile_stats/dlogits.
+
+
+def _rows(v, shape):
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def _cols(v, shape):
+  return lax.broadcast_in_dim(v, shape, [1])
+
+
+def epilogue_stats(z, cols, valid, labels, opts: _math.LossOptions):
+  """``_math.tile_stats`` of the capped tile ``z`` [bt, bv]; ``cols``/``valid`` are [bt, bv], labels [bt]."""
+  zc = _math.softcap(z, opts.logit_softcap)
+  masked = jnp.where(valid, zc, -jnp.inf)
+  m = masked.max(axis=1)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
+  s = jnp.exp(masked - _rows(m_safe, z.shape)).sum(axis=1)
+  hit = valid & (cols == _rows(labels, z.shape))
+  target = jnp.where(hit, zc, 0.0).sum(axis=1)
+  zsum = jnp.where(valid, zc, 0.0).sum(axis=1) if opts.needs_logit_sum else jnp.zeros_like(m)
+  return _math.RowStats(m, s, target, zsum)
+
+
+def row_coefficients(lse, labels, g_loss, g_lse, opts: _math.LossOptions):
+  """Per-token factors of :func:`lce_flax._math.dlogits`: ``dz' = p·coef - [v = y]·a - c``.
+
+  ``coef = g·(1 + 2λ_z·lse) + g_lse``, ``a = (1-ε)·g``, ``c = ε/V·g`` with ``g`` the loss cotangent of counted
+  tokens (0 otherwise); ``coef`` is NaN for out-of-range labels, so their whole gradient row is NaN.
+  """
+  counted = labels >= 0
+  g = jnp.where(counted, g_loss.astype(F32), 0.0)
+  coef = g * (1.0 + 2.0 * opts.z_loss * lse) if opts.z_loss else g
+  coef = coef + g_lse.astype(F32)
+  coef = jnp.where(labels >= opts.vocab_size, jnp.nan, coef)
+  a = (1.0 - opts.label_smoothing) * g
+  c = (opts.label_smoothing / opts.vocab_size) * g
+  return coef, a, c
+
+
+def epilogue_dlogits(z, cols, labels, lse, coef, a, c, opts: _math.LossOptions):
+  """The logit gradient of a tile from :func:`row_coefficients` (``cols`` [bt, bv] global column ids)."""
+  shape = z.shape
+  zc = _math.softcap(z, opts.logit_softcap)
+  p = jnp.exp(zc - _rows(lse, shape))
+  dz = p * _rows(coef, shape) - jnp.where(cols == _rows(labels, shape), _rows(a, shape), 0.0)
+  if opts.label_smoothing:
+    dz = dz - _rows(c, shape)
+  if opts.logit_softcap is not None:
+    r = zc * (1.0 / opts.logit_softcap)
+    dz = dz * (1.0 - r * r)
+  return dz
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+  b: int  # padded tokens (multiple of block_t)
+  h: int  # padded hidden (multiple of block_k)
+  v: int  # real vocabulary
+  vp: int  # vocabulary of the w handed to the kernel (≥ block_v)
+  w_layout: str
+  has_bias: bool
+  interpret: bool
+
+
+def _transforms(minor_bytes: int):
+  swizzle = plgpu.find_swizzle(minor_bytes * 8)
+  return swizzle, (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def _layout(a, layout, p: Plan, d: _Dims):
+  """Pins a register layout (Lane semantics); Warpgroup semantics and the interpreter infer it."""
+  if p.semantics == "lane":
+    return plgpu.layout_cast(a, layout)
+  return a
+
+
+def _load_vec(smem, layout, p: Plan, d: _Dims):
+  if d.interpret or p.semantics != "lane":
+    return _layout(smem[...], layout, p, d)
+  return plgpu.load(smem, layout=layout)
+
+
+def _iota(shape, dim, p: Plan, d: _Dims):
+  if p.semantics == "lane" and not d.interpret:
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_L)
+  return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _logit_tile(x_rows, w_cols, d: _Dims, p: Plan):
+  """float32 ``x_rows @ w_cols`` [block_t, block_v] (w_cols is [bv, H] for "vh", [H, bv] for "hv")."""
+  bt, bv, bk = p.block_t, p.block_v, p.block_k
+  _, tr = _transforms(bk * 2)
+  nk = d.h // bk
+  delay = 0 if d.interpret else 1
+  x_spec = plgpu.BlockSpec((bt, bk), lambda k: (0, k), transforms=tr, delay_release=delay)
+  if d.w_layout == "vh":
+    w_spec = plgpu.BlockSpec((bv, bk), lambda k: (0, k), transforms=tr, delay_release=delay)
+  else:
+    w_spec = plgpu.BlockSpec((bk, bv), lambda k: (k, 0), transforms=_transforms(bv * 2)[1], delay_release=delay)
+  if d.interpret:
+    # Mosaic GPU's interpreter has no WGMMA: the same shared-memory tiles go through jnp.dot instead.
+    dims = (((1,), (1,)), ((), ())) if d.w_layout == "vh" else (((1,), (0,)), ((), ()))
+
+    def step(_, xs, ws, acc):
+      return acc + lax.dot_general(xs[...], ws[...], dims, preferred_element_type=F32)
+
+    return plgpu.emit_pipeline(step, grid=(nk,), in_specs=[x_spec, w_spec], max_concurrent_steps=p.num_stages,
+                               init_carry=jnp.zeros((bt, bv), F32))(x_rows, w_cols)
+
+  def scope(acc_ref):
+    def step(_, xs, ws):
+      plgpu.wgmma(acc_ref, xs, ws.transpose((1, 0)) if d.w_layout == "vh" else ws)
+      plgpu.wgmma_wait(1)  # the previous step's WGMMA is done: its SMEM slot may be refilled
+
+    plgpu.emit_pipeline(step, grid=(nk,), in_specs=[x_spec, w_spec], max_concurrent_steps=p.num_stages)(
+        x_rows, w_cols)
+    plgpu.wgmma_wait(0)
+    return acc_ref[...]
+
+  return pl.run_scoped(scope, plgpu.ACC((bt, bv), F32))
+
+
+def _w_window(w_ref, c0, bv: int, d: _Dims):
+  return w_ref.at[pl.ds(c0, bv)] if d.w_layout == "vh" else w_ref.at[:, pl.ds(c0, bv)]
+
+
+def _fetch(pairs, bars, first: int = 0):
+  """TMA copies of small GMEM vectors into SMEM (one barrier each: a copy is one arrival), then waits for all."""
+  for k, (src, dst) in enumerate(pairs):
+    plgpu.copy_gmem_to_smem(src, dst, bars.at[first + k])
+  for k in range(len(pairs)):
+    plgpu.barrier_wait(bars.at[first + k])
+
+
+def _fwd_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
+  if d.has_bias:
+    x_ref, w_ref, b_ref, y_ref, st_ref, y_smem, b_smem, st_smem, bars = refs
+  else:
+    x_ref, w_ref, y_ref, st_ref, y_smem, st_smem, bars = refs
+    b_ref = b_smem = None
+  bt, bv, ns = p.block_t, p.block_v, p.num_splits
+  nvt = _cdiv(d.vp, bv)
+  tps = _cdiv(nvt, ns)  # vocabulary tiles per split
+  j = lax.axis_index("split")
+  i = lax.axis_index("row")
+  r0 = i * bt
+  _fetch([(y_ref.at[pl.ds(r0, bt)], y_smem)], bars)
+  labels = _load_vec(y_smem, _ROW, p, d)
+  shape = (bt, bv)
+  x_rows = x_ref.at[pl.ds(r0, bt)]
+
+  def tile(t, carry):
+    st = _math.RowStats(*carry)
+    nominal = t * bv
+    c0 = jnp.minimum(nominal, d.vp - bv)  # the last window is clamped to end at vp; its overlap is masked
+    z = _logit_tile(x_rows, _w_window(w_ref, c0, bv, d), d, p)
+    if d.has_bias:
+      _fetch([(b_ref.at[pl.ds(c0, bv)], b_smem)], bars, 1)
+      z = z + _cols(_load_vec(b_smem, _COL, p, d), shape)
+    cols = _iota(shape, 1, p, d) + c0
+    valid = (cols >= nominal) & (cols < d.v)
+    new = epilogue_stats(z, cols, valid, labels, opts)
+    return tuple(_math.merge_stats(st, new))
+
+  init = tuple(_layout(jnp.full((bt,), val, F32), _ROW, p, d) for val in (-jnp.inf, 0.0, 0.0, 0.0))
+  t_lo = j * tps
+  t_hi = jnp.minimum(t_lo + tps, nvt)
+  st = lax.fori_loop(t_lo, t_hi, tile, init)
+  for k in range(4):
+    st_smem[k] = st[k]
+  plgpu.commit_smem()
+  for k in range(4):
+    plgpu.copy_smem_to_gmem(st_smem.at[k], st_ref.at[k, j, pl.ds(r0, bt)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _kernel(body, out_type, scratch, grid, names, d: _Dims, p: Plan, name: str):
+  params = plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Lane if p.semantics == "lane"
+      else plgpu.LoweringSemantics.Warpgroup)
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=names,
+                      compiler_params=params, interpret=plgpu.InterpretGPUParams() if d.interpret else False,
+                      )
+
+
+def _forward(x, w, bias, labels, d: _Dims, p: Plan, opts) -> _math.TokenOut:
+  """x [d.b, d.h], w padded as _prepare made it, labels [d.b] (padding rows -1)."""
+  nb = d.b // p.block_t
+  ns = p.num_splits
+  scratch = [plgpu.SMEM((p.block_t,), jnp.int32)]
+  if d.has_bias:
+    scratch.append(plgpu.SMEM((p.block_v,), F32))
+  scratch += [plgpu.SMEM((4, p.block_t), F32), plgpu.Barrier(num_barriers=2)]
+  kern = _kernel(functools.partial(_fwd_body, d=d, p=p, opts=opts),
+                 jax.ShapeDtypeStruct((4, ns, d.b), F32), scratch, (ns, nb), ("split", "row"), d, p,
+                 "lce_mosaic_forward")
+  st = kern(*([x, w] + ([bias] if d.has_bias else []) + [labels]))
+  acc = _math.RowStats(*(a[0] for a in st))
+  for k in range(1, ns):
+    acc = _math.merge_stats(acc, _math.RowStats(*(a[k] for a in st)))
+  return _math.finalize(acc, labels, opts)
+
+
+def _dz_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
+  """One [block_t, block_v] tile of the logit gradient of the chunk handed in as ``w_ref``."""
+  if d.has_bias:
+    (x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref, vec_smem, y_smem, b_smem, o_smem,
+     bars) = refs
+  else:
+    x_ref, w_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref, vec_smem, y_smem, o_smem, bars = refs
+    b_ref = b_smem = None
+  bt, bv = p.block_t, p.block_v
+  t = lax.axis_index("tile")
+  i = lax.axis_index("row")
+  r0 = i * bt
+  c0 = t * bv
+  rows = pl.ds(r0, bt)
+  pairs = [(y_ref.at[rows], y_smem)] + [(ref.at[rows], vec_smem.at[k])
+                                        for k, ref in enumerate((lse_ref, coef_ref, a_ref, c_ref))]
+  if d.has_bias:
+    pairs.append((b_ref.at[pl.ds(c0, bv)], b_smem))
+  _fetch(pairs, bars)
+  shape = (bt, bv)
+  z = _logit_tile(x_ref.at[rows], _w_window(w_ref, c0, bv, d), d, p)
+  if d.has_bias:
+    z = z + _cols(_load_vec(b_smem, _COL, p, d), shape)
+  labels = _load_vec(y_smem, _ROW, p, d)  # already shifted to chunk-local column ids
+  lse, coef, a, c = (_load_vec(vec_smem.at[k], _ROW, p, d) for k in range(4))
+  cols = _iota(shape, 1, p, d) + c0
+  dz = epilogue_dlogits(z, cols, labels, lse, coef, a, c, opts)
+  o_smem[...] = dz.astype(o_smem.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, dz_ref.at[rows, pl.ds(c0, bv)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _dz_chunk(x, w_c, b_c, labels_local, lse, coef, a, c, d: _Dims, p: Plan, opts):
+  """dz [d.b, width] (x.dtype) of the chunk whose head columns are ``w_c`` (width a multiple of block_v)."""
+  width = w_c.shape[0] if d.w_layout == "vh" else w_c.shape[1]
+  nb = d.b // p.block_t
+  nct = width // p.block_v
+  _, otr = _transforms(p.block_v * 2)
+  scratch = [plgpu.SMEM((4, p.block_t), F32), plgpu.SMEM((p.block_t,), jnp.int32)]
+  if d.has_bias:
+    scratch.append(plgpu.SMEM((p.block_v,), F32))
+  scratch += [plgpu.SMEM((p.block_t, p.block_v), x.dtype, transforms=otr),
+              plgpu.Barrier(num_barriers=6 if d.has_bias else 5)]
+  kern = _kernel(functools.partial(_dz_body, d=d, p=p, opts=opts), jax.ShapeDtypeStruct((d.b, width), x.dtype),
+                 scratch, (nct, nb), ("tile", "row"), d, p, "lce_mosaic_dz")
+  return kern(*([x, w_c] + ([b_c] if d.has_bias else []) + [labels_local, lse, coef, a, c]))
+
+
+# ------------------------------------------------------------------------------------------------ custom_vjp
+
+
+def _prepare(x, w, bias, labels, spec: _base.Spec, p: Plan):
+  """Pads tokens to whole row blocks (and, only where unavoidable, H and V); bias to float32."""
+  b, h = x.shape
+  v = spec.opts.vocab_size
+  bp = _cdiv(b, p.block_t) * p.block_t
+  hp = _cdiv(h, p.block_k) * p.block_k
+  vp = max(v, p.block_v)
+  x = jnp.pad(x, ((0, bp - b), (0, hp - h)))
+  labels = jnp.pad(labels, (0, bp - b), constant_values=_math.IGNORED)
+  if hp != h or vp != v:  # small or odd problems only: this copies w
+    pads = ((0, hp - h), (0, vp - v)) if spec.w_layout == "hv" else ((0, vp - v), (0, hp - h))
+    w = jnp.pad(w, pads)
+  if bias is not None:
+    bias = jnp.pad(bias.astype(F32), (0, vp - v))
+  d = _Dims(bp, hp, v, vp, spec.w_layout, bias is not None, spec.interpret)
+  return x, w, bias, labels, d
+
+
+def _run_forward(x, w, bias, labels, spec, p):
+  b = x.shape[0]
+  xp, wp, bp, yp, d = _prepare(x, w, bias, labels, spec, p)
+  out = _forward(xp, wp, bp, yp, d, p, spec.opts)
+  return _math.TokenOut(*(a[:b] for a in out))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _lean(x, w, bias, labels, spec, p):
+  return _run_forward(x, w, bias, labels, spec, p)
+
+
+def _lean_fwd(x, w, bias, labels, spec, p):
+  out = _run_forward(x, w, bias, labels, spec, p)
+  return out, (x, w, bias, labels, out.lse)
+
+
+def _lean_bwd(spec, p, res, g):
+  x, w, bias, labels, lse = res
+  opts = spec.opts
+  b, h = x.shape
+  v = opts.vocab_size
+  xp, wp, bp, yp, d = _prepare(x, w, bias, labels, spec, p)
+  pad = d.b - b
+  coef, a, c = row_coefficients(lse, labels, g.loss, g.lse, opts)
+  # Padding rows: lse = +inf makes p = 0, and zero coefficients keep them at dz = 0 exactly.
+  lse_p = jnp.pad(lse, (0, pad), constant_values=jnp.inf)
+  coef, a, c = (jnp.pad(t, (0, pad)) for t in (coef, a, c))
+  vaxis = spec.vocab_axis
+  cw = p.chunk_size
+  n_full = d.vp // cw
+  tail = d.vp - n_full * cw
+
+  def step(start, lo, carry):
+    """Chunk of columns [start, start + cw); its first ``lo`` columns were done by the previous chunk."""
+    dx, dw, db = carry
+    w_c = _base.slice_vocab(wp, start, cw, spec.w_layout)
+    b_c = None if bp is None else lax.dynamic_slice_in_dim(bp, start, cw)
+    local = jnp.where(yp >= 0, yp - start, -1)  # chunk-local target column (-1: none)
+    dz = _dz_chunk(xp, w_c, b_c, local, lse_p, coef, a, c, d, p, opts)
+    # dw's columns are complete after this one matmul (overlap columns get the same values again).
+    dw = lax.dynamic_update_slice_in_dim(dw, _base.grad_w(xp, dz, spec.w_layout).astype(dw.dtype), start, vaxis)
+    if db is not None:
+      db = lax.dynamic_update_slice_in_dim(db, jnp.sum(dz.astype(F32), axis=0), start, 0)
+    if lo:  # overlap columns must not reach dx twice
+      keep = jnp.arange(cw) >= lo
+      w_c = jnp.where(keep[None, :] if spec.w_layout == "hv" else keep[:, None], w_c, 0)
+    dx = dx + _base.grad_x(dz, w_c, spec.w_layout)
+    return dx, dw, db
+
+  carry = (jnp.zeros(xp.shape, F32), jnp.zeros_like(wp), None if bp is None else jnp.zeros(bp.shape, F32))
+  if n_full:
+    carry = lax.fori_loop(0, n_full, lambda k, cr: step(k * cw, 0, cr), carry)
+  if tail:
+    carry = step(d.vp - cw, n_full * cw - (d.vp - cw), carry)
+  dx, dw, db = carry
+  dx = dx[:b, :h].astype(x.dtype)
+  dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
+  return dx, dw.astype(w.dtype), None if bias is None else db[:v].astype(bias.dtype), None
+
+
+_lean.defvjp(_lean_fwd, _lean_bwd)
+
+
+def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> _math.TokenOut:
+  """Per-token loss, lse and correctness; differentiable in x, w and bias with any cotangent on loss and lse.
+
+  fp32 (and other non-16-bit) inputs are rounded to bf16 for the kernels; their gradients come back in their dtype.
+  """
+  p = plan(x.shape[0], x.shape[1], spec.opts.vocab_size, config)
+  if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  return _lean(x, w, bias, labels, spec, p)
