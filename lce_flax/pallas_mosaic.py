@@ -23,8 +23,9 @@ Backward (recompute, bounded memory)
   Extra memory: dz (B·chunk·2 bytes: 32 MiB at B=8192, chunk 2048), the float32 dx (B·H·4), one chunk of w.
 
 Shapes: B is padded to a multiple of ``block_t`` (x is small); the vocabulary's last tile is a window clamped to
-end at V whose already-counted columns are masked, so w is never padded or copied (unless V < block_v, or H is not
-a multiple of ``block_k``, where both are zero-padded: small problems only, or a copy of w).
+end at V whose already-counted columns are masked, so w is not padded or copied when TMA can tile it as it is:
+H a multiple of ``block_k`` (64) and V a multiple of 8 ("vh") or 64 ("hv"), and V ≥ ``block_v`` — true of the LLM
+heads (50304, 128256, 151936, 256000). Otherwise w is zero-padded (a copy of w per call; small problems only).
 
 dtypes: bf16 and fp16 run as they are (float32 accumulation). **fp32 inputs are rounded to bf16** before the
 kernels (WGMMA has no fp32 mode; tf32 would need a second swizzle/tiling path): the loss is then that of the
@@ -181,6 +182,17 @@ def epilogue_stats(z, cols, valid, labels, opts: _math.LossOptions):
   return _math.RowStats(m, s, target, zsum)
 
 
+def merge(a: _math.RowStats, b: _math.RowStats) -> _math.RowStats:
+  """``_math.merge_stats`` for registers (Mosaic GPU has no ``isfinite``: only ``m = -inf`` is special-cased).
+
+  Differs from it only for infinite logits (+inf), where both are meaningless anyway.
+  """
+  m = jnp.maximum(a.m, b.m)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  s = a.s * jnp.exp(a.m - m_safe) + b.s * jnp.exp(b.m - m_safe)
+  return _math.RowStats(m, s, a.target + b.target, a.zsum + b.zsum)
+
+
 def row_coefficients(lse, labels, g_loss, g_lse, opts: _math.LossOptions):
   """Per-token factors of :func:`lce_flax._math.dlogits`: ``dz' = p·coef - [v = y]·a - c``.
 
@@ -323,7 +335,7 @@ def _fwd_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
     cols = _iota(shape, 1, p, d) + c0
     valid = (cols >= nominal) & (cols < d.v)
     new = epilogue_stats(z, cols, valid, labels, opts)
-    return tuple(_math.merge_stats(st, new))
+    return tuple(merge(st, new))
 
   init = tuple(_layout(jnp.full((bt,), val, F32), _ROW, p, d) for val in (-jnp.inf, 0.0, 0.0, 0.0))
   t_lo = j * tps
@@ -422,7 +434,8 @@ def _prepare(x, w, bias, labels, spec: _base.Spec, p: Plan):
   v = spec.opts.vocab_size
   bp = _cdiv(b, p.block_t) * p.block_t
   hp = _cdiv(h, p.block_k) * p.block_k
-  vp = max(v, p.block_v)
+  # TMA tiles the whole GMEM array: V must be a multiple of 8 rows ("vh") or of the 64-column swizzle ("hv").
+  vp = max(_cdiv(v, 8 if spec.w_layout == "vh" else 64) * (8 if spec.w_layout == "vh" else 64), p.block_v)
   x = jnp.pad(x, ((0, bp - b), (0, hp - h)))
   labels = jnp.pad(labels, (0, bp - b), constant_values=_math.IGNORED)
   if hp != h or vp != v:  # small or odd problems only: this copies w
