@@ -1,0 +1,220 @@
+"""Flax linen heads that drop in for ``nn.Dense(vocab_size)`` + ``optax.softmax_cross_entropy_with_integer_labels``.
+
+:class:`LMHead` owns exactly the parameters of ``nn.Dense(vocab_size)`` — ``kernel`` [H, V] and (with
+``use_bias``) ``bias`` [V], same names, shapes, dtypes and initialisers — so a checkpoint written by a model with a
+Dense head restores into a model with this head unchanged, and back. Calling it returns the loss of
+:func:`lce_flax.linear_cross_entropy` instead of the logits; :meth:`LMHead.logits` gives the logits for evaluation
+and generation, computed exactly as ``Dense`` computes them.
+
+:class:`TiedLMHead` (and :func:`tied_linear_cross_entropy`) compute the same loss from a model's ``nn.Embed`` table
+in its own [V, H] layout (``w_layout="vh"``): no transposed copy of the table is made, and the gradient flows back
+into the embedding, as with ``Embed.attend`` + cross-entropy.
+
+Example (the two-line change)::
+
+    # before:  logits = nn.Dense(vocab)(h)
+    #          loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    loss = lce_flax.linen.LMHead(vocab)(h, labels)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen import dtypes as linen_dtypes
+from flax.typing import Dtype, Initializer
+
+from lce_flax import api
+
+# Logical axis names of the head's parameters, as used by MaxText-style sharding rules.
+KERNEL_AXES = ("embed", "vocab")
+BIAS_AXES = ("vocab",)
+
+# Options of :func:`lce_flax.linear_cross_entropy` a head holds as fields and a call may override.
+LOSS_OPTIONS = ("reduction", "ignore_index", "label_smoothing", "z_loss", "logit_softcap", "impl", "mode",
+                "chunk_size", "interpret", "config")
+
+
+def loss_kwargs(module: Any, overrides: dict[str, Any]) -> dict[str, Any]:
+  """The op's keyword arguments: each option from ``overrides`` unless it is None, else the module's field."""
+  unknown = set(overrides) - set(LOSS_OPTIONS)
+  if unknown:
+    raise TypeError(f"unknown loss option(s) {sorted(unknown)}; options are {LOSS_OPTIONS}")
+  return {k: getattr(module, k) if overrides.get(k) is None else overrides[k] for k in LOSS_OPTIONS}
+
+
+def check_input(x: jax.Array, hidden: int | None, what: str) -> None:
+  if x.ndim < 1:
+    raise ValueError(f"{what}: x must be [..., H], got x.shape={x.shape}")
+  if hidden is not None and x.shape[-1] != hidden:
+    raise ValueError(f"{what}: x.shape={x.shape} does not end in the head's H={hidden}")
+
+
+def dense_logits(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, precision: Any = None) -> jax.Array:
+  """``x @ kernel + bias`` contracted on x's last axis, the computation of ``nn.Dense`` (inputs already promoted)."""
+  y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+  if bias is not None:
+    y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+  return y
+
+
+def _partitioned(init: Initializer, axes: tuple[str | None, ...] | None) -> Initializer:
+  return init if axes is None else nn.with_logical_partitioning(init, axes)
+
+
+class LMHead(nn.Module):
+  """A language-model head with the parameters of ``nn.Dense(vocab_size)`` that returns the cross-entropy loss.
+
+  ``LMHead(V)(x, labels)`` equals
+  ``optax.softmax_cross_entropy_with_integer_labels(nn.Dense(V)(x), labels)`` reduced over counted tokens, with the
+  same parameters, but never forms the ``[..., V]`` logits (see :func:`lce_flax.linear_cross_entropy`).
+
+  Numerics follow ``nn.Dense``: parameters are stored in ``param_dtype``; ``x``, ``kernel`` and ``bias`` are cast
+  to ``dtype`` (None: their promoted type) before the matmul; logits are accumulated and the loss is computed
+  in float32.
+
+  Attributes:
+    vocab_size: V, the number of output classes.
+    use_bias: whether the head has a ``bias`` [V] (``nn.Dense``'s default is True, an LM head's usually False).
+    dtype: dtype of the matmul (None: promote ``x`` and the parameters, as ``nn.Dense``).
+    param_dtype: dtype of the parameters.
+    precision: ``lax.Precision`` of :meth:`logits` (the fused loss always accumulates in float32).
+    kernel_init: initialiser of ``kernel`` [H, V] (``nn.Dense``'s default: LeCun normal).
+    bias_init: initialiser of ``bias`` [V].
+    kernel_axes: logical axis names of ``kernel`` for ``nn.with_logical_partitioning`` (None: no metadata).
+    bias_axes: logical axis names of ``bias``.
+    reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size, interpret, config:
+      defaults of the options of :func:`lce_flax.linear_cross_entropy`; each may be overridden per call.
+  """
+
+  vocab_size: int
+  use_bias: bool = False
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  precision: Any = None
+  kernel_init: Initializer = nn.initializers.lecun_normal()
+  bias_init: Initializer = nn.initializers.zeros_init()
+  kernel_axes: tuple[str | None, ...] | None = KERNEL_AXES
+  bias_axes: tuple[str | None, ...] | None = BIAS_AXES
+  reduction: str = "mean"
+  ignore_index: int = -100
+  label_smoothing: float = 0.0
+  z_loss: float = 0.0
+  logit_softcap: float | None = None
+  impl: str = "auto"
+  mode: str | None = None
+  chunk_size: int | None = None
+  interpret: bool | None = None
+  config: Any = None
+
+  @nn.compact
+  def _params(self, x: jax.Array):
+    """Creates (or reads) ``kernel`` and ``bias`` as ``nn.Dense`` does, and promotes them with ``x``."""
+    check_input(x, None, type(self).__name__)
+    kernel = self.param("kernel", _partitioned(self.kernel_init, self.kernel_axes),
+                        (jnp.shape(x)[-1], self.vocab_size), self.param_dtype)
+    bias = None
+    if self.use_bias:
+      bias = self.param("bias", _partitioned(self.bias_init, self.bias_axes), (self.vocab_size,), self.param_dtype)
+    x, kernel, bias = linen_dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    return x, kernel, bias
+
+  def __call__(self, x: jax.Array, labels: jax.Array, *, where: jax.Array | None = None, return_aux: bool = False,
+               **options: Any):
+    """The cross-entropy of ``x @ kernel + bias`` against ``labels``, without the logits.
+
+    Args:
+      x: ``[..., H]`` hidden states.
+      labels: ``[...]`` integer targets; ``ignore_index`` (default -100) marks tokens that are not counted.
+      where: optional bool ``[...]``; False tokens are not counted.
+      return_aux: also return the op's :class:`lce_flax.Aux` (per-token loss, lse, accuracy counts).
+      **options: per-call values of the loss options (``reduction=``, ``z_loss=``, ``impl=``, ...); None keeps
+        the module's field.
+
+    Returns:
+      The float32 loss (and the :class:`lce_flax.Aux` if ``return_aux``), as :func:`lce_flax.linear_cross_entropy`.
+    """
+    x, kernel, bias = self._params(x)
+    return api.linear_cross_entropy(x, kernel, labels, bias=bias, where=where, return_aux=return_aux,
+                                    w_layout="hv", **loss_kwargs(self, options))
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """``[..., V]`` logits ``x @ kernel + bias``: exactly ``nn.Dense(vocab_size)(x)`` on the same parameters."""
+    x, kernel, bias = self._params(x)
+    return dense_logits(x, kernel, bias, self.precision)
+
+
+def _table(embed: nn.Embed | jax.Array, dtype: Dtype | None) -> tuple[jax.Array, Dtype | None]:
+  """The [V, H] table of ``embed`` and the dtype ``Embed.attend`` would compute in."""
+  if isinstance(embed, nn.Embed):
+    return embed.embedding, dtype if dtype is not None else embed.dtype
+  table = jnp.asarray(embed)
+  if table.ndim != 2:
+    raise ValueError(f"embed must be an nn.Embed or its [V, H] table, got an array of shape {table.shape}")
+  return table, dtype
+
+
+def tied_linear_cross_entropy(embed: nn.Embed | jax.Array, x: jax.Array, labels: jax.Array, *,
+                              dtype: Dtype | None = None, **kwargs: Any):
+  """Cross-entropy of the tied head ``x @ table.T`` without a transposed copy of the [V, H] ``table``.
+
+  Equals ``optax.softmax_cross_entropy_with_integer_labels(embed.attend(x), labels)`` reduced over counted
+  tokens; the op reads the table in its [V, H] layout (``w_layout="vh"``).
+
+  Args:
+    embed: the model's (bound) ``nn.Embed``, or its ``[V, H]`` embedding table.
+    x: ``[..., H]`` hidden states.
+    labels: ``[...]`` integer targets.
+    dtype: dtype of the matmul (None: ``embed.dtype`` for an ``nn.Embed``, else the promoted type, like
+      ``Embed.attend``).
+    **kwargs: options of :func:`lce_flax.linear_cross_entropy` (``reduction``, ``where``, ``impl``, ...).
+
+  Returns:
+    As :func:`lce_flax.linear_cross_entropy`.
+  """
+  table, dtype = _table(embed, dtype)
+  check_input(x, table.shape[1], "tied_linear_cross_entropy")
+  x, table = linen_dtypes.promote_dtype(x, table, dtype=dtype)
+  return api.linear_cross_entropy(x, table, labels, w_layout="vh", **kwargs)
+
+
+class TiedLMHead(nn.Module):
+  """The loss of a head tied to the input embedding: ``Embed.attend`` + cross-entropy, fused; no parameters.
+
+  Call it with the model's ``nn.Embed`` (or its [V, H] table): ``TiedLMHead()(self.embed, h, labels)``. The table
+  is read in its own [V, H] layout, never transposed or copied, and receives the head's gradient.
+
+  Attributes:
+    dtype: dtype of the matmul (None: the ``nn.Embed``'s ``dtype``, as ``Embed.attend``; for a bare table the
+      promoted type).
+    reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size, interpret, config:
+      defaults of the options of :func:`lce_flax.linear_cross_entropy`; each may be overridden per call.
+  """
+
+  dtype: Dtype | None = None
+  reduction: str = "mean"
+  ignore_index: int = -100
+  label_smoothing: float = 0.0
+  z_loss: float = 0.0
+  logit_softcap: float | None = None
+  impl: str = "auto"
+  mode: str | None = None
+  chunk_size: int | None = None
+  interpret: bool | None = None
+  config: Any = None
+
+  def __call__(self, embed: nn.Embed | jax.Array, x: jax.Array, labels: jax.Array, *,
+               where: jax.Array | None = None, return_aux: bool = False, **options: Any):
+    """The loss of ``embed.attend(x)`` against ``labels``; arguments as :meth:`LMHead.__call__`."""
+    return tied_linear_cross_entropy(embed, x, labels, dtype=self.dtype, where=where, return_aux=return_aux,
+                                     **loss_kwargs(self, options))
+
+  def logits(self, embed: nn.Embed | jax.Array, x: jax.Array) -> jax.Array:
+    """``[..., V]`` logits ``x @ table.T``, as ``Embed.attend(x)``."""
+    table, dtype = _table(embed, self.dtype)
+    check_input(x, table.shape[1], type(self).__name__)
+    x, table = linen_dtypes.promote_dtype(x, table, dtype=dtype)
+    return jnp.dot(x, table.T)

@@ -1,0 +1,234 @@
+"""Flax NNX heads that drop in for ``nnx.Linear(H, vocab_size)`` + ``optax.softmax_cross_entropy_with_integer_labels``.
+
+:class:`LMHead` owns the variables of ``nnx.Linear(in_features, vocab_size)`` — ``kernel`` [H, V] and (with
+``use_bias``) ``bias`` [V], initialised from ``rngs`` in the same order, so a Linear-head state (or checkpoint)
+loads unchanged — and returns the fused loss of :func:`lce_flax.linear_cross_entropy`; :meth:`LMHead.logits`
+gives the logits for evaluation and generation. :class:`TiedLMHead` computes the loss from an ``nnx.Embed`` table
+in its [V, H] layout, like ``Embed.attend`` + cross-entropy, without a transposed copy.
+
+The parameters carry logical sharding names (``out_sharding`` metadata, default ``("embed", "vocab")`` and
+``("vocab",)``), readable with ``nnx.get_partition_spec``. They are sharded eagerly, as any NNX variable with
+``out_sharding``, when a mesh is active and the names resolve (through ``nn.logical_axis_rules`` or
+``sharding_rules`` metadata) to that mesh's axes; otherwise the names are only recorded, so a head can be built
+with no mesh at all.
+
+Example (the two-line change)::
+
+    # before:  self.head = nnx.Linear(hidden, vocab, use_bias=False, rngs=rngs)
+    #          loss = optax.softmax_cross_entropy_with_integer_labels(self.head(h), labels).mean()
+    self.head = lce_flax.nnx.LMHead(hidden, vocab, rngs=rngs)
+    loss = self.head(h, labels)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import meta as flax_meta
+from flax.core import spmd as flax_spmd
+from flax.nnx.nn import dtypes as nnx_dtypes
+from flax.typing import Dtype, Initializer
+
+from lce_flax import api
+from lce_flax.linen import BIAS_AXES, KERNEL_AXES, LOSS_OPTIONS, check_input, dense_logits, loss_kwargs
+
+_SHARDING_KEYS = ("out_sharding", "sharding", "sharding_names")  # the last two: flax's deprecated spellings
+
+
+def _mesh_names(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _can_shard_now(axes: tuple, metadata: Mapping[str, Any]) -> bool:
+  """Whether ``axes`` (after the logical axis rules) name axes of the mesh in effect, so eager sharding can apply."""
+  mesh = metadata.get("mesh") or flax_meta.get_global_mesh()
+  if mesh is None:
+    return False
+  resolved = flax_spmd.apply_rules(tuple(axes), metadata.get("sharding_rules"))
+  return all(name in mesh.axis_names for entry in resolved for name in _mesh_names(entry))
+
+
+def _metadata(axes: tuple[str | None, ...] | None, user: Mapping[str, Any]) -> dict[str, Any]:
+  """Variable metadata: the user's, plus ``out_sharding=axes`` unless the user gave a sharding."""
+  md = dict(user)
+  given = [k for k in _SHARDING_KEYS if k in md]
+  if axes is not None and not given:
+    md["out_sharding"] = tuple(axes)
+    given = ["out_sharding"]
+  if given and "eager_sharding" not in md:
+    # Names with no mesh (or no rules mapping them onto it) are recorded, not applied: flax would otherwise
+    # refuse to create the variable. A user who sets ``eager_sharding`` gets flax's own behaviour.
+    md["eager_sharding"] = nnx.using_eager_sharding() and _can_shard_now(md[given[0]], md)
+  return md
+
+
+class _LossOptions:
+  """The loss options shared by the heads, held as static attributes."""
+
+  def _set_loss_options(self, reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode,
+                        chunk_size, interpret, config) -> None:
+    self.reduction = reduction
+    self.ignore_index = ignore_index
+    self.label_smoothing = label_smoothing
+    self.z_loss = z_loss
+    self.logit_softcap = logit_softcap
+    self.impl = impl
+    self.mode = mode
+    self.chunk_size = chunk_size
+    self.interpret = interpret
+    self.config = config
+
+
+class LMHead(nnx.Module, _LossOptions):
+  """A language-model head with the variables of ``nnx.Linear(in_features, vocab_size)`` that returns the loss.
+
+  ``head(x, labels)`` equals ``optax.softmax_cross_entropy_with_integer_labels(linear(x), labels)`` reduced over
+  counted tokens, for an ``nnx.Linear`` with the same ``kernel``/``bias``, without forming the ``[..., V]``
+  logits. Numerics follow ``nnx.Linear``: variables in ``param_dtype``; ``x``, ``kernel``, ``bias`` cast to
+  ``dtype`` (None: their promoted type) before the matmul; logits accumulated and loss computed in float32.
+
+  Args:
+    in_features: H, the size of the hidden states.
+    vocab_size: V.
+    use_bias: whether the head has a ``bias`` [V] (``nnx.Linear``'s default is True, an LM head's usually False).
+    dtype: dtype of the matmul (None: promote ``x`` and the parameters).
+    param_dtype: dtype of the parameters.
+    precision: ``lax.Precision`` of :meth:`logits`.
+    kernel_init: initialiser of ``kernel`` [H, V] (``nnx.Linear``'s default: LeCun normal).
+    bias_init: initialiser of ``bias`` [V].
+    kernel_axes: logical sharding names of ``kernel`` (None: none), stored as ``out_sharding`` metadata.
+    bias_axes: logical sharding names of ``bias``.
+    kernel_metadata: further metadata of the ``kernel`` variable (a sharding given here replaces ``kernel_axes``).
+    bias_metadata: further metadata of the ``bias`` variable.
+    reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size, interpret, config:
+      defaults of the options of :func:`lce_flax.linear_cross_entropy`; each may be overridden per call.
+    rngs: the ``nnx.Rngs`` the parameters are drawn from (``params`` stream, kernel then bias, as Linear).
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      vocab_size: int,
+      *,
+      use_bias: bool = False,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
+      precision: Any = None,
+      kernel_init: Initializer = nnx.initializers.lecun_normal(),
+      bias_init: Initializer = nnx.initializers.zeros_init(),
+      kernel_axes: tuple[str | None, ...] | None = KERNEL_AXES,
+      bias_axes: tuple[str | None, ...] | None = BIAS_AXES,
+      kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+      bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+      reduction: str = "mean",
+      ignore_index: int = -100,
+      label_smoothing: float = 0.0,
+      z_loss: float = 0.0,
+      logit_softcap: float | None = None,
+      impl: str = "auto",
+      mode: str | None = None,
+      chunk_size: int | None = None,
+      interpret: bool | None = None,
+      config: Any = None,
+      rngs: nnx.Rngs,
+  ):
+    if in_features < 1 or vocab_size < 1:
+      raise ValueError(f"in_features={in_features} and vocab_size={vocab_size} must be >= 1")
+    self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, vocab_size), param_dtype),
+                            **_metadata(kernel_axes, kernel_metadata))
+    self.bias: nnx.Param | None
+    if use_bias:
+      self.bias = nnx.Param(bias_init(rngs.params(), (vocab_size,), param_dtype), **_metadata(bias_axes, bias_metadata))
+    else:
+      self.bias = nnx.data(None)
+    self.in_features = in_features
+    self.vocab_size = vocab_size
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.precision = precision
+    self._set_loss_options(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size,
+                           interpret, config)
+
+  def _promoted(self, x: jax.Array):
+    check_input(x, self.in_features, type(self).__name__)
+    bias = self.bias[...] if self.bias is not None else None
+    return nnx_dtypes.promote_dtype((x, self.kernel[...], bias), dtype=self.dtype)
+
+  def __call__(self, x: jax.Array, labels: jax.Array, *, where: jax.Array | None = None, return_aux: bool = False,
+               **options: Any):
+    """The cross-entropy of ``x @ kernel + bias`` against ``labels``, without the logits.
+
+    Args:
+      x: ``[..., H]`` hidden states.
+      labels: ``[...]`` integer targets; ``ignore_index`` (default -100) marks tokens that are not counted.
+      where: optional bool ``[...]``; False tokens are not counted.
+      return_aux: also return the op's :class:`lce_flax.Aux`.
+      **options: per-call values of the loss options (``reduction=``, ``z_loss=``, ``impl=``, ...); None keeps
+        the head's setting.
+
+    Returns:
+      The float32 loss (and the :class:`lce_flax.Aux` if ``return_aux``), as :func:`lce_flax.linear_cross_entropy`.
+    """
+    x, kernel, bias = self._promoted(x)
+    return api.linear_cross_entropy(x, kernel, labels, bias=bias, where=where, return_aux=return_aux,
+                                    w_layout="hv", **loss_kwargs(self, options))
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """``[..., V]`` logits ``x @ kernel + bias``: ``nnx.Linear``'s output on the same variables."""
+    return dense_logits(*self._promoted(x), self.precision)
+
+
+class TiedLMHead(nnx.Module, _LossOptions):
+  """The loss of a head tied to an ``nnx.Embed``: ``Embed.attend`` + cross-entropy, fused; no variables.
+
+  Call it with the model's embedding: ``self.head(self.embed, h, labels)``. The [V, H] table is read in its own
+  layout (``w_layout="vh"``), never transposed or copied, and receives the head's gradient. The embedding is an
+  argument rather than an attribute so the model holds it once (no shared reference to track).
+
+  Args:
+    dtype: dtype of the matmul (None: the ``nnx.Embed``'s ``dtype``, as ``Embed.attend``; for a bare [V, H] table
+      the promoted type).
+    reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size, interpret, config:
+      defaults of the options of :func:`lce_flax.linear_cross_entropy`; each may be overridden per call.
+  """
+
+  def __init__(self, *, dtype: Dtype | None = None, reduction: str = "mean", ignore_index: int = -100,
+               label_smoothing: float = 0.0, z_loss: float = 0.0, logit_softcap: float | None = None,
+               impl: str = "auto", mode: str | None = None, chunk_size: int | None = None,
+               interpret: bool | None = None, config: Any = None):
+    self.dtype = dtype
+    self._set_loss_options(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size,
+                           interpret, config)
+
+  def _promoted(self, embed: nnx.Embed | jax.Array, x: jax.Array):
+    if isinstance(embed, nnx.Embed):
+      table, dtype = embed.embedding[...], self.dtype if self.dtype is not None else embed.dtype
+    else:
+      table, dtype = jnp.asarray(embed), self.dtype
+      if table.ndim != 2:
+        raise ValueError(f"embed must be an nnx.Embed or its [V, H] table, got an array of shape {table.shape}")
+    check_input(x, table.shape[1], type(self).__name__)
+    return nnx_dtypes.promote_dtype((x, table), dtype=dtype)
+
+  def __call__(self, embed: nnx.Embed | jax.Array, x: jax.Array, labels: jax.Array, *,
+               where: jax.Array | None = None, return_aux: bool = False, **options: Any):
+    """The loss of ``embed.attend(x)`` against ``labels``; arguments as :meth:`LMHead.__call__`."""
+    x, table = self._promoted(embed, x)
+    return api.linear_cross_entropy(x, table, labels, w_layout="vh", where=where, return_aux=return_aux,
+                                    **loss_kwargs(self, options))
+
+  def logits(self, embed: nnx.Embed | jax.Array, x: jax.Array) -> jax.Array:
+    """``[..., V]`` logits ``x @ table.T``, as ``Embed.attend(x)``."""
+    x, table = self._promoted(embed, x)
+    return jnp.dot(x, table.T)
+
+
+__all__ = ["LMHead", "TiedLMHead", "LOSS_OPTIONS"]
