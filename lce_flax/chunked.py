@@ -105,7 +105,9 @@ def vocab_stats(x, w, bias, labels, spec, c: int, col_offset=0) -> _math.RowStat
     zc = _math.softcap(_chunk_logits(x, w, bias, start, c, spec), opts.logit_softcap)
     return _math.merge_stats(st, _math.tile_stats(zc, cols + col_offset, labels, valid, opts))
 
-  return lax.fori_loop(0, n, body, _math.empty_stats(x.shape[0]))
+  # the initial stats are built like x (not from a shape) so that, under shard_map, they vary over x's axes
+  init = _math.RowStats(*(jnp.full_like(x[:, 0], f, F32) for f in (-jnp.inf, 0.0, 0.0, 0.0)))
+  return lax.fori_loop(0, n, body, init)
 
 
 def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int, col_offset=0):
@@ -134,7 +136,8 @@ def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int, col_offset
       db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, c) + dz.sum(0), start, 0)
     return dx, dw, db
 
-  init = (jnp.zeros(x.shape, F32), jnp.zeros_like(w), None if bias is None else jnp.zeros(bias.shape, F32))
+  # *_like (not shape) zeros: under shard_map the accumulators must vary over the same mesh axes as the inputs
+  init = (jnp.zeros_like(x, F32), jnp.zeros_like(w), None if bias is None else jnp.zeros_like(bias, F32))
   return lax.fori_loop(0, n, body, init)
 
 
@@ -195,7 +198,8 @@ def _fast_forward(x, w, bias, labels, weights, spec, c):
       db = db + dz.sum(0)
     return (dw, db), (dxc, out)
 
-  init = (jnp.zeros(w.shape, F32), None if bias is None else jnp.zeros(bias.shape, F32))
+  # *_like (not shape) zeros: under shard_map the accumulators must vary over the same mesh axes as the inputs
+  init = (jnp.zeros_like(w, F32), None if bias is None else jnp.zeros_like(bias, F32))
   (dw, db), (dx, out) = lax.scan(body, init, (xs, ls, ws))
   out = jax.tree.map(lambda a: a.reshape(n * c)[:b], out)
   dx = dx.reshape(n * c, -1)[:b]

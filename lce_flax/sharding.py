@@ -1,0 +1,299 @@
+"""Meshes, logical axis rules, and the op under ``jax.shard_map`` (data-, FSDP- and vocab-parallel).
+
+The op's kernels are opaque to XLA's sharding propagation: left to itself, ``jit`` on sharded inputs would
+gather ``w`` (and often ``x``) onto every device. :func:`sharded_linear_cross_entropy` instead says per device
+what to compute, with one call that takes the mesh and the axis names::
+
+  mesh = make_mesh(data=2, fsdp=2, tensor=2)
+  loss = sharded_linear_cross_entropy(x, w, labels, mesh=mesh)   # inside or outside jit
+
+Layout it expects (it reshards to it if the arrays are placed otherwise):
+
+* ``x`` [B, ..., H], ``labels`` / ``where`` [B, ...]: the first (batch) dim split over ``batch_axes``;
+* ``w`` [H, V] (``w_layout="hv"``) or [V, H] (``"vh"``): V split over ``vocab_axis``, H over ``fsdp_axis``;
+* ``bias`` [V]: split over ``vocab_axis``.
+
+What each device does:
+
+* **data parallel** (``batch_axes``): runs the op on its own tokens. ``mean`` divides the psum of the local sums
+  by the psum of the local counts of counted tokens, so it is the global token mean (not a mean of means). ``w``
+  is replicated over these axes, so its gradient must be summed over them: the device-local ``w`` is marked as
+  varying over the batch axes (``lax.pcast(..., to="varying")``), whose transpose is exactly that psum.
+* **FSDP** (``fsdp_axis``, also a batch axis by default): ``w`` is stored split over H and all-gathered *once
+  per call* to [H, V/t] before the op runs. Each logit contracts over the whole of H, so a device needs every row
+  of H for the columns it computes; gathering once keeps the op (and its GPU kernels) unchanged and costs a
+  transient H·V/t buffer per device (t = vocab-axis size), while the stored weight, its optimizer state and its
+  gradient stay 1/(fsdp·t). The gradient leaves through the all-gather's transpose, a reduce-scatter. Gathering
+  per vocab chunk instead would bound the transient buffer to H·chunk, at the price of a second gather in the
+  backward's recompute; not done.
+* **vocab parallel** (``vocab_axis``): each device holds V/t columns of ``w`` and reduces its columns to
+  per-token partial stats (running max, sum of exponentials, target logit, logit sum) with the chunked
+  implementation's loop (:func:`lce_flax.chunked.vocab_stats`); one pmax and one psum of [3, b] per call combine
+  them into the global lse, the target logit (only its owner adds a non-zero) and the smoothing term. The
+  backward recomputes each shard's chunk logits (:func:`lce_flax.chunked.vocab_grads`): dw and dbias are exact
+  per shard, dx is a partial sum reduced with one psum over the vocab axis. ``w`` is never gathered; the
+  per-device head memory is that of a V/t head. This path always runs the chunked recompute design (8·B·H·V
+  FLOPs in all); ``chunk_size`` sets its vocabulary chunk, ``impl`` and ``mode`` are not used.
+
+Requirements, checked with errors naming the sizes: B divisible by the product of the batch axes' sizes, V by
+the vocab axis' size, H by the FSDP axis' size.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lce_flax import _base, _math, api, chunked
+
+DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+MESH_AXES = (DATA, FSDP, TENSOR)
+
+# Logical axis name -> mesh axes, for flax's ``nn.logical_to_mesh_*``. Tokens are split over both data axes;
+# parameters are split over "fsdp" on their embedding dim (FSDP) and over "tensor" on vocab / MLP / heads.
+# A mesh axis already used by an earlier dim of the same array is skipped by flax, so activations
+# ("batch", "length", "embed") get P(("data", "fsdp"), None, None). Override by passing your own rules.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", (DATA, FSDP)),
+    ("length", None),
+    ("embed", FSDP),
+    ("vocab", TENSOR),
+    ("mlp", TENSOR),
+    ("heads", TENSOR),
+    ("kv", None),
+    ("layers", None),
+    # mesh axis names used directly as logical names (nn.with_partitioning) map to themselves
+    (DATA, DATA),
+    (FSDP, FSDP),
+    (TENSOR, TENSOR),
+)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A mesh over the named axes ("data", "fsdp", "tensor"); one size may be -1 (all remaining devices).
+
+  Args:
+    data: data-parallel size (tokens split, parameters replicated).
+    fsdp: fully-sharded data-parallel size (tokens split, parameters split on their embedding dim).
+    tensor: tensor-parallel size (parameters split on vocab / MLP dims; the head is vocab-parallel).
+    devices: the devices (default ``jax.devices()``).
+
+  Returns:
+    A ``Mesh`` with ``AxisType.Auto`` axes (sharding under ``jit`` is propagated by XLA; the op itself runs
+    under ``shard_map``).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = [data, fsdp, tensor]
+  if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f"mesh sizes {data=}, {fsdp=}, {tensor=} must be positive, with at most one -1")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if len(devices) % known:
+      raise ValueError(f"{len(devices)} devices cannot be split into {data=} x {fsdp=} x {tensor=}")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if math.prod(sizes) != len(devices):
+    raise ValueError(f"{data=} x {fsdp=} x {tensor=} = {math.prod(sizes)} does not match {len(devices)} devices")
+  return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def _axes_size(mesh: Mesh, axes) -> int:
+  if axes is None:
+    return 1
+  axes = (axes,) if isinstance(axes, str) else tuple(axes)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _vary(a, axes: tuple[str, ...]):
+  """Marks ``a`` as varying over ``axes`` (where it is not yet). Its transpose is a psum over those axes."""
+  if a is None:
+    return None
+  aval = jax.typeof(a)
+  # the set of manual axes a value varies over: ``aval.vma`` in older JAX, ``manual_axis_type.varying`` in 0.11
+  vma = aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying
+  missing = tuple(ax for ax in axes if ax not in vma)
+  return lax.pcast(a, missing, to="varying") if missing else a
+
+
+# ------------------------------------------------------------------------------------------ vocab parallel
+
+
+def _combine(st: _math.RowStats, axis: str, opts: _math.LossOptions) -> _math.RowStats:
+  """Global row stats from every vocab shard's partial stats: a pmax, then one psum of the rescaled sums."""
+  m = lax.pmax(st.m, axis)
+  # rows all of whose logits are -inf keep m = -inf; shift by 0 there (as _math.merge_stats does)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  parts = [st.s * jnp.exp(st.m - m_safe), st.target]
+  if opts.needs_logit_sum:
+    parts.append(st.zsum)
+  summed = lax.psum(jnp.stack(parts), axis)
+  zsum = summed[2] if opts.needs_logit_sum else jnp.zeros_like(m)
+  return _math.RowStats(m, summed[0], summed[1], zsum)
+
+
+def _col_offset(w, spec: _base.Spec, axis: str):
+  return lax.axis_index(axis).astype(jnp.int32) * _base.vocab_size(w, spec.w_layout)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _vocab_parallel(x, w, bias, labels, spec: _base.Spec, c: int, axis: str) -> _math.TokenOut:
+  st = chunked.vocab_stats(x, w, bias, labels, spec, c, _col_offset(w, spec, axis))
+  return _math.finalize(_combine(st, axis, spec.opts), labels, spec.opts)
+
+
+def _vocab_parallel_fwd(x, w, bias, labels, spec, c, axis):
+  out = _vocab_parallel(x, w, bias, labels, spec, c, axis)
+  return out, (x, w, bias, labels, out.lse)
+
+
+def _vocab_parallel_bwd(spec, c, axis, res, g):
+  x, w, bias, labels, lse = res
+  dx, dw, db = chunked.vocab_grads(x, w, bias, labels, lse, g.loss, g.lse, spec, c, _col_offset(w, spec, axis))
+  # dx is this shard's partial sum; x was marked varying over `axis`, whose transpose psums it.
+  return dx.astype(x.dtype), dw, None if db is None else db.astype(bias.dtype), None
+
+
+_vocab_parallel.defvjp(_vocab_parallel_fwd, _vocab_parallel_bwd)
+
+
+# -------------------------------------------------------------------------------------------- the call
+
+
+def sharded_linear_cross_entropy(
+    x: jax.Array,
+    w: jax.Array,
+    labels: jax.Array,
+    *,
+    mesh: Mesh,
+    batch_axes: Sequence[str] | str | None = (DATA, FSDP),
+    vocab_axis: str | None = TENSOR,
+    fsdp_axis: str | None = FSDP,
+    bias: jax.Array | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    where: jax.Array | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_softcap: float | None = None,
+    w_layout: str = "hv",
+    return_aux: bool = False,
+    **op_kwargs,
+):
+  """:func:`lce_flax.linear_cross_entropy` on a mesh: tokens over ``batch_axes``, ``w`` over vocab and FSDP axes.
+
+  Same arguments, results and numbers as the single-device op (see the module docstring for what each device
+  computes). Axes that are None, or of size 1 in ``mesh``, are not used.
+
+  Args:
+    x: ``[B, ..., H]``; B split over ``batch_axes``.
+    w: ``[H, V]`` or ``[V, H]`` (``w_layout``); V split over ``vocab_axis``, H over ``fsdp_axis``.
+    labels: ``[B, ...]`` integer targets.
+    mesh: the device mesh (e.g. from :func:`make_mesh`).
+    batch_axes: mesh axes the tokens are split over (data parallel, FSDP).
+    vocab_axis: mesh axis the vocabulary is split over (vocab-parallel head), or None.
+    fsdp_axis: mesh axis ``w``'s H dim is split over (gathered once per call), or None.
+    bias, reduction, ignore_index, where, label_smoothing, z_loss, logit_softcap, w_layout, return_aux: as in
+      :func:`lce_flax.linear_cross_entropy`.
+    **op_kwargs: ``impl``, ``mode``, ``chunk_size``, ``interpret``, ``config`` of the op. With a vocab axis of
+      size > 1 only ``chunk_size`` (vocabulary columns per chunk) is used.
+
+  Returns:
+    The float32 loss (replicated scalar, or ``[B, ...]`` split like ``labels`` for ``reduction="none"``), and an
+    :class:`lce_flax.Aux` with global ``num_correct``/``num_tokens`` if ``return_aux``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from lce_flax.sharding import make_mesh, sharded_linear_cross_entropy
+    >>> mesh = make_mesh(data=-1, tensor=1)
+    >>> n = mesh.size
+    >>> x = jnp.ones((2 * n, 4)); w = jnp.zeros((4, 10)); y = jnp.zeros((2 * n,), jnp.int32)
+    >>> print(f"{sharded_linear_cross_entropy(x, w, y, mesh=mesh):.4f}")  # log(10)
+    2.3026
+  """
+  x, w, labels = jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels)
+  impl = op_kwargs.get("impl", "auto")
+  api._check(x, w, labels, bias, where, reduction, w_layout, impl, op_kwargs.get("mode"), label_smoothing, z_loss,
+             logit_softcap)
+  batch = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
+  for a in (*batch, vocab_axis, fsdp_axis):
+    if a is not None and a not in mesh.shape:
+      raise ValueError(f"axis {a!r} is not an axis of the mesh {dict(mesh.shape)}")
+  if vocab_axis is not None and vocab_axis in batch:
+    raise ValueError(f"{vocab_axis=} cannot also be one of {batch_axes=}")
+  if fsdp_axis is not None and fsdp_axis == vocab_axis:
+    raise ValueError(f"{fsdp_axis=} cannot be the vocab axis")
+  batch = tuple(a for a in batch if mesh.shape[a] > 1)
+  vaxis = vocab_axis if vocab_axis is not None and mesh.shape[vocab_axis] > 1 else None
+  faxis = fsdp_axis if fsdp_axis is not None and mesh.shape[fsdp_axis] > 1 else None
+  nb, nv, nf = _axes_size(mesh, batch), _axes_size(mesh, vaxis), _axes_size(mesh, faxis)
+  vocab = _base.vocab_size(w, w_layout)
+  hidden = x.shape[-1]
+  if x.ndim < 2:
+    raise ValueError(f"x must be [B, ..., H] with a batch dim to split, got x.shape={x.shape}")
+  if x.shape[0] % nb:
+    raise ValueError(f"x.shape[0]={x.shape[0]} (tokens) must be divisible by the batch axes {batch} of total "
+                     f"size {nb}")
+  if vocab % nv:
+    raise ValueError(f"V={vocab} (w.shape={w.shape}, {w_layout=}) must be divisible by the size {nv} of "
+                     f"{vocab_axis=}")
+  if hidden % nf:
+    raise ValueError(f"H={hidden} (w.shape={w.shape}) must be divisible by the size {nf} of {fsdp_axis=}")
+
+  bspec = batch if batch else None
+  tok_spec = P(bspec)
+  w_spec = P(faxis, vaxis) if w_layout == "hv" else P(vaxis, faxis)
+  h_dim = 0 if w_layout == "hv" else 1
+  opts = _math.LossOptions(vocab, float(label_smoothing), float(z_loss),
+                           None if logit_softcap is None else float(logit_softcap))
+  chunk_size = op_kwargs.get("chunk_size")
+
+  def local(x, w, bias, labels, where):
+    if faxis is not None:  # FSDP: the whole H for this device's columns, once per call
+      w = lax.all_gather(w, faxis, axis=h_dim, tiled=True)
+    vary = batch + ((vaxis,) if vaxis is not None else ())
+    # Labels stay invariant over the vocab axis, so everything derived from the combined stats (loss, lse) is too.
+    x, w, bias = _vary(x, vary), _vary(w, vary), _vary(bias, vary)
+    norm = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1), ignore_index,
+                                  vocab)
+    count = lax.psum((norm != _math.IGNORED).sum(dtype=jnp.int32), batch) if batch else (
+        (norm != _math.IGNORED).sum(dtype=jnp.int32))
+    if vaxis is None:
+      # local sum; divided by the global count below (a mean of local means would weight devices, not tokens)
+      red = "none" if reduction == "none" else "sum"
+      loss, aux = api.linear_cross_entropy(
+          x, w, labels, bias=bias, reduction=red, ignore_index=ignore_index, where=where,
+          label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap, w_layout=w_layout,
+          return_aux=True, **op_kwargs)
+      tok_loss, lse, correct = aux.token_loss, aux.lse, aux.num_correct
+    else:
+      x2 = x.reshape(-1, hidden)
+      spec = _base.Spec(opts, w_layout)
+      c = chunked.lean_chunk(x2.shape[0], vocab // nv, chunk_size)
+      dtype = jnp.promote_types(x.dtype, w.dtype)
+      out = _vocab_parallel(x2.astype(dtype), w.astype(dtype), bias, norm, spec, c, vaxis)
+      tok_loss, lse = out.loss.reshape(labels.shape), out.lse.reshape(labels.shape)
+      correct = out.correct.sum(dtype=jnp.int32)
+      loss = tok_loss if reduction == "none" else out.loss.sum()
+    if reduction != "none":
+      if batch:
+        loss = lax.psum(loss, batch)
+      if reduction == "mean":
+        loss = loss / jnp.maximum(count, 1).astype(jnp.float32)
+    if batch:
+      correct = lax.psum(correct, batch)
+    return loss, api.Aux(tok_loss, lse, correct, count)
+
+  loss_spec = tok_spec if reduction == "none" else P()
+  out_specs = (loss_spec, api.Aux(tok_spec, tok_spec, P(), P()))
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, w_spec, P(vaxis), tok_spec, tok_spec),
+                     out_specs=out_specs)
+  loss, aux = fn(x, w, bias, labels, where)
+  return (loss, aux) if return_aux else loss
