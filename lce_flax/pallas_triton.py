@@ -27,12 +27,18 @@ Backward (recompute; no B×V array)
   ``chunk_size`` columns. Per chunk a Pallas kernel recomputes the chunk's logits tile by tile (same tiling as the
   forward, grouped tile order for L2 reuse), turns them into the logit gradient with
   :func:`lce_flax._math.dlogits` and writes ``dz`` [B, chunk] in the input dtype (and, with a bias, per row
-  block column sums for ``dbias`` in float32). Then two XLA matmuls: ``dw[:, chunk] = xᵀ dz`` (complete: the
-  reduction over B happens inside one matmul, so dw is written once, never accumulated) and ``dx += dz wᵀ[chunk]``
-  into a float32 accumulator.
+  block column sums for ``dbias`` in float32). Then ``dw[:, chunk] = xᵀ dz`` by one XLA matmul (complete: the
+  reduction over B happens inside it, so dw's columns are written once, never accumulated), and
+  ``dx += dz w[:, chunk]ᵀ`` into a float32 accumulator, in place, by a second Pallas kernel (``dx_kernel``; with
+  ``dx_kernel=False`` an XLA matmul and an add, which keep a second B×H float32 buffer and re-read both).
   Extra memory: ``dz`` (B·chunk·itemsize: 32 MB at llama3-8b with the default chunk of 2048), the float32 dx
-  accumulator (B·H·4: 128 MB at llama3-8b) and XLA's workspace for the two matmuls.
+  accumulator (B·H·4: 128 MB at llama3-8b) and the [H, chunk] output of the dw matmul.
   FLOPs: 2·B·H·V forward + 6·B·H·V backward.
+
+  The float32 dx accumulator is what keeps this above 64 MB at llama3-8b. Any chunking of the backward
+  accumulates one of dx (over vocabulary chunks) or dw (over token chunks) across chunks; holding neither in
+  float32 means accumulating in bf16 (Liger's choice, error growing with the number of chunks) or a third
+  logits pass (dx over token blocks, dw over vocabulary chunks: 10·B·H·V FLOPs).
 
 Ragged B, V and H are handled by masked loads and stores (``pl.ds`` windows checked against iota bounds); w is
 never padded or copied.
@@ -68,6 +74,8 @@ class Config:
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining stages of the H loop.
     group_t: row blocks per group in the backward's tile order (L2 reuse of w).
+    dx_kernel: accumulate ``dx += dz·w[chunk]ᵀ`` in place with a Pallas kernel (True) or with an XLA matmul
+      followed by an add (False; XLA then keeps a second B×H float32 buffer for the product).
   """
 
   block_t: int | None = None
@@ -78,6 +86,7 @@ class Config:
   num_warps: int | None = None
   num_stages: int | None = None
   group_t: int | None = None
+  dx_kernel: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +101,7 @@ class Plan:
   num_warps: int
   num_stages: int
   group_t: int
+  dx_kernel: bool
 
 
 # Budget for the backward's dz chunk (B × chunk_size in the input dtype).
@@ -171,7 +181,8 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: Config | None 
   cc = _device.compute_capability()
   stages = c.num_stages or (4 if small and cc is not None and cc >= (9, 0) else 3)
   group = c.group_t or 8
-  return Plan(bt, bv, bk, splits, chunk, warps, stages, group)
+  dx_kernel = True if c.dx_kernel is None else bool(c.dx_kernel)
+  return Plan(bt, bv, bk, splits, chunk, warps, stages, group, dx_kernel)
 
 
 def supported(spec: _base.Spec, platform: str) -> None:
@@ -367,6 +378,60 @@ def _dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: _base
   return outs[0], outs[1].reshape(nb, nct * p.block_v)[:, :width].sum(0)
 
 
+def _dx_kernel(k_ref, dz_ref, w_ref, dx_in_ref, dx_ref, *, d: _Dims, p: Plan, width: int, block_h: int):
+  """``dx[rows, hs] += dz[rows, :] @ w[hs, chunk]ᵀ`` for one [block_t, block_h] tile, in float32, in place."""
+  bt, bk, bh = p.block_t, p.block_k, block_h
+  nh = _cdiv(d.h, bh)
+  pid = pl.program_id(0)
+  i = lax.div(pid, nh)  # H-fastest order: resident programs share rows of dz and the whole chunk of w
+  hb = lax.rem(pid, nh)
+  r0 = i * bt
+  h0 = hb * bh
+  off = k_ref[0] * p.chunk_size
+  rmask = (r0 + _iota(bt)) < d.b if d.b % bt else None
+  hmask = (h0 + _iota(bh)) < d.h if d.h % bh else None
+  tmask = _and(None if rmask is None else rmask[:, None], None if hmask is None else hmask[None, :])
+  del dx_in_ref  # aliased to dx_ref
+  acc = plgpu.load(dx_ref.at[pl.ds(r0, bt), pl.ds(h0, bh)], mask=tmask, other=None if tmask is None else 0.0)
+  ragged = width % bk != 0
+
+  def kstep(kk, acc):
+    j0 = kk * bk
+    jmask = (j0 + _iota(bk)) < width if ragged else None
+    zmask = _and(None if rmask is None else rmask[:, None], None if jmask is None else jmask[None, :])
+    dzt = plgpu.load(dz_ref.at[pl.ds(r0, bt), pl.ds(j0, bk)], mask=zmask, other=None if zmask is None else 0.0)
+    if d.w_layout == "hv":
+      wmask = _and(None if hmask is None else hmask[:, None], None if jmask is None else jmask[None, :])
+      wt = plgpu.load(w_ref.at[pl.ds(h0, bh), pl.ds(off + j0, bk)], mask=wmask, other=None if wmask is None else 0.0)
+      dims = (((1,), (1,)), ((), ()))
+    else:
+      wmask = _and(None if jmask is None else jmask[:, None], None if hmask is None else hmask[None, :])
+      wt = plgpu.load(w_ref.at[pl.ds(off + j0, bk), pl.ds(h0, bh)], mask=wmask, other=None if wmask is None else 0.0)
+      dims = (((1,), (0,)), ((), ()))
+    return acc + lax.dot_general(dzt, wt, dims, preferred_element_type=F32)
+
+  acc = lax.fori_loop(0, _cdiv(width, bk), kstep, acc)
+  plgpu.store(dx_ref.at[pl.ds(r0, bt), pl.ds(h0, bh)], acc, mask=tmask)
+
+
+def _dx_accumulate(dx, dz, w, k, spec: _base.Spec, p: Plan):
+  """``dx + dz @ w[:, k·chunk : k·chunk + width]ᵀ`` (float32 [B, H]) without a second B×H buffer."""
+  b, h = dx.shape
+  width = dz.shape[1]
+  d = _Dims(b, h, spec.opts.vocab_size, spec.w_layout, False)
+  bh = max(16, min(p.block_v, _pow2_ceil(h)))
+  nb, nh = _cdiv(b, p.block_t), _cdiv(h, bh)
+  return pl.pallas_call(
+      functools.partial(_dx_kernel, d=d, p=p, width=width, block_h=bh),
+      out_shape=jax.ShapeDtypeStruct(dx.shape, F32),
+      grid=(nb * nh,),
+      input_output_aliases={3: 0},
+      interpret=spec.interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages),
+      name="lce_backward_dx",
+  )(jnp.reshape(k, (1,)).astype(jnp.int32), dz, w, dx)
+
+
 # ------------------------------------------------------------------------------------------------ custom_vjp
 
 
@@ -398,7 +463,10 @@ def _lean_bwd(spec, p, res, g):
     dx, dw, db = carry
     off = k * c
     dz, dbc = _dz_chunk(k, width, x, w, bias, labels, lse, g_loss, g_lse, spec, p)
-    dx = dx + _base.grad_x(dz, _base.slice_vocab(w, off, width, spec.w_layout), spec.w_layout)
+    if p.dx_kernel:
+      dx = _dx_accumulate(dx, dz, w, k, spec, p)
+    else:
+      dx = dx + _base.grad_x(dz, _base.slice_vocab(w, off, width, spec.w_layout), spec.w_layout)
     # The reduction over tokens is complete inside this one matmul: dw's columns are written once.
     dwc = lax.dot_general(*((x, dz) if spec.w_layout == "hv" else (dz, x)), (((0,), (0,)), ((), ())),
                           preferred_element_type=dw_type)

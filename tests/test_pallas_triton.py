@@ -51,8 +51,9 @@ def test_reductions_and_where(reduction):
         None,  # the heuristic: one tile holds the whole problem
         Config(block_t=16, block_v=16, block_k=16, num_splits=64, chunk_size=1000),  # splits > tiles; chunk > V
         Config(block_t=64, block_v=64, block_k=32, num_splits=1, chunk_size=16),  # B < block_t; one split
+        Config(block_t=16, block_v=32, block_k=16, chunk_size=96, dx_kernel=False),  # dx by XLA matmul + add
     ],
-    ids=["heuristic", "many-splits", "one-split"],
+    ids=["heuristic", "many-splits", "one-split", "xla-dx"],
 )
 def test_configs(config):
   check(config=config, options=OPTIONS["smoothing"], bias=True, seed=5)
