@@ -297,8 +297,12 @@ def _on_sigterm(signum, frame):  # a `timeout` wrapper's TERM: stop, but still w
 
 
 def run(preset: Preset, variants: list[Variant], out_dir: str, budget_s: float | None = None,
-        log: Callable[[str], None] = print) -> str:
-  """Measures everything of ``preset``; returns the path of the JSON-lines file."""
+        log: Callable[[str], None] = print, order: str = "impl") -> str:
+  """Measures everything of ``preset``; returns the path of the JSON-lines file.
+
+  ``order="impl"`` runs each variant over every shape before the next variant (the default: ``variants`` come in
+  order of importance, so a budget cut drops the least important); ``"shape"`` runs every variant at each shape.
+  """
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, f"bench_{preset.name}.jsonl")
   env = environment()
@@ -317,26 +321,39 @@ def run(preset: Preset, variants: list[Variant], out_dir: str, budget_s: float |
             f"{row['tflops']:6.1f} TF/s  temp {(row['temp_bytes'] or 0) / 1e9:6.2f} GB  loss {row['loss']:.6g}"
             f"  rel.err {row.get('loss_rel_err', float('nan')):.1e}")
 
-    for shape, axis, passes in shapes_lib.preset_shapes(preset):
-      over = budget_s is not None and time.monotonic() - start > budget_s
-      args = ref = None
-      err = "inputs were not made"
-      if not over:
+    problems = shapes_lib.preset_shapes(preset)
+    if order == "impl":  # each implementation over every shape: a budget cut loses the last implementations
+      work = [(p, v) for v in variants for p in problems]
+    elif order == "shape":  # every implementation at each shape: a budget cut loses the last shapes
+      work = [(p, v) for p in problems for v in variants]
+    else:
+      raise ValueError(f"order={order!r} must be 'impl' or 'shape'")
+    held: dict[str, Any] = {"name": None, "args": None, "err": None}  # inputs of one shape at a time
+    refs: dict[str, float | None] = {}
+
+    def inputs_for(shape: Shape):
+      if held["name"] != shape.name:
+        held.update(name=shape.name, args=None, err=None)
         try:
-          args = make_inputs(shape)
-          ref = float(reference_loss(*args)) if preset.reference else None
+          held["args"] = make_inputs(shape)  # deterministic: the same inputs whenever a shape comes back
+          if preset.reference and shape.name not in refs:
+            refs[shape.name] = float(reference_loss(*held["args"]))
         except Exception as e:  # noqa: BLE001 - e.g. the inputs themselves do not fit
-          args, err = None, f"inputs: {type(e).__name__}: {str(e)[:300]}"
-      for variant in variants:
-        for pass_ in passes:
-          row = base_row(env, preset, shape, axis, variant, pass_)
+          held.update(args=None, err=f"inputs: {type(e).__name__}: {str(e)[:300]}")
+      return held["args"], held["err"], refs.get(shape.name)
+
+    for k, ((shape, axis, passes), variant) in enumerate(work):
+      for pass_ in passes:
+        row = base_row(env, preset, shape, axis, variant, pass_)
+        if budget_s is not None and time.monotonic() - start > budget_s:
+          row["error"] = f"skipped: past --budget-s={budget_s:g}"
+        elif variant.unavailable is not None:
+          row["error"] = f"unavailable: {variant.unavailable}"
+        else:
+          args, err, ref = inputs_for(shape)
           if ref is not None:
             row["ref_loss"] = ref
-          if budget_s is not None and time.monotonic() - start > budget_s:
-            row["error"] = f"skipped: past --budget-s={budget_s:g}"
-          elif variant.unavailable is not None:
-            row["error"] = f"unavailable: {variant.unavailable}"
-          elif args is None:
+          if args is None:
             row["error"] = err
           else:
             try:
@@ -345,9 +362,9 @@ def run(preset: Preset, variants: list[Variant], out_dir: str, budget_s: float |
                 row["loss_rel_err"] = abs(row["loss"] - ref) / max(abs(ref), 1e-30)
             except Exception as e:  # noqa: BLE001 - OOM, unsupported option, compile failure: record, go on
               row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-          emit(row)
-      del args
-      jax.clear_caches()  # drop this shape's executables before the next one
+        emit(row)
+      if k + 1 == len(work) or work[k + 1][1] is not variant:
+        jax.clear_caches()  # drop what this implementation compiled before the next one
   log(f"# done in {time.monotonic() - start:.1f} s")
   return path
 
@@ -362,6 +379,9 @@ def parse_args(argv=None):
   p.add_argument("--out", default=None, help="output folder (default: $OUT, else /tmp/lce_bench/<preset>)")
   p.add_argument("--budget-s", type=float, default=None,
                  help="stop measuring after this many seconds; the rest is recorded as skipped")
+  p.add_argument("--order", choices=("impl", "shape"), default="impl",
+                 help="impl: each implementation over all shapes in turn (a budget cut drops the last "
+                 "implementations); shape: all implementations at each shape in turn")
   p.add_argument("--no-report", action="store_true", help="write JSON lines only (no markdown, no plots)")
   return p.parse_args(argv)
 
@@ -380,7 +400,7 @@ def main(argv=None) -> int:
     print(f"# tokamax not measured: {tk_reason}")
   signal.signal(signal.SIGTERM, _on_sigterm)
   try:
-    run(preset, variants, out_dir, a.budget_s)
+    run(preset, variants, out_dir, a.budget_s, order=a.order)
   except KeyboardInterrupt as e:
     print(f"# interrupted ({e}); writing what was measured")
   if not a.no_report:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from benchmarks import shapes as shapes_lib
 from benchmarks.shapes import PEAK_TFLOPS, Preset, Shape
 
-PEERS = ("torch_eager", "torch_compile", "liger_flce", "cce")
+PEERS = ("torch_compile", "cce", "liger_flce", "torch_eager")  # default order: most telling first
 # FLOPs of a fwd+bwd in units of B·H·V: autograd over stored logits and Liger (gradients formed chunk by chunk in
 # the forward) do 6; CCE recomputes the logits in its backward: 8.
 FLOPS_FACTOR = {"torch_eager": 6, "torch_compile": 6, "liger_flce": 6, "cce": 8}
@@ -163,45 +163,49 @@ def run(preset: Preset, names, out_dir: str, budget_s: float | None = None) -> s
   start = time.monotonic()
   print(f"# {env['device']}, torch {env['torch']}, peers {list(peers)}, budget {budget_s} s -> {path}", flush=True)
   with open(path, "w") as fh:
-    for shape, axis, passes in shapes_lib.preset_shapes(preset):
-      over = budget_s is not None and time.monotonic() - start > budget_s
-      inputs, ref, err = None, None, "inputs were not made"
-      if not over:
-        try:
-          inputs = make_inputs(torch, shape, device)
-          ref = reference_loss(torch, *inputs) if preset.reference else None
-        except Exception as e:  # noqa: BLE001
-          err = f"inputs: {type(e).__name__}: {str(e)[:300]}"
-      for name, fn in peers.items():
+    refs: dict[str, float | None] = {}
+    # Each peer over every shape in turn, in the order asked: a budget cut drops the last peers, not the last shapes.
+    for name, fn in peers.items():
+      for shape, axis, passes in shapes_lib.preset_shapes(preset):
+        inputs, err = None, "inputs were not made"
         for pass_ in passes:
           row = dict(env, source="torch", preset=preset.name, shape=shape.name, sweep=axis, B=shape.B, H=shape.H,
                      V=shape.V, dtype="bfloat16", reduction="sum", impl=name, mode=None, label=name,
                      **{"pass": pass_}, floor_ms=shape.floor_ms(2 if pass_ == "fwd" else 6), peak_tflops=PEAK_TFLOPS)
-          if ref is not None:
-            row["ref_loss"] = ref
           if budget_s is not None and time.monotonic() - start > budget_s:
             row["error"] = f"skipped: past --budget-s={budget_s:g}"
           elif isinstance(fn, str):
             row["error"] = f"unavailable: {fn}"
-          elif inputs is None:
-            row["error"] = err
           else:
-            try:
-              row.update(measure(torch, fn, pass_, shape, *inputs, preset, FLOPS_FACTOR[name]))
-              if ref is not None:
-                row["loss_rel_err"] = abs(row["loss"] - ref) / max(abs(ref), 1e-30)
-            except Exception as e:  # noqa: BLE001 - OOM or a peer's failure: record, go on
-              row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-            if device == "cuda":
-              torch.cuda.empty_cache()
+            if inputs is None and err == "inputs were not made":
+              try:
+                inputs = make_inputs(torch, shape, device)  # seeded: the same inputs for every peer
+                if preset.reference and shape.name not in refs:
+                  refs[shape.name] = reference_loss(torch, *inputs)
+              except Exception as e:  # noqa: BLE001
+                inputs, err = None, f"inputs: {type(e).__name__}: {str(e)[:300]}"
+            ref = refs.get(shape.name)
+            if ref is not None:
+              row["ref_loss"] = ref
+            if inputs is None:
+              row["error"] = err
+            else:
+              try:
+                row.update(measure(torch, fn, pass_, shape, *inputs, preset, FLOPS_FACTOR[name]))
+                if ref is not None:
+                  row["loss_rel_err"] = abs(row["loss"] - ref) / max(abs(ref), 1e-30)
+              except Exception as e:  # noqa: BLE001 - OOM or a peer's failure: record, go on
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+              if device == "cuda":
+                torch.cuda.empty_cache()
           fh.write(json.dumps(row) + "\n")
           fh.flush()
           msg = row.get("error") or (f"{row['ms']:9.2f} ms {row['tflops']:6.1f} TF/s  extra "
                                      f"{(row['device_peak_bytes'] or 0) / 1e9:6.2f} GB  loss {row['loss']:.6g}")
           print(f"{shape.name:>24} {name:>14} {pass_:>6} {msg}", flush=True)
-      del inputs
-      if device == "cuda":
-        torch.cuda.empty_cache()
+        del inputs
+        if device == "cuda":
+          torch.cuda.empty_cache()
   print(f"# done in {time.monotonic() - start:.1f} s", flush=True)
   return path
 
@@ -216,6 +220,11 @@ def main(argv=None) -> int:
   preset = shapes_lib.PRESETS[a.preset]
   names = [n for n in a.impls.split(",") if n]
   out_dir = a.out or os.environ.get("OUT") or os.path.join("/tmp/lce_bench", preset.name)
+  try:
+    import torch  # noqa: F401, PLC0415
+  except ImportError as e:
+    print(f"# torch peers not measured: {e}", flush=True)
+    return 0
   try:
     run(preset, names, out_dir, a.budget_s)
   except KeyboardInterrupt:
