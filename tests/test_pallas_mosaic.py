@@ -1,0 +1,175 @@
+"""``impl="pallas_mosaic"`` against the float64 oracle.
+
+On CPU the Mosaic GPU kernels run under Mosaic GPU's interpreter (``plgpu.InterpretGPUParams``: simulated GMEM,
+SMEM, TMA copies and barriers), with the WGMMA instruction replaced by ``jnp.dot`` of the same shared-memory tiles
+(the interpreter has no WGMMA; see ``lce_flax/pallas_mosaic.py``). Small tiles (64×64, 2 stages, 3 splits,
+backward chunks of 128 columns) make every loop run several times and end ragged. The ``gpu``-marked tests run
+the compiled kernels (``pytest -m gpu`` on an SM90 machine).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lce_flax import _base, _device, _math, linear_cross_entropy, pallas_mosaic
+from lce_flax.pallas_mosaic import Config
+from tests.reference_np import linear_cross_entropy_np, rel_err
+from tests.test_api import OPTIONS, check_impl, make_inputs
+
+# B=101 = 64 + 37 rows; V=301: 5 vocabulary tiles of 64 (the last a clamped window), 3 forward splits, backward
+# chunks of 128 (2 full + a clamped tail); H=128: two pipeline steps of 64.
+SMALL = Config(block_t=64, block_v=64, num_splits=3, chunk_size=128, num_stages=2)
+on_sm90 = (_device.compute_capability() or (0, 0)) >= (9, 0)
+
+
+def check(**kw):
+  kw.setdefault("config", SMALL)
+  kw.setdefault("h", 128)
+  kw.setdefault("batch_shape", (101,))
+  kw.setdefault("dtype", jnp.bfloat16)
+  return check_impl("pallas_mosaic", mode="lean", **kw)
+
+
+@pytest.mark.parametrize("opt", ["plain", "softcap", "all"])  # "all" holds smoothing and z-loss too
+def test_options(opt):
+  check(options=OPTIONS[opt], bias=True, seed=hash(opt) % 1000, w_layout="vh" if opt == "all" else "hv")
+
+
+@pytest.mark.parametrize("dtype,w_layout", [(jnp.bfloat16, "hv"), (jnp.float16, "vh")])
+def test_dtypes_and_layouts(dtype, w_layout):
+  check(dtype=dtype, w_layout=w_layout, batch_shape=(3, 13), v=333, seed=7, bias=w_layout == "vh")
+
+
+def test_float32_inputs_run_in_bf16():
+  """fp32 x, w are rounded to bf16 for the kernels: the result is the oracle's on the rounded inputs, to fp32
+  accumulation accuracy, and gradients come back in fp32."""
+  (x, w, y, _), (xn, wn, yn, _) = make_inputs(11, (70,), 128, 200, jnp.float32)
+  f = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=SMALL)
+  loss, (dx, dw) = jax.value_and_grad(f, (0, 1))(x, w)
+  rnd = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
+  ref = linear_cross_entropy_np(rnd(xn), rnd(wn), yn)
+  assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32
+  assert rel_err(loss, ref["loss"]) < 2e-5
+  assert rel_err(dx, ref["dx"]) < 2e-2 and rel_err(dw, ref["dw"]) < 2e-2
+  exact = linear_cross_entropy_np(xn, wn, yn)
+  assert rel_err(loss, exact["loss"]) < 1e-2  # the price of the bf16 rounding, bounded
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_reductions_and_where(reduction):
+  check(reduction=reduction, where=True, options=OPTIONS["all"], seed=3, w_layout="vh", bias=True)
+
+
+@pytest.mark.parametrize(
+    "config,h,v",
+    [
+        (None, 48, 301),  # heuristic tiles (64×128, one chunk); H=48 and V < block_v: x, w zero-padded
+        (Config(block_t=64, block_v=64, num_splits=64, chunk_size=64, num_stages=3), 64, 256),  # splits > tiles
+        (Config(block_t=128, block_v=128, num_splits=1, chunk_size=256, num_stages=4), 192, 300),  # B < block_t
+    ],
+    ids=["heuristic-padded", "many-splits", "one-split"],
+)
+def test_configs(config, h, v):
+  check(config=config, h=h, v=v, options=OPTIONS["smoothing"], bias=True, seed=5, batch_shape=(37,))
+
+
+def test_lse_cotangent():
+  """Cotangents on the aux lse flow through the backward kernel: d(Σ_t c_t lse_t)/dx = (c ⊙ softmax) @ w.T."""
+  (x, w, y, _), (xn, wn, _, _) = make_inputs(4, (21,), 64, 77, jnp.bfloat16)
+  c = np.random.default_rng(0).standard_normal(21).astype(np.float32)
+  g = jax.grad(lambda x: (c * linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=SMALL,
+                                                   return_aux=True)[1].lse).sum())(x)
+  z = xn.astype(np.float64) @ wn
+  p = np.exp(z - z.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  assert rel_err(g, (c[:, None] * p) @ wn.T) < 1e-2
+
+
+def test_out_of_range_label_is_nan_and_ignored_is_zero():
+  (x, w, y, b), _ = make_inputs(2, (19,), 64, 70, jnp.bfloat16, bias=True, ignore_frac=0.0)
+  y = y.at[4].set(70).at[7].set(-100)
+  f = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, impl="pallas_mosaic", reduction="none",
+                                           config=SMALL).sum()
+  loss, (dx, dw, db) = jax.value_and_grad(f, (0, 1, 2))(x, w, b)
+  assert np.isnan(loss) and np.isnan(np.asarray(dx[4], np.float32)).all()
+  assert np.isnan(np.asarray(dw, np.float32)).any() and np.isnan(db).any()
+  tok = linear_cross_entropy(x, w, y, bias=b, impl="pallas_mosaic", reduction="none", config=SMALL)
+  assert np.isnan(tok[4]) and tok[7] == 0.0 and np.isfinite(np.delete(np.asarray(tok), 4)).all()
+  # all tokens ignored: zero loss and exactly zero gradients (no NaN from the padding rows of the kernels)
+  y0 = jnp.full((19,), -100)
+  g = jax.grad(lambda x, w, b: linear_cross_entropy(x, w, y0, bias=b, impl="pallas_mosaic", z_loss=0.1,
+                                                    mode="lean", config=SMALL), (0, 1, 2))(x, w, b)
+  for a in g:
+    a = np.asarray(a, np.float32)
+    assert np.isfinite(a).all() and not np.any(a)
+
+
+def test_epilogue_math_matches_shared_math():
+  """The register-tile forms of the loss math (broadcast_in_dim, no isfinite) equal _math's on random tiles."""
+  rng = np.random.default_rng(0)
+  bt, bv, v = 16, 24, 100
+  opts = _math.LossOptions(v, label_smoothing=0.1, z_loss=1e-2, logit_softcap=5.0)
+  z = jnp.asarray(3 * rng.standard_normal((bt, bv)), jnp.float32)
+  c0 = 40
+  cols1 = c0 + jnp.arange(bv, dtype=jnp.int32)
+  cols = jnp.broadcast_to(cols1, (bt, bv))
+  valid1 = cols1 >= 45
+  labels = jnp.asarray(rng.integers(-1, v + 1, bt), jnp.int32).at[:3].set(jnp.array([50, 41, 63]))
+  got = pallas_mosaic.epilogue_stats(z, cols, jnp.broadcast_to(valid1, (bt, bv)), labels, opts)
+  want = _math.tile_stats(_math.softcap(z, opts.logit_softcap), cols1, labels, valid1, opts)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  other = _math.tile_stats(_math.softcap(z[:, ::-1], 5.0), cols1, labels, ~valid1, opts)
+  for a, b in zip(pallas_mosaic.merge(want, other), _math.merge_stats(want, other)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  lse = jnp.asarray(rng.standard_normal(bt) + 4, jnp.float32)
+  g_loss = jnp.asarray(rng.standard_normal(bt), jnp.float32)
+  g_lse = jnp.asarray(rng.standard_normal(bt), jnp.float32)
+  coef, a, c = pallas_mosaic.row_coefficients(lse, labels, g_loss, g_lse, opts)
+  got = pallas_mosaic.epilogue_dlogits(z, cols, labels, lse, coef, a, c, opts)
+  want = _math.dlogits(z, lse, labels, cols1, jnp.ones((bv,), bool), g_loss, g_lse, opts)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert np.isnan(got[labels >= v]).all()
+
+
+def test_supported_and_plan():
+  pallas_mosaic.supported(_base.Spec(_math.LossOptions(10), interpret=True), "cpu")
+  with pytest.raises(NotImplementedError, match="platform='cpu'"):
+    pallas_mosaic.supported(_base.Spec(_math.LossOptions(10)), "cpu")
+  if not on_sm90:
+    with pytest.raises(ValueError, match="pallas_mosaic"):
+      linear_cross_entropy(jnp.ones((4, 64)), jnp.ones((64, 10)), jnp.zeros(4, int), impl="pallas_mosaic",
+                           interpret=False)
+  p = pallas_mosaic.plan(8192, 4096, 128256)
+  assert (p.block_t, p.block_v, p.block_k) == (128, 128, 64) and p.chunk_size == 2048
+  assert 64 * p.num_splits >= 132  # the forward grid covers the SMs
+  with pytest.raises(ValueError, match="block_v=96"):
+    pallas_mosaic.plan(64, 64, 1000, Config(block_v=96))
+  with pytest.raises(ValueError, match="chunk_size=100"):
+    pallas_mosaic.plan(64, 64, 1000, Config(chunk_size=100))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_sm90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("w_layout", ["vh", "hv"])
+def test_gpu_llama3_against_xla(w_layout):
+  b, h, v = 8192, 4096, 128256
+  k = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k[0], (b, h), jnp.bfloat16)
+  w = (0.02 * jax.random.normal(k[1], (v, h) if w_layout == "vh" else (h, v))).astype(jnp.bfloat16)
+  y = jax.random.randint(k[2], (b,), 0, v)
+  f = lambda impl: jax.jit(jax.value_and_grad(
+      lambda x, w: linear_cross_entropy(x, w, y, w_layout=w_layout, impl=impl, mode="lean", reduction="sum"), (0, 1)))
+  l1, (dx1, dw1) = f("pallas_mosaic")(x, w)
+  l0, (dx0, dw0) = f("xla")(x, w)
+  assert abs(float(l1 - l0)) / abs(float(l0)) < 1e-5
+  assert rel_err(dx1, dx0) < 2e-2 and rel_err(dw1, dw0) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_sm90, reason="needs an SM90 GPU")
+def test_gpu_options_compiled():
+  check(config=None, h=512, v=5003, batch_shape=(1000,), options=OPTIONS["all"], bias=True, interpret=False)
