@@ -82,6 +82,10 @@ def _mem_bytes(r) -> float | None:
   return r.get("device_peak_bytes") if v is None else v
 
 
+def _is_peer(r) -> bool:
+  return r.get("source") == "torch" or str(r["impl"]).startswith("tokamax")
+
+
 def _labels(rows) -> list[str]:
   """Column order: our implementations, then tokamax, then the torch peers, each in order of first appearance."""
   seen: dict[str, int] = {}
@@ -118,12 +122,13 @@ def _env_line(rows) -> str:
 # ---------------------------------------------------------------------------------------------------- tables
 
 
-def _cell(rows, shape, label, pass_="fwdbwd"):
+def _cell(rows, shape, label, pass_="fwdbwd", ratio=False):
   for r in rows:
     if r["shape"] == shape and (r.get("label") or r["impl"]) == label and r["pass"] == pass_:
       if not _ok(r):
         return "skipped" if str(r.get("error", "")).startswith("skipped") else "error"
-      return f"{_fmt_ms(r['ms'])} ms / {_fmt_gb(_mem_bytes(r))} GB"
+      x = f" ({r['ms'] / r['floor_ms']:.2f}×)" if ratio and r.get("floor_ms") else ""
+      return f"{_fmt_ms(r['ms'])} ms{x} / {_fmt_gb(_mem_bytes(r))} GB"
   return "—"
 
 
@@ -131,20 +136,31 @@ def _shape_rows(rows):
   return [r for r in rows if not r.get("sweep")]
 
 
+def _what(rows, label) -> str:
+  """'ours' or 'peer', and the FLOPs the design does in a fwd+bwd."""
+  rs = [r for r in rows if (r.get("label") or r["impl"]) == label]
+  peer = any(_is_peer(r) for r in rs)
+  factors = {r.get("flops_factor") for r in rs if r["pass"] == "fwdbwd" and r.get("flops_factor")}
+  return f"{'peer' if peer else 'lce_flax'}, {'/'.join(str(f) for f in sorted(factors)) or '?'}·BHV"
+
+
 def llm_table(rows) -> str:
-  """One line per shape: the floor, then fwd+bwd time / extra memory of every implementation and peer."""
+  """One line per implementation (ours first, then the peers), one column per shape: fwd+bwd time (its ratio to
+  the floor) / extra memory; the first line is the floor."""
   rows = _shape_rows(rows)
   if not rows:
     return ""
   labels = _labels(rows)
   shapes = list(dict.fromkeys(r["shape"] for r in rows))
-  head = "| shape (B×H×V) | floor | " + " | ".join(f"`{lab}`" for lab in labels) + " |"
-  lines = [head, "|" + "---|" * (2 + len(labels))]
-  for s in shapes:
-    r0 = next(r for r in rows if r["shape"] == s)
-    floor = shapes_lib.Shape(s, r0["B"], r0["H"], r0["V"]).floor_ms(6)
-    cells = [_cell(rows, s, lab) for lab in labels]
-    lines.append(f"| {s} {r0['B']}×{r0['H']}×{r0['V']} | {_fmt_ms(floor)} ms | " + " | ".join(cells) + " |")
+  dims = {s: next((r["B"], r["H"], r["V"]) for r in rows if r["shape"] == s) for s in shapes}
+  lines = ["| fwd+bwd: ms (× floor) / extra GB | what, FLOPs | "
+           + " | ".join(f"{s} {b}×{h}×{v}" for s, (b, h, v) in dims.items()) + " |",
+           "|" + "---|" * (2 + len(shapes)),
+           f"| floor (6·BHV at {shapes_lib.PEAK_TFLOPS:.0f} TFLOP/s) | | "
+           + " | ".join(f"{_fmt_ms(shapes_lib.Shape(s, *d).floor_ms(6))} ms" for s, d in dims.items()) + " |"]
+  for lab in labels:
+    lines.append(f"| `{lab}` | {_what(rows, lab)} | " + " | ".join(_cell(rows, s, lab, ratio=True) for s in shapes)
+                 + " |")
   return "\n".join(lines)
 
 
@@ -212,8 +228,9 @@ def markdown(rows, images: Sequence[str] = ()) -> str:
         "Forward + backward (loss and the gradients of x and w), bf16 inputs (x ~ N(0,1), w = 0.02·N(0,1)), "
         "labels uniform, reduction \"sum\". Time: median after warm-up. Memory: extra device memory beyond inputs "
         "and gradients (JAX: compiled temp size; torch: peak allocated over a step minus what was allocated "
-        f"before it). Floor: 6·B·H·V FLOPs at {shapes_lib.PEAK_TFLOPS:.0f} TFLOP/s. Designs that recompute the "
-        "logits in the backward (`lean`, `pallas_triton`, tokamax `chunked_xla`) do 8·B·H·V.")
+        f"before it). Floor: 6·B·H·V FLOPs at {shapes_lib.PEAK_TFLOPS:.0f} TFLOP/s. The FLOPs column gives what "
+        "each design does: 8·B·H·V for those that recompute the logits in the backward, whose own floor is 4/3 "
+        "of the one shown.")
     t = llm_table(rows)
     if t:
       parts.append(t)
@@ -240,42 +257,55 @@ def _plt():
   return plt
 
 
+def _colors(labels: Sequence[str]) -> dict[str, Any]:
+  """One colour per label, the same in every panel and both figures."""
+  import matplotlib  # noqa: PLC0415
+  cmap = matplotlib.colormaps["tab20"]
+  return {lab: cmap(k % 20) for k, lab in enumerate(labels)}
+
+
+def _suptitle(rows, extra: str = "") -> str:
+  return _env_line(rows).replace("; torch side", "\ntorch side") + extra
+
+
 def plot_llm(rows, path: str) -> str | None:
-  """Bars per shape: fwd+bwd time (top, floor dashed) and extra memory (bottom); anchors' peers hatched when
-  this run has no torch rows."""
+  """Bars per shape: fwd+bwd time (top, the floor dashed) and extra memory (bottom). Peers (tokamax, torch) are
+  dotted; where this run has no torch rows, the anchors file's peers are added as grey hatched bars."""
   rows = [r for r in _shape_rows(rows) if r["pass"] == "fwdbwd" and _ok(r)]
   if not rows:
     return None
   shapes = list(dict.fromkeys(r["shape"] for r in rows))
   use_anchor = not any(r.get("source") == "torch" for r in rows)
+  colors = _colors(_labels(rows))
   plt = _plt()
-  fig, axes = plt.subplots(2, len(shapes), figsize=(3.2 * len(shapes) + 1.5, 7), squeeze=False)
+  fig, axes = plt.subplots(2, len(shapes), figsize=(3.4 * len(shapes) + 1.5, 7.5), squeeze=False)
   for j, s in enumerate(shapes):
     rs = [r for r in rows if r["shape"] == s]
-    bars = [((r.get("label") or r["impl"]), r["ms"], _mem_bytes(r), False) for r in rs]
+    # (name, ms, bytes, colour, hatch)
+    bars = [((r.get("label") or r["impl"]), r["ms"], _mem_bytes(r), colors[r.get("label") or r["impl"]],
+             ".." if _is_peer(r) else None) for r in rs]
     if use_anchor and s in ANCHOR_PEERS:
       have = {b[0] for b in bars}
-      bars += [(f"{n} (anchors)", ms, gb * 1e9, True) for n, (ms, gb) in ANCHOR_PEERS[s].items() if n not in have]
-    names = [b[0] for b in bars]
-    for i, (vals, unit) in enumerate((([b[1] for b in bars], "ms"),
-                                      ([(b[2] or 0) / 1e9 for b in bars], "GB"))):
+      bars += [(f"{n} (anchors)", ms, gb * 1e9, "#cccccc", "//") for n, (ms, gb) in ANCHOR_PEERS[s].items()
+               if n not in have]
+    for i, vals in enumerate(([b[1] for b in bars], [(b[2] or 0) / 1e9 for b in bars])):
       ax = axes[i][j]
-      colors = ["#bbbbbb" if b[3] else f"C{k % 10}" for k, b in enumerate(bars)]
-      ax.bar(range(len(bars)), vals, color=colors, hatch=None)
       for k, (b, v) in enumerate(zip(bars, vals)):
-        if b[3]:
-          ax.patches[k].set_hatch("//")
-        ax.annotate(f"{v:.3g}", (k, v), ha="center", va="bottom", fontsize=6)
-      ax.set_xticks(range(len(bars)), names, rotation=75, fontsize=7)
-      ax.set_ylabel(f"fwd+bwd {unit}" if i == 0 else f"extra memory, {unit}")
+        ax.bar(k, v, color=b[3], hatch=b[4], edgecolor="#555555" if b[4] else None, lw=0.3)
+        ax.annotate(f"{v:.3g}", (k, v), ha="center", va="bottom", fontsize=6, rotation=90,
+                    xytext=(0, 2), textcoords="offset points")
+      ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=75, fontsize=7)
+      ax.margins(y=0.15)
       if i == 0:
         r0 = rs[0]
         ax.axhline(r0["floor_ms"], color="k", ls="--", lw=1, label="6·BHV floor")
         ax.set_title(f"{s}\n{r0['B']}×{r0['H']}×{r0['V']}", fontsize=9)
         ax.legend(fontsize=7)
+    axes[0][j].set_ylabel("fwd+bwd, ms")
+    axes[1][j].set_ylabel("extra memory, GB")
   anchored = use_anchor and any(s in ANCHOR_PEERS for s in shapes)
-  fig.suptitle(_env_line(rows)[:140] + ("\nhatched grey: peers from the anchors file (H100, 2026-11-22), not this run"
-                                        if anchored else ""), fontsize=8)
+  fig.suptitle(_suptitle(rows, "\ngrey hatched: peers from the anchors file (H100, 2026-11-22), not this run"
+                         if anchored else ""), fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -289,6 +319,7 @@ def plot_sweep(rows, path: str) -> str | None:
   if not axes_present:
     return None
   labels = _labels(rows)
+  colors = _colors(labels)
   plt = _plt()
   fig, axes = plt.subplots(2, len(axes_present), figsize=(4.5 * len(axes_present), 7), squeeze=False)
   for j, axis in enumerate(axes_present):
@@ -300,8 +331,8 @@ def plot_sweep(rows, path: str) -> str | None:
       if not pts:
         continue
       xs = [r[axis] for r in pts]
-      axes[0][j].plot(xs, [r["ms"] for r in pts], "o-", color=f"C{k % 10}", label=lab)
-      axes[1][j].plot(xs, [max(_mem_bytes(r) or 0, 1e3) / 1e9 for r in pts], "o-", color=f"C{k % 10}", label=lab)
+      axes[0][j].plot(xs, [r["ms"] for r in pts], "o-", color=colors[lab], label=lab)
+      axes[1][j].plot(xs, [max(_mem_bytes(r) or 0, 1e3) / 1e9 for r in pts], "o-", color=colors[lab], label=lab)
     floors = sorted({(r[axis], r["floor_ms"]) for r in rs})
     axes[0][j].plot([f[0] for f in floors], [f[1] for f in floors], "k--", lw=1, label="6·BHV floor")
     axes[1][j].set_yscale("log")  # lean designs sit 10–100× under the ones that keep logits
@@ -314,7 +345,7 @@ def plot_sweep(rows, path: str) -> str | None:
     axes[1][j].set_ylabel("extra memory, GB")
     axes[0][j].set_title(f"vs {axis} ({fixed})", fontsize=9)
     axes[0][j].legend(fontsize=7)
-  fig.suptitle(_env_line(rows)[:160], fontsize=8)
+  fig.suptitle(_suptitle(rows), fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

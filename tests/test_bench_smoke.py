@@ -64,7 +64,8 @@ def test_smoke_report_written(smoke):
     with open(os.path.join(out, png), "rb") as fh:
       assert fh.read(8) == PNG_MAGIC
   md = open(os.path.join(out, "results.md")).read()
-  assert "| shape (B×H×V) | floor | `xla` | `chunked:fast` | `chunked:lean` |" in md
+  assert "| fwd+bwd: ms (× floor) / extra GB | what, FLOPs | tiny-a 64×32×500 | tiny-b 100×24×1000 |" in md
+  assert "| `chunked:lean` | lce_flax, 8·BHV | " in md and "| `chunked:fast` | lce_flax, 6·BHV | " in md
   assert "![llm](llm.png)" in md and "![sweep](sweep.png)" in md
   for axis in "VBH":
     assert f"fwd+bwd vs {axis}" in md
