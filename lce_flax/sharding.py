@@ -15,10 +15,13 @@ Layout it expects (it reshards to it if the arrays are placed otherwise):
 
 What each device does:
 
-* **data parallel** (``batch_axes``): runs the op on its own tokens. ``mean`` divides the psum of the local sums
-  by the psum of the local counts of counted tokens, so it is the global token mean (not a mean of means). ``w``
-  is replicated over these axes, so its gradient must be summed over them: the device-local ``w`` is marked as
-  varying over the batch axes (``lax.pcast(..., to="varying")``), whose transpose is exactly that psum.
+* **data parallel** (``batch_axes``): runs the op (any implementation, kernels included) on its own tokens.
+  ``mean`` divides the psum of the local sums by the psum of the local counts of counted tokens, so it is the
+  global token mean (not a mean of means). ``w`` is replicated over these axes, so its gradient is summed over
+  them: shard_map's transpose psums the cotangent of an input replicated over an axis. This path runs with
+  ``check_vma=False``, because the kernel backends' ``pallas_call`` outputs do not declare how they vary over
+  manual mesh axes (which ``check_vma=True`` requires); the tests check every reduction and mesh against one
+  device, with the chunked and (interpret-mode) Pallas backends.
 * **FSDP** (``fsdp_axis``, also a batch axis by default): ``w`` is stored split over H and all-gathered *once
   per call* to [H, V/t] before the op runs. Each logit contracts over the whole of H, so a device needs every row
   of H for the columns it computes; gathering once keeps the op (and its GPU kernels) unchanged and costs a
@@ -31,7 +34,9 @@ What each device does:
   implementation's loop (:func:`lce_flax.chunked.vocab_stats`); one pmax and one psum of [3, b] per call combine
   them into the global lse, the target logit (only its owner adds a non-zero) and the smoothing term. The
   backward recomputes each shard's chunk logits (:func:`lce_flax.chunked.vocab_grads`): dw and dbias are exact
-  per shard, dx is a partial sum reduced with one psum over the vocab axis. ``w`` is never gathered; the
+  per shard, dx is a partial sum reduced with one psum over the vocab axis. This path runs with ``check_vma=True``:
+  x is marked as varying over the vocab axis and w over the batch axes (``lax.pcast(..., to="varying")``), and the
+  transposes of those casts are exactly the two reductions (dx over the vocab axis, dw over the batch axes). ``w`` is never gathered; the
   per-device head memory is that of a V/t head. This path always runs the chunked recompute design (8·B·H·V
   FLOPs in all); ``chunk_size`` sets its vocabulary chunk, ``impl`` and ``mode`` are not used.
 
@@ -260,7 +265,8 @@ def sharded_linear_cross_entropy(
       w = lax.all_gather(w, faxis, axis=h_dim, tiled=True)
     vary = batch + ((vaxis,) if vaxis is not None else ())
     # Labels stay invariant over the vocab axis, so everything derived from the combined stats (loss, lse) is too.
-    x, w, bias = _vary(x, vary), _vary(w, vary), _vary(bias, vary)
+    if vaxis is not None:
+      x, w, bias = _vary(x, vary), _vary(w, vary), _vary(bias, vary)
     norm = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1), ignore_index,
                                   vocab)
     count = lax.psum((norm != _math.IGNORED).sum(dtype=jnp.int32), batch) if batch else (
@@ -294,6 +300,6 @@ def sharded_linear_cross_entropy(
   loss_spec = tok_spec if reduction == "none" else P()
   out_specs = (loss_spec, api.Aux(tok_spec, tok_spec, P(), P()))
   fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, w_spec, P(vaxis), tok_spec, tok_spec),
-                     out_specs=out_specs)
+                     out_specs=out_specs, check_vma=vaxis is not None)
   loss, aux = fn(x, w, bias, labels, where)
   return (loss, aux) if return_aux else loss

@@ -56,7 +56,7 @@ def _place(mesh, x, w, b, y, where, w_layout="hv"):
 
 
 def _compare(mesh_shape, *, seed=0, options=None, reduction="mean", w_layout="hv", batch_shape=(B,), chunk=16,
-             use_where=True, oracle=True):
+             use_where=True, oracle=True, impl="chunked", **op_kwargs):
   """Loss, aux and grads of x, w, bias: sharded vs the single-device op (≤ 1e-5) and vs the float64 oracle."""
   options = options or {}
   mesh = make_mesh(*mesh_shape)
@@ -75,11 +75,12 @@ def _compare(mesh_shape, *, seed=0, options=None, reduction="mean", w_layout="hv
       grads = vjp(cot)
     return loss, aux, grads
 
-  single = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, impl="chunked", chunk_size=chunk, **kw)
+  kw.update(op_kwargs)
+  single = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, impl=impl, chunk_size=chunk, **kw)
   l0, a0, g0 = run(single, x, w, b)
   xs, ws, bs, ys, wh = _place(mesh, x, w, b, y, where if where is not None else y > 0, w_layout)
   sharded = lambda x, w, b, y, wh: sharded_linear_cross_entropy(
-      x, w, y, bias=b, mesh=mesh, chunk_size=chunk, **dict(kw, where=None if where is None else wh))
+      x, w, y, bias=b, mesh=mesh, impl=impl, chunk_size=chunk, **dict(kw, where=None if where is None else wh))
   l1, a1, g1 = jax.jit(lambda x, w, b, y, wh: run(functools.partial(sharded, y=y, wh=wh), x, w, b))(
       xs, ws, bs, ys, wh)
   assert l1.shape == l0.shape and l1.dtype == jnp.float32
@@ -121,6 +122,19 @@ def test_reduction_none_with_cotangent(mesh_shape):
 def test_embed_table_layout(mesh_shape):
   """w_layout='vh' ([V, H], a tied embedding table): V split over tensor, H over fsdp."""
   _compare(mesh_shape, options=OPTIONS["z_loss"], w_layout="vh", seed=9, use_where=False)
+
+
+@pytest.mark.parametrize("reduction", ["mean"])  # lean/"none" runs the same wrapper code path
+def test_kernel_backend_under_data_parallel(reduction):
+  """The data-parallel path runs any backend: Pallas Triton (interpret mode on CPU) on a 4×2×1 mesh."""
+  try:
+    linear_cross_entropy(jnp.ones((4, 8)), jnp.ones((8, 16)), jnp.zeros(4, jnp.int32), impl="pallas_triton",
+                         interpret=True)
+  except (NotImplementedError, ValueError, ImportError) as e:
+    pytest.skip(f"pallas_triton cannot run here: {e}")
+  mode = "lean" if reduction == "none" else None
+  _compare((4, 2, 1), options=OPTIONS["all"], seed=4, reduction=reduction, batch_shape=(8, 5), oracle=False,
+           impl="pallas_triton", interpret=True, mode=mode)
 
 
 def test_mean_divides_by_global_count():
