@@ -179,7 +179,8 @@ def section_sweep(res):
   rows = []
   for c in (Config(chunk_size=2048, dx_kernel=False), Config(chunk_size=4096), Config(chunk_size=4096, dx_kernel=False),
             Config(chunk_size=8192), Config(chunk_size=8192, dx_kernel=False), Config(chunk_size=1024),
-            Config(chunk_size=4096, group_t=64)):
+            Config(chunk_size=4096, group_t=64), Config(low_memory=True, token_block=2048),
+            Config(low_memory=True, dx_chunk=16384)):
     if left() < 15:
       break
     try:
@@ -240,12 +241,12 @@ def section_shapes(res):
   out = []
   for name, (b, h, v) in SHAPES.items():
     x, w, y = inputs(b, h, v, jnp.bfloat16)
-    for impl in ("pallas_triton", "xla", "chunked"):
+    for impl in ("pallas_triton", "pallas_triton:low_memory", "xla", "chunked"):
       if left() < 60:
         break
       row = dict(shape=name, impl=impl)
       try:
-        f = loss_fn(impl)
+        f = loss_fn("pallas_triton", Config(low_memory=True)) if impl.endswith("low_memory") else loss_fn(impl)
         g = jax.grad(f, argnums=(0, 1))
         row["fwd_ms"] = median_ms(jax.jit(f), x, w, y, iters=5)
         row["fwd_bwd_ms"] = median_ms(jax.jit(g), x, w, y, iters=5)

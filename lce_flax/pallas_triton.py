@@ -38,7 +38,10 @@ Backward (recompute; no B×V array)
   The float32 dx accumulator is what keeps this above 64 MB at llama3-8b. Any chunking of the backward
   accumulates one of dx (over vocabulary chunks) or dw (over token chunks) across chunks; holding neither in
   float32 means accumulating in bf16 (Liger's choice, error growing with the number of chunks) or a third
-  logits pass (dx over token blocks, dw over vocabulary chunks: 10·B·H·V FLOPs).
+  logits pass, which ``Config(low_memory=True)`` does: the chunk loop above forms dw (and dbias) only, then
+  a second loop over blocks of ``token_block`` tokens recomputes each block's logits in chunks of ``dx_chunk``
+  columns and accumulates that block's dx in a float32 [token_block, H] buffer, complete before the next block.
+  Extra memory: max(B·chunk·itemsize, ~2·16 MB) — 32 MB at llama3-8b; FLOPs 10·B·H·V.
 
 Ragged B, V and H are handled by masked loads and stores (``pl.ds`` windows checked against iota bounds); w is
 never padded or copied.
@@ -76,6 +79,9 @@ class Config:
     group_t: row blocks per group in the backward's tile order (L2 reuse of w).
     dx_kernel: accumulate ``dx += dz·w[chunk]ᵀ`` in place with a Pallas kernel (True) or with an XLA matmul
       followed by an add (False; XLA then keeps a second B×H float32 buffer for the product).
+    low_memory: a third logits pass instead of the B×H float32 dx accumulator (see the module docstring).
+    token_block: tokens per block of the low-memory dx pass (a multiple of ``block_t``).
+    dx_chunk: vocabulary columns per chunk of the low-memory dx pass (a multiple of ``block_v``).
   """
 
   block_t: int | None = None
@@ -87,6 +93,9 @@ class Config:
   num_stages: int | None = None
   group_t: int | None = None
   dx_kernel: bool | None = None
+  low_memory: bool | None = None
+  token_block: int | None = None
+  dx_chunk: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +111,15 @@ class Plan:
   num_stages: int
   group_t: int
   dx_kernel: bool
+  low_memory: bool
+  token_block: int
+  dx_chunk: int  # vocabulary columns per chunk of the low-memory dx pass
 
 
 # Budget for the backward's dz chunk (B × chunk_size in the input dtype).
 DZ_CHUNK_BYTES = 32 * 2**20
+# Budget for each of the low-memory dx pass's buffers (float32 dx block, dz block).
+LOW_MEMORY_BLOCK_BYTES = 16 * 2**20
 
 
 def _pow2_ceil(n: int) -> int:
@@ -182,7 +196,13 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: Config | None 
   stages = c.num_stages or (4 if small and cc is not None and cc >= (9, 0) else 3)
   group = c.group_t or 8
   dx_kernel = True if c.dx_kernel is None else bool(c.dx_kernel)
-  return Plan(bt, bv, bk, splits, chunk, warps, stages, group, dx_kernel)
+  low = bool(c.low_memory)
+  # Low-memory dx pass: a float32 [token_block, H] accumulator and a [token_block, dx_chunk] dz of ~16 MB each.
+  tb = c.token_block or max(bt, _pow2_floor(LOW_MEMORY_BLOCK_BYTES // (4 * max(hidden, 1))))
+  tb = _cdiv(min(tb, _cdiv(num_tokens, bt) * bt), bt) * bt
+  dx_chunk = c.dx_chunk or max(_pow2_floor(LOW_MEMORY_BLOCK_BYTES // (itemsize * tb)), bv)
+  dx_chunk = _cdiv(dx_chunk, bv) * bv
+  return Plan(bt, bv, bk, splits, chunk, warps, stages, group, dx_kernel or low, low, tb, dx_chunk)
 
 
 def supported(spec: _base.Spec, platform: str) -> None:
@@ -447,41 +467,81 @@ def _lean_fwd(x, w, bias, labels, spec, p):
 
 def _lean_bwd(spec, p, res, g):
   x, w, bias, labels, lse = res
-  vocab = spec.opts.vocab_size
-  vaxis = spec.vocab_axis
   g_loss = g.loss.astype(F32)
   g_lse = g.lse.astype(F32)
-  c = p.chunk_size
-  n_full = vocab // c
-  tail = vocab - n_full * c
-
   # On a GPU the dw matmul writes the weights' dtype directly (cuBLAS accumulates in float32 either way); in
   # interpret mode (CPU) it accumulates in float32 explicitly.
   dw_type = F32 if spec.interpret else w.dtype
+  dw_step = functools.partial(_dw_step, x, w, bias, labels, lse, g_loss, g_lse, spec, p, dw_type)
 
   def step(k, width, carry):
     dx, dw, db = carry
-    off = k * c
-    dz, dbc = _dz_chunk(k, width, x, w, bias, labels, lse, g_loss, g_lse, spec, p)
+    dz, dw, db = dw_step(k, width, (None, dw, db))
     if p.dx_kernel:
       dx = _dx_accumulate(dx, dz, w, k, spec, p)
     else:
-      dx = dx + _base.grad_x(dz, _base.slice_vocab(w, off, width, spec.w_layout), spec.w_layout)
-    # The reduction over tokens is complete inside this one matmul: dw's columns are written once.
-    dwc = lax.dot_general(*((x, dz) if spec.w_layout == "hv" else (dz, x)), (((0,), (0,)), ((), ())),
-                          preferred_element_type=dw_type)
-    dw = lax.dynamic_update_slice_in_dim(dw, dwc.astype(dw.dtype), off, vaxis)
-    if db is not None:
-      db = lax.dynamic_update_slice_in_dim(db, dbc, off, 0)
+      wc = _base.slice_vocab(w, k * p.chunk_size, width, spec.w_layout)
+      dx = dx + _base.grad_x(dz, wc, spec.w_layout)
     return dx, dw, db
 
   carry = (jnp.zeros(x.shape, F32), jnp.zeros_like(w), None if bias is None else jnp.zeros(bias.shape, F32))
+  if p.low_memory:
+    _, dw, db = _vocab_loop(spec.opts.vocab_size, p.chunk_size, lambda k, n, cr: (None, *dw_step(k, n, cr)[1:]),
+                            (None, *carry[1:]))
+    dx = _dx_by_token_blocks(x, w, bias, labels, lse, g_loss, g_lse, spec, p)
+  else:
+    dx, dw, db = _vocab_loop(spec.opts.vocab_size, p.chunk_size, step, carry)
+  return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
+
+
+def _vocab_loop(vocab: int, c: int, step, carry):
+  """``step(k, width, carry)`` over the chunks ``[k·c, k·c + width)`` of the vocabulary (the last one ragged)."""
+  n_full, tail = vocab // c, vocab % c
   if n_full:
     carry = lax.fori_loop(0, n_full, lambda k, cr: step(k, c, cr), carry)
   if tail:
     carry = step(jnp.int32(n_full), tail, carry)
-  dx, dw, db = carry
-  return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
+  return carry
+
+
+def _dw_step(x, w, bias, labels, lse, g_loss, g_lse, spec, p, dw_type, k, width, carry):
+  """One vocabulary chunk: its dz, and its columns of dw (and dbias). Returns (dz, dw, db)."""
+  _, dw, db = carry
+  dz, dbc = _dz_chunk(k, width, x, w, bias, labels, lse, g_loss, g_lse, spec, p)
+  # The reduction over tokens is complete inside this one matmul: dw's columns are written once.
+  dwc = lax.dot_general(*((x, dz) if spec.w_layout == "hv" else (dz, x)), (((0,), (0,)), ((), ())),
+                        preferred_element_type=dw_type)
+  dw = lax.dynamic_update_slice_in_dim(dw, dwc.astype(dw.dtype), k * p.chunk_size, spec.vocab_axis)
+  if db is not None:
+    db = lax.dynamic_update_slice_in_dim(db, dbc, k * p.chunk_size, 0)
+  return dz, dw, db
+
+
+def _dx_by_token_blocks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
+  """The low-memory backward's dx pass: per block of ``token_block`` tokens, the logits are recomputed chunk by
+  chunk (``dx_chunk`` columns) and ``dx_block += dz wᵀ`` accumulates in a float32 [token_block, H] buffer that
+  is complete, and cast, before the next block starts."""
+  px = dataclasses.replace(p, chunk_size=p.dx_chunk)
+  vocab = spec.opts.vocab_size
+
+  def rows(r, n: int):
+    sl = lambda a: lax.dynamic_slice_in_dim(a, r, n, 0)
+    xb, yb, lb, glb, gsb = sl(x), sl(labels), sl(lse), sl(g_loss), sl(g_lse)
+
+    def step(k, width, acc):
+      dz, _ = _dz_chunk(k, width, xb, w, bias, yb, lb, glb, gsb, spec, px)
+      return _dx_accumulate(acc, dz, w, k, spec, px)
+
+    return _vocab_loop(vocab, px.chunk_size, step, jnp.zeros((n, x.shape[1]), F32)).astype(x.dtype)
+
+  tb = min(p.token_block, x.shape[0])
+  n_full, tail = divmod(x.shape[0], tb)
+  dx = jnp.zeros_like(x)
+  if n_full:
+    dx = lax.fori_loop(0, n_full, lambda i, d: lax.dynamic_update_slice_in_dim(d, rows(i * tb, tb), i * tb, 0), dx)
+  if tail:
+    dx = lax.dynamic_update_slice_in_dim(dx, rows(n_full * tb, tail), n_full * tb, 0)
+  return dx
 
 
 _lean.defvjp(_lean_fwd, _lean_bwd)

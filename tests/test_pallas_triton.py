@@ -45,6 +45,12 @@ def test_reductions_and_where(reduction):
   check(reduction=reduction, where=True, options=OPTIONS["all"], seed=3, w_layout="vh", bias=True)
 
 
+def test_low_memory_vh_bf16_none():
+  check(reduction="none", dtype=jnp.bfloat16, w_layout="vh", bias=True, options=OPTIONS["all"], seed=9,
+        config=Config(block_t=16, block_v=32, block_k=16, chunk_size=64, low_memory=True, token_block=32,
+                      dx_chunk=96))
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -52,8 +58,10 @@ def test_reductions_and_where(reduction):
         Config(block_t=16, block_v=16, block_k=16, num_splits=64, chunk_size=1000),  # splits > tiles; chunk > V
         Config(block_t=64, block_v=64, block_k=32, num_splits=1, chunk_size=16),  # B < block_t; one split
         Config(block_t=16, block_v=32, block_k=16, chunk_size=96, dx_kernel=False),  # dx by XLA matmul + add
+        # low memory: dx over token blocks of 16 (37 = 2·16 + 5) and vocabulary chunks of 128 (301 = 2·128 + 45)
+        Config(block_t=16, block_v=32, block_k=16, chunk_size=64, low_memory=True, token_block=16, dx_chunk=128),
     ],
-    ids=["heuristic", "many-splits", "one-split", "xla-dx"],
+    ids=["heuristic", "many-splits", "one-split", "xla-dx", "low-memory"],
 )
 def test_configs(config):
   check(config=config, options=OPTIONS["smoothing"], bias=True, seed=5)
@@ -121,6 +129,8 @@ def test_plan_heuristic():
   tiny = pallas_triton.plan(5, 3, 7, jnp.float32)
   assert (tiny.block_t, tiny.block_v, tiny.block_k) == (16, 16, 16) and tiny.num_splits == 1
   assert pallas_triton.plan(37, 24, 301, jnp.float32, Config(block_v=32, chunk_size=50)).chunk_size == 64
+  low = pallas_triton.plan(8192, 4096, 128256, jnp.bfloat16, Config(low_memory=True))
+  assert low.dx_kernel and (low.token_block, low.dx_chunk) == (1024, 8192)  # 16 MiB f32 dx block, bf16 dz block
   with pytest.raises(ValueError, match="block_v=48"):
     pallas_triton.plan(37, 24, 301, jnp.float32, Config(block_v=48))
 
