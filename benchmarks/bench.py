@@ -342,7 +342,7 @@ def run(preset: Preset, variants: list[Variant], out_dir: str, budget_s: float |
           held.update(args=None, err=f"inputs: {type(e).__name__}: {str(e)[:300]}")
       return held["args"], held["err"], refs.get(shape.name)
 
-    for k, ((shape, axis, passes), variant) in enumerate(work):
+    for (shape, axis, passes), variant in work:
       for pass_ in passes:
         row = base_row(env, preset, shape, axis, variant, pass_)
         if budget_s is not None and time.monotonic() - start > budget_s:
@@ -363,8 +363,6 @@ def run(preset: Preset, variants: list[Variant], out_dir: str, budget_s: float |
             except Exception as e:  # noqa: BLE001 - OOM, unsupported option, compile failure: record, go on
               row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         emit(row)
-      if k + 1 == len(work) or work[k + 1][1] is not variant:
-        jax.clear_caches()  # drop what this implementation compiled before the next one
   log(f"# done in {time.monotonic() - start:.1f} s")
   return path
 
@@ -379,6 +377,8 @@ def parse_args(argv=None):
   p.add_argument("--out", default=None, help="output folder (default: $OUT, else /tmp/lce_bench/<preset>)")
   p.add_argument("--budget-s", type=float, default=None,
                  help="stop measuring after this many seconds; the rest is recorded as skipped")
+  p.add_argument("--passes", default=None,
+                 help="comma-separated subset of fwd,fwdbwd for every shape (default: the preset's)")
   p.add_argument("--order", choices=("impl", "shape"), default="impl",
                  help="impl: each implementation over all shapes in turn (a budget cut drops the last "
                  "implementations); shape: all implementations at each shape in turn")
@@ -389,6 +389,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   a = parse_args(argv)
   preset = shapes_lib.PRESETS[a.preset]
+  if a.passes:
+    passes = tuple(x for x in a.passes.split(",") if x)
+    if not passes or any(x not in PASSES for x in passes):
+      raise SystemExit(f"--passes: {a.passes!r} must be a comma-separated subset of {PASSES}")
+    preset = dataclasses.replace(preset, passes=passes, sweep_passes=passes)
   modes = tuple(m for m in a.modes.split(",") if m)
   for m in modes:
     if m not in ("fast", "lean"):
