@@ -366,9 +366,9 @@ class Trainer:
     return {"inputs": s, "labels": s}
 
 
-def data_mesh(batch_size: int) -> Mesh:
-  """A 1-D ("data",) mesh over as many local devices as evenly divide the batch."""
-  devices = jax.local_devices()
+def data_mesh(batch_size: int, num_devices: int | None = None) -> Mesh:
+  """A 1-D ("data",) mesh over as many of the first ``num_devices`` local devices as evenly divide the batch."""
+  devices = jax.local_devices()[:num_devices or None]
   n = max(d for d in range(1, len(devices) + 1) if batch_size % d == 0)
   return Mesh(np.asarray(devices[:n]), ("data",))
 
@@ -379,14 +379,15 @@ def make_optimizer(lr: float, warmup: int, steps: int) -> optax.GradientTransfor
 
 
 def make_trainer(cfg: ModelConfig, loss: str, impl: str, batch_size: int, tx: optax.GradientTransformation,
-                 seq_len: int) -> Trainer:
+                 seq_len: int, num_devices: int | None = None) -> Trainer:
   model = TransformerLM(cfg, loss=loss, impl=impl)
-  mesh = data_mesh(batch_size)
+  mesh = data_mesh(batch_size, num_devices)
   repl = NamedSharding(mesh, P())
   data = NamedSharding(mesh, P("data"))
 
   def init(key):
     params = model.init(key, jnp.zeros((1, seq_len), jnp.int32), jnp.zeros((1, seq_len), jnp.int32))["params"]
+    params = nn.meta.unbox(params)  # drop logical-partitioning boxes: both heads give one plain params tree
     return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
   def loss_fn(params, batch):
@@ -397,7 +398,7 @@ def make_trainer(cfg: ModelConfig, loss: str, impl: str, batch_size: int, tx: op
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     return ({"step": state["step"] + 1, "params": params, "opt_state": opt_state},
-            {"loss": loss, "grad_norm": optax.global_norm(grads)})
+            {"loss": loss, "grad_norm": optax.tree.norm(grads)})
 
   def next_logits(params, tokens, pos):
     # Causal attention: logits at `pos` do not depend on the (padding) tokens after it, so one compiled length.
@@ -500,7 +501,7 @@ def train(args: argparse.Namespace, data: Data, loss: str, log: Callable[[str], 
   """Trains one model with the ``loss`` head; returns the run's record (losses, eval, memory, tokens/s, sample)."""
   cfg = model_config(args)
   tx = make_optimizer(args.lr, args.warmup, args.steps)
-  tr = make_trainer(cfg, loss, args.impl, args.batch_size, tx, args.seq_len)
+  tr = make_trainer(cfg, loss, args.impl, args.batch_size, tx, args.seq_len, args.num_devices)
   key = jax.random.key(args.seed)
   tokens_per_step = args.batch_size * args.seq_len
 
@@ -586,13 +587,17 @@ def _progress(it, args, desc: str):
   return tqdm(it, desc=desc, dynamic_ncols=True, leave=True, initial=it.start, total=args.steps)
 
 
-def head_memory(args: argparse.Namespace, batch_size: int) -> dict[str, dict[str, int]]:
-  """Compiled memory of one training step of each head at ``batch_size`` (compile only; nothing runs)."""
+def head_memory(args: argparse.Namespace, batch_size: int, known: dict[str, dict[str, int]] | None = None
+                ) -> dict[str, dict[str, int]]:
+  """Compiled memory of one training step of each head at ``batch_size`` (compile only; nothing runs); heads in
+  ``known`` are taken from there."""
   cfg = model_config(args)
   tx = make_optimizer(args.lr, args.warmup, args.steps)
-  out = {}
+  out = dict(known or {})
   for loss in LOSSES:
-    tr = make_trainer(cfg, loss, args.impl, batch_size, tx, args.seq_len)
+    if loss in out:
+      continue
+    tr = make_trainer(cfg, loss, args.impl, batch_size, tx, args.seq_len, args.num_devices)
     out[loss] = compiled_memory(compile_step(tr, abstract_state(tr, jax.random.key(args.seed)), args.seq_len))
   return out
 
@@ -601,7 +606,8 @@ def probe(args: argparse.Namespace, data: Data, loss: str, batch_size: int, budg
   """Does a step of ``loss`` at ``batch_size`` fit? GPU: run it and catch RESOURCE_EXHAUSTED. CPU: its compiled
   peak (arguments + outputs + temporaries) must be within ``budget`` bytes, then a few steps are timed."""
   cfg = model_config(args)
-  tr = make_trainer(cfg, loss, args.impl, batch_size, make_optimizer(args.lr, args.warmup, args.steps), args.seq_len)
+  tr = make_trainer(cfg, loss, args.impl, batch_size, make_optimizer(args.lr, args.warmup, args.steps), args.seq_len,
+                    args.num_devices)
   rec: dict[str, Any] = {"batch_size": batch_size, "fits": False}
   key = jax.random.key(args.seed)
   state = None
@@ -610,9 +616,12 @@ def probe(args: argparse.Namespace, data: Data, loss: str, batch_size: int, budg
     rec["memory"] = compiled_memory(compiled)
     if budget is not None and rec["memory"]["peak"] > budget:
       return rec
+    if budget is not None and args.bench_steps == 0:  # CPU, no timing asked: the analysis is the answer
+      rec["fits"] = True
+      return rec
     state = tr.init(key)
     times = []
-    for i in range(args.bench_steps + 1):
+    for i in range(max(args.bench_steps, 1) + 1):
       batch = tr.put_batch(train_batch(data.train_ids, i, batch_size, args.seq_len, args.seed))
       t0 = time.perf_counter()
       state, m = compiled(state, batch)
@@ -632,11 +641,37 @@ def probe(args: argparse.Namespace, data: Data, loss: str, batch_size: int, budg
   return rec
 
 
+def search_max_batch(fits: Callable[[int], bool], start: int, unit: int, limit: int, tol: float
+                     ) -> tuple[int, int | None]:
+  """Largest multiple of ``unit`` in [unit, ``limit``] for which ``fits`` (monotone) holds: halve from ``start``
+  until it fits, double until it does not, then bisect. Returns (largest fitting batch or 0, smallest failing
+  batch seen or None if ``limit`` was reached); bisection stops once their gap is at most
+  ``max(unit, tol * lo)``, since each probe is a compile (and on a GPU a run)."""
+  lo, hi = 0, None
+  b = max(start // unit * unit, unit)
+  while b >= unit and not fits(b):  # the configured batch does not fit: halve down
+    hi, b = b, b // 2 // unit * unit
+  if b >= unit:
+    while b <= limit:  # double up
+      if not fits(b):
+        hi = b
+        break
+      lo, b = b, b * 2
+  if hi is not None and lo:
+    while hi - lo > max(unit, int(tol * lo) // unit * unit):  # invariant: lo fits, hi does not
+      mid = (lo + hi) // 2 // unit * unit
+      if fits(mid):
+        lo = mid
+      else:
+        hi = mid
+  return lo, hi
+
+
 def find_max_batch(args: argparse.Namespace, data: Data, loss: str, log: Callable[[str], None]) -> dict[str, Any]:
   """Largest batch (a multiple of the data-parallel width) whose step fits: doubling, then bisection."""
   gpu = jax.default_backend() == "gpu"
   budget = None if gpu else int(args.mem_budget_gib * 2**30)
-  unit = jax.local_device_count()
+  unit = len(jax.local_devices()[:args.num_devices or None])
   probes: dict[int, dict] = {}
 
   def fits(b: int) -> bool:
@@ -648,21 +683,8 @@ def find_max_batch(args: argparse.Namespace, data: Data, loss: str, log: Callabl
           + (f", {r['tokens_per_s']:,.0f} tok/s" if r.get("tokens_per_s") else ""))
     return probes[b]["fits"]
 
-  lo, hi = 0, None
-  b = unit
-  while b <= args.max_batch_limit:
-    if not fits(b):
-      hi = b
-      break
-    lo, b = b, b * 2
-  if hi is not None and lo:
-    while hi - lo > unit:  # invariant: lo fits, hi does not
-      mid = (lo + hi) // 2 // unit * unit
-      if fits(mid):
-        lo = mid
-      else:
-        hi = mid
-  return {"max_batch": lo, "limit_reached": hi is None, "budget_bytes": budget,
+  lo, hi = search_max_batch(fits, args.batch_size, unit, args.max_batch_limit, args.max_batch_tol)
+  return {"max_batch": lo, "limit_reached": hi is None, "budget_bytes": budget, "unit": unit,
           "probes": [probes[k] for k in sorted(probes)]}
 
 
@@ -778,6 +800,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--lr", type=float)
   p.add_argument("--warmup", type=int)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--num-devices", type=int, help="use the first N local devices (default: all that divide the batch)")
+  p.add_argument("--jax-cache-dir", help="JAX persistent compilation cache (reruns skip compiling); none if unset")
   p.add_argument("--eval-every", type=int, help="steps between held-out evaluations (0: only at the end)")
   p.add_argument("--eval-batches", type=int)
   p.add_argument("--ckpt-dir", help="orbax checkpoints here (none if unset)")
@@ -788,7 +812,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--find-max-batch", action="store_true", help="search the largest batch each head fits")
   p.add_argument("--mem-budget-gib", type=float, help="CPU --find-max-batch: the memory a step may take")
   p.add_argument("--max-batch-limit", type=int, help="--find-max-batch stops doubling here")
-  p.add_argument("--bench-steps", type=int, help="timed steps per --find-max-batch probe")
+  p.add_argument("--bench-steps", type=int, help="timed steps per --find-max-batch probe (CPU: 0 = compile only)")
+  p.add_argument("--max-batch-tol", type=float, default=1 / 16,
+                 help="--find-max-batch stops bisecting when the gap is at most this fraction of the batch")
   p.add_argument("--out", default="train_lm_out", help="directory for train_lm.json and train_lm.png")
   p.add_argument("--cache-dir", default=os.environ.get("LCE_FLAX_CACHE", "~/.cache/lce_flax"),
                  help="tokenizer and token ids")
@@ -843,6 +869,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   """Runs the trainer with command-line ``argv``; returns what it writes to ``--out``/train_lm.json."""
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
+  if args.jax_cache_dir:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.jax_cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   log = functools.partial(print, flush=True)
   dev = jax.local_devices()[0]
   device = f"{jax.local_device_count()}x {getattr(dev, 'device_kind', dev.platform)}"
@@ -862,7 +891,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
       run = train(args, data, args.loss, log)
       result["runs"] = {args.loss: run}
-      result["memory_compiled"] = head_memory(args, args.batch_size)
+      result["memory_compiled"] = head_memory(args, args.batch_size, {args.loss: run["memory"]["compiled"]})
       if "sample" in run:
         log(f"sample ({args.loss}, greedy): {run['sample']!r}")
   print_table(result, log)
