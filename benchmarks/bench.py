@@ -224,16 +224,20 @@ def _device_memory() -> dict[str, int] | None:
 
 
 def _time(compiled, args, preset: Preset) -> tuple[list[float], Any]:
-  """Warm-up run, then timed runs (seconds each) until ``preset.target_s`` is spent, within the rep bounds."""
+  """Warm-up run, then timed runs (seconds each) until ``preset.target_s`` is spent, within the rep bounds.
+
+  Each run's outputs are dropped before the next starts, so at most one set of outputs (the gradients: B·H + H·V
+  elements) is alive at a time and the allocator's peak is that of one step."""
   out = jax.block_until_ready(compiled(*args))  # warm-up: first-run allocations and autotuning stay out
-  t = time.perf_counter()
-  out = jax.block_until_ready(compiled(*args))
-  times = [time.perf_counter() - t]
-  reps = int(min(max(preset.target_s / max(times[0], 1e-6), preset.min_reps), preset.max_reps))
-  for _ in range(reps - 1):
+  times = []
+  reps = preset.min_reps
+  while len(times) < reps:
+    del out
     t = time.perf_counter()
     out = jax.block_until_ready(compiled(*args))
     times.append(time.perf_counter() - t)
+    if len(times) == 1:  # fewer repetitions for slow ones: about target_s in all
+      reps = int(min(max(preset.target_s / max(times[0], 1e-6), preset.min_reps), preset.max_reps))
   return times, out
 
 
@@ -243,10 +247,10 @@ def measure(variant: Variant, pass_: str, shape: Shape, args, preset: Preset) ->
     fn = variant.loss
   else:
     fn = jax.value_and_grad(variant.loss, argnums=(0, 1))
-  mem_before = _device_memory()
   t = time.perf_counter()
   compiled = jax.jit(fn).lower(*args).compile()
   compile_s = time.perf_counter() - t
+  mem_before = _device_memory()  # after compiling: the autotuner's scratch buffers are not the step's
   analysis = compiled.memory_analysis()
   temp = None if analysis is None else int(analysis.temp_size_in_bytes)
   times, out = _time(compiled, args, preset)
@@ -267,9 +271,11 @@ def measure(variant: Variant, pass_: str, shape: Shape, args, preset: Preset) ->
   )
   mem_after = _device_memory()
   if mem_before is not None and mem_after is not None:
-    # The allocator's peak cannot be reset from JAX, so a row's peak is only known when it set a new one.
+    # The allocator's peak cannot be reset from JAX, so a row's peak is only known when it set a new one. Less the
+    # memory in use before the row and one set of outputs, it is the step's extra memory, like temp_bytes.
     if mem_after["peak"] > mem_before["peak"]:
-      row["device_peak_bytes"] = mem_after["peak"] - mem_before["in_use"]
+      out_bytes = sum(a.nbytes for a in jax.tree.leaves(out))
+      row["device_peak_bytes"] = mem_after["peak"] - mem_before["in_use"] - out_bytes
     else:
       row["device_peak_note"] = "no new allocator peak (at most an earlier row's)"
   del compiled, out
@@ -285,10 +291,6 @@ def base_row(env: dict[str, Any], preset: Preset, shape: Shape, axis: str | None
 
 
 # ------------------------------------------------------------------------------------------------------ run
-
-
-class _Budget(Exception):
-  pass
 
 
 def _on_sigterm(signum, frame):  # a `timeout` wrapper's TERM: stop, but still write the report

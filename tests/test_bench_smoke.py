@@ -126,3 +126,20 @@ def test_update_between_markers(tmp_path, smoke):
   (tmp_path / "plain.md").write_text("no markers\n")
   with pytest.raises(ValueError, match="markers"):
     plots.update_file(str(tmp_path / "plain.md"), "t")
+
+
+def test_device_peak_from_allocator_counters(monkeypatch):
+  """Where the backend keeps allocator counters (GPUs), a row that sets a new peak reports it less the memory in
+  use before it and one set of outputs; one that does not gets a note instead of a number."""
+  shape = shapes.Shape("t", 16, 8, 40)
+  preset = shapes.Preset("t", min_reps=1, max_reps=1)
+  (variant,) = bench._lce_variants("xla", ("fast",))
+  args = bench.make_inputs(shape)
+  counters = iter([{"in_use": 1000, "peak": 5000}, {"in_use": 1000, "peak": 9000}])
+  monkeypatch.setattr(bench, "_device_memory", lambda: next(counters))
+  row = bench.measure(variant, "fwdbwd", shape, args, preset)
+  out_bytes = 4 + 16 * 8 * 2 + 8 * 40 * 2  # the f32 loss and the bf16 gradients of x and w
+  assert row["device_peak_bytes"] == 9000 - 1000 - out_bytes
+  counters = iter([{"in_use": 1000, "peak": 9000}, {"in_use": 1000, "peak": 9000}])
+  row = bench.measure(variant, "fwd", shape, args, preset)
+  assert "device_peak_bytes" not in row and "no new allocator peak" in row["device_peak_note"]
