@@ -9,8 +9,8 @@ Sections, most important first (a CUDA fault poisons the process, so risky varia
      implementation on float32-upcast inputs, per-token cotangents on loss and lse;
   2. llama3-8b (8192×4096×128256 bf16): the bf16 matmul, the Mosaic forward, forward+backward (lean), per-kernel
      times of one backward chunk, loss/grad errors against the xla implementation, chunked fast as a same-lease anchor;
-  3. the other anchor shapes, forward and forward+backward;
-  4. tile variants of the forward at llama3-8b (block_v 256, stages, splits, warpgroup semantics).
+  3. backward chunk sizes; the other anchor shapes, forward and forward+backward;
+  4. variants of the forward at llama3-8b (splits, stages, block_t, the one-warpgroup kernel).
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def llama3(layout="vh"):
   lse = jnp.zeros((d.b,), jnp.float32) + 12.0
   coef = jnp.ones((d.b,), jnp.float32)
   w_c = _base.slice_vocab(wp, 0, p.chunk_size, layout)
-  dzk = jax.jit(lambda xp, w_c: pm._dz_chunk(xp, w_c, None, yp, lse, coef, coef, coef * 0, d, p, spec.opts))
+  dzf = pm._dz_chunk_ws if p.warp_specialized else pm._dz_chunk
+  dzk = jax.jit(lambda xp, w_c: dzf(xp, w_c, None, yp, lse, coef, coef, coef * 0, d, p, spec.opts))
   _, t_dz = bench(dzk, xp, w_c)
   dz = dzk(xp, w_c)
   _, t_gw = bench(jax.jit(lambda xp, dz: _base.grad_w(xp, dz, layout).astype(jnp.bfloat16)), xp, dz)
@@ -181,10 +182,6 @@ def llama3(layout="vh"):
     timing_row(shape="llama3-8b", layout=layout, what="errors vs xla", loss_rel=abs(float(l1 - l0)) / abs(float(l0)),
                dx_rel=rel(g1[0], g0[0]), dw_rel=rel(g1[1], g0[1]), loss=float(l1), loss_xla=float(l0))
     del g0, g1
-    ch = loss("chunked", "fast")
-    comp, t_ch = bench(ch, x, w, iters=5)
-    timing_row(shape="llama3-8b", layout=layout, what="chunked fast fwd+bwd (same-lease anchor)", ms=t_ch,
-               temp_gb=(temp_bytes(ch, x, w) or 0) / 1e9)
 
 
 @step("shape")
@@ -200,6 +197,17 @@ def other_shape(name, layout="vh"):
   _, t_fb = bench(fb, x, w, iters=5)
   timing_row(shape=name, layout=layout, what="matmul / mosaic fwd / mosaic lean fwd+bwd", ms=[t_mm, t_f, t_fb],
              temp_gb=(temp_bytes(fb, x, w) or 0) / 1e9, tflops_fb=8 * b * h * v / t_fb / 1e9)
+
+
+@step("bwd variant")
+def fb_variant(config: pm.Config, layout="vh"):
+  b, h, v = SHAPES["llama3-8b"]
+  x, w, y, _ = inputs(b, h, v, layout)
+  fb = jax.jit(jax.value_and_grad(lambda x, w: linear_cross_entropy(
+      x, w, y, w_layout=layout, impl="pallas_mosaic", mode="lean", reduction="sum", config=config), (0, 1)))
+  comp, t_fb = bench(fb, x, w, iters=5)
+  timing_row(shape="llama3-8b", layout=layout, what=f"lean fwd+bwd variant {config}", ms=t_fb, compile_s=comp,
+             temp_gb=(temp_bytes(fb, x, w) or 0) / 1e9)
 
 
 @step("variant")
@@ -223,14 +231,17 @@ def main():
               logit_softcap=30.0)
   correctness("fp32 inputs (bf16 kernels)", 600, 256, 3000, "vh", dtype=jnp.float32)
   correctness("fp16 hv", 600, 256, 3000, "hv", dtype=jnp.float16)
-  correctness("warpgroup semantics", 1000, 512, 5003, "vh", config=pm.Config(semantics="warpgroup"))
+  correctness("one warpgroup (CPU-tested twin)", 1000, 512, 5003, "vh", bias=True,
+              config=pm.Config(warp_specialized=False))
   llama3("vh")
   if not quick:
+    for cfg in (pm.Config(chunk_size=4096), pm.Config(chunk_size=8192)):
+      fb_variant(cfg)
     llama3("hv")
     for name in ("gpt2-small", "qwen3-8b", "gemma2-2b"):
       other_shape(name)
-    for cfg in (pm.Config(block_v=256, num_stages=3), pm.Config(num_stages=5), pm.Config(num_splits=4),
-                pm.Config(num_splits=16), pm.Config(semantics="warpgroup")):
+    for cfg in (pm.Config(num_splits=4), pm.Config(num_splits=16), pm.Config(num_stages=3),
+                pm.Config(num_stages=3, num_splits=8), pm.Config(warp_specialized=False, num_splits=4)):
       fwd_variant(cfg)
   save()
   print("\n=== pallas_mosaic on", RES["device"], "jax", RES["jax"])

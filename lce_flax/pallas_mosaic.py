@@ -71,6 +71,9 @@ class Config:
     num_splits: vocabulary splits of the forward grid.
     chunk_size: vocabulary columns per backward chunk (a multiple of ``block_v``).
     semantics: ``"lane"`` (explicit register layouts) or ``"warpgroup"`` (layouts inferred by Mosaic).
+    warp_specialized: two compute warpgroups (each a ``block_t × block_v`` accumulator, a CTA tile of
+      ``block_t × 2·block_v``) fed by a third, TMA-only warpgroup (``plgpu.emit_pipeline_warp_specialized``);
+      None: on a GPU yes, in interpret mode no (the interpreter cannot run it).
   """
 
   block_t: int | None = None
@@ -80,6 +83,7 @@ class Config:
   num_splits: int | None = None
   chunk_size: int | None = None
   semantics: str | None = None
+  warp_specialized: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +95,7 @@ class Plan:
   num_splits: int
   chunk_size: int
   semantics: str
+  warp_specialized: bool
 
 
 DZ_CHUNK_BYTES = 32 * 2**20
@@ -111,7 +116,7 @@ def _num_sms() -> int:
     return 132
 
 
-def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None) -> Plan:
+def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None, interpret: bool = False) -> Plan:
   """Tile sizes for one shape (bf16/fp16 operands): the heuristic, overridden by any field of ``config``.
 
   128×128 tiles (one warpgroup holds a 64 KB float32 accumulator: 128 registers per thread with the epilogue's
@@ -120,7 +125,9 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None)
   (block-rounded) vocabulary.
   """
   c = config or Config()
-  bt = c.block_t or (64 if num_tokens <= 64 else 128)
+  ws = (not interpret) if c.warp_specialized is None else bool(c.warp_specialized)
+  # (the warp-specialised kernels' layout inference fails for block_t=64: they keep 128-row tiles)
+  bt = c.block_t or (64 if num_tokens <= 64 and not ws else 128)
   bv = c.block_v or 128
   bk = c.block_k or 64
   for name, val, mult in (("block_t", bt, 64), ("block_v", bv, 64), ("block_k", bk, 64)):
@@ -140,10 +147,20 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None)
   if chunk < bv or chunk % bv:
     raise ValueError(f"chunk_size={chunk} must be a positive multiple of block_v={bv}")
   chunk = min(chunk, (vp // bv) * bv)
-  sem = c.semantics or "lane"
+  if ws and interpret:
+    raise NotImplementedError("warp_specialized=True cannot run in interpret mode (Mosaic GPU's interpreter has no "
+                              "collective warpgroup axes); use warp_specialized=False")
+  # the warp-specialised kernels run in Warpgroup semantics (as jax's own Hopper matmul does)
+  sem = c.semantics or ("warpgroup" if ws else "lane")
   if sem not in ("lane", "warpgroup"):
     raise ValueError(f"semantics={sem!r} must be 'lane' or 'warpgroup'")
-  return Plan(bt, bv, bk, stages, splits, chunk, sem)
+  if ws:
+    sem = "warpgroup"
+    if chunk % (2 * bv):
+      chunk = _cdiv(chunk, 2 * bv) * 2 * bv  # whole CTA tiles (2 warpgroups × block_v) per chunk
+    chunk = min(chunk, (max(vp, 2 * bv) // (2 * bv)) * 2 * bv)
+    splits = min(splits, _cdiv(vp, 2 * bv))
+  return Plan(bt, bv, bk, stages, splits, chunk, sem, ws)
 
 
 def supported(spec: _base.Spec, platform: str) -> None:
@@ -425,6 +442,200 @@ def _dz_chunk(x, w_c, b_c, labels_local, lse, coef, a, c, d: _Dims, p: Plan, opt
   return kern(*([x, w_c] + ([b_c] if d.has_bias else []) + [labels_local, lse, coef, a, c]))
 
 
+# ------------------------------------------------------------------------------- warp-specialised kernels (GPU)
+# CTA tile block_t × 2·block_v: compute warpgroup g ∈ {0, 1} owns columns [g·bv, (g+1)·bv) of the tile and its own
+# accumulator; warpgroup 2 only issues TMA copies (jax's emit_pipeline_warp_specialized). While one compute
+# warpgroup runs its epilogue the other keeps the tensor cores busy. Code outside the pipeline runs in all three
+# warpgroups, so everything that touches per-warpgroup state sits under ``pl.when(wg < 2)`` or in the compute
+# context.
+
+
+def _ws_pipeline(d: _Dims, p: Plan, stages: int):
+  bt, bv, bk = p.block_t, p.block_v, p.block_k
+  _, tr = _transforms(bk * 2)
+  x_spec = plgpu.BlockSpec((bt, bk), lambda k: (0, k), transforms=tr, memory_space=plgpu.SMEM)
+  if d.w_layout == "vh":
+    w_spec = plgpu.BlockSpec((2 * bv, bk), lambda k: (0, k), transforms=tr, memory_space=plgpu.SMEM)
+  else:
+    w_spec = plgpu.BlockSpec((bk, 2 * bv), lambda k: (k, 0), transforms=_transforms(bv * 2)[1],
+                             memory_space=plgpu.SMEM)
+
+  def make(body, ctx):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(d.h // bk,), memory_registers=40, in_specs=[x_spec, w_spec], wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=stages, compute_context=ctx)
+
+  def mma(_, xs, ws, acc_ref):
+    g = lax.axis_index("wg")
+    if d.w_layout == "vh":
+      plgpu.wgmma(acc_ref, xs, ws.at[pl.ds(g * bv, bv)].transpose((1, 0)))
+    else:
+      plgpu.wgmma(acc_ref, xs, ws.at[:, pl.ds(g * bv, bv)])
+    plgpu.wgmma_wait(0)
+    return acc_ref
+
+  return make, mma
+
+
+def _w_window_ws(w_ref, c0, d: _Dims, p: Plan):
+  return _w_window(w_ref, c0, 2 * p.block_v, d)
+
+
+def _fwd_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
+  if d.has_bias:
+    x_ref, w_ref, b_ref, y_ref, st_ref = refs
+  else:
+    x_ref, w_ref, y_ref, st_ref = refs
+    b_ref = None
+  bt, bv, ns = p.block_t, p.block_v, p.num_splits
+  cv = 2 * bv
+  nvt = _cdiv(d.vp, cv)
+  tps = _cdiv(nvt, ns)
+  j = lax.axis_index("split")
+  i = lax.axis_index("row")
+  r0 = i * bt
+  x_rows = x_ref.at[pl.ds(r0, bt)]
+  make, mma = _ws_pipeline(d, p, p.num_stages)
+  ignore = lambda *_, **__: None
+  shape = (bt, bv)
+
+  def scope(allocs, st_smem, y_smem, b_smem, bars):
+    g = lax.axis_index("wg")
+
+    @pl.when(g < 2)
+    def _init():
+      plgpu.copy_gmem_to_smem(y_ref.at[pl.ds(r0, bt)], y_smem.at[g], bars.at[g])
+      plgpu.barrier_wait(bars.at[g])
+      st_smem[g, 0] = jnp.full((bt,), -jnp.inf, F32)
+      for k in range(1, 4):
+        st_smem[g, k] = jnp.zeros((bt,), F32)
+
+    def tile(t, _):
+      nominal = t * cv
+      c0 = jnp.minimum(nominal, d.vp - cv)
+
+      def ctx(eval_pipeline):
+        g = lax.axis_index("wg")
+        c0g = c0 + g * bv
+        if d.has_bias:
+          plgpu.copy_gmem_to_smem(b_ref.at[pl.ds(c0g, bv)], b_smem.at[g], bars.at[2 + g])
+
+        def acc_scope(acc_ref):
+          eval_pipeline(acc_ref)
+          z = acc_ref[...]
+          if d.has_bias:
+            plgpu.barrier_wait(bars.at[2 + g])
+            z = z + _cols(b_smem[g], shape)
+          cols = lax.broadcasted_iota(jnp.int32, shape, 1) + c0g
+          valid = (cols >= nominal) & (cols < d.v)
+          new = epilogue_stats(z, cols, valid, y_smem[g], opts)
+          old = _math.RowStats(*(st_smem[g, k] for k in range(4)))
+          st = merge(old, new)
+          for k in range(4):
+            st_smem[g, k] = st[k]
+
+        pl.run_scoped(acc_scope, plgpu.ACC(shape, F32))
+
+      make(mma, ctx)(x_rows, _w_window_ws(w_ref, c0, d, p), allocations=allocs)
+      return 0
+
+    lax.fori_loop(j * tps, jnp.minimum(j * tps + tps, nvt), tile, 0)
+
+    @pl.when(g < 2)
+    def _store():
+      plgpu.commit_smem()
+      for k in range(4):
+        plgpu.copy_smem_to_gmem(st_smem.at[g, k], st_ref.at[k, 2 * j + g, pl.ds(r0, bt)])
+      plgpu.wait_smem_to_gmem(0)
+
+  w_tmpl = _w_window_ws(w_ref, 0, d, p)
+  pl.run_scoped(scope, make(ignore, ignore).get_allocations(x_rows, w_tmpl),
+                plgpu.SMEM((2, 4, bt), F32), plgpu.SMEM((2, bt), jnp.int32),
+                plgpu.SMEM((2, bv), F32) if d.has_bias else None,
+                plgpu.Barrier(num_barriers=4), collective_axes="wg")
+
+
+def _forward_ws(x, w, bias, labels, d: _Dims, p: Plan, opts) -> _math.TokenOut:
+  nb = d.b // p.block_t
+  ns = p.num_splits
+  kern = plgpu.kernel(
+      functools.partial(_fwd_ws_body, d=d, p=p, opts=opts),
+      out_type=jax.ShapeDtypeStruct((4, 2 * ns, d.b), F32), grid=(ns, nb), grid_names=("split", "row"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  st = kern(*([x, w] + ([bias] if d.has_bias else []) + [labels]))
+  acc = _math.RowStats(*(a[0] for a in st))
+  for k in range(1, 2 * ns):
+    acc = _math.merge_stats(acc, _math.RowStats(*(a[k] for a in st)))
+  return _math.finalize(acc, labels, opts)
+
+
+def _dz_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
+  if d.has_bias:
+    x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref = refs
+  else:
+    x_ref, w_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref = refs
+    b_ref = None
+  bt, bv = p.block_t, p.block_v
+  t = lax.axis_index("tile")
+  i = lax.axis_index("row")
+  r0 = i * bt
+  rows = pl.ds(r0, bt)
+  c0 = t * 2 * bv
+  x_rows = x_ref.at[rows]
+  # the two dz output tiles take 2·bt·bv·2 bytes of SMEM: one pipeline stage fewer than the forward
+  make, mma = _ws_pipeline(d, p, max(2, p.num_stages - 1))
+  ignore = lambda *_, **__: None
+  shape = (bt, bv)
+  nvec = 5 + d.has_bias
+
+  def scope(allocs, vec_smem, y_smem, b_smem, o_smem, bars):
+    def ctx(eval_pipeline):
+      g = lax.axis_index("wg")
+      c0g = c0 + g * bv
+      pairs = [(y_ref.at[rows], y_smem.at[g])] + [
+          (ref.at[rows], vec_smem.at[g, k]) for k, ref in enumerate((lse_ref, coef_ref, a_ref, c_ref))]
+      if d.has_bias:
+        pairs.append((b_ref.at[pl.ds(c0g, bv)], b_smem.at[g]))
+      for k, (src, dst) in enumerate(pairs):  # lands while the MMAs run
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[g * nvec + k])
+
+      def acc_scope(acc_ref):
+        eval_pipeline(acc_ref)
+        z = acc_ref[...]
+        for k in range(len(pairs)):
+          plgpu.barrier_wait(bars.at[g * nvec + k])
+        if d.has_bias:
+          z = z + _cols(b_smem[g], shape)
+        cols = lax.broadcasted_iota(jnp.int32, shape, 1) + c0g
+        lse, coef, a, c = (vec_smem[g, k] for k in range(4))
+        dz = epilogue_dlogits(z, cols, y_smem[g], lse, coef, a, c, opts)
+        o_smem[g] = dz.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[g], dz_ref.at[rows, pl.ds(c0g, bv)])
+        plgpu.wait_smem_to_gmem(0)
+
+      pl.run_scoped(acc_scope, plgpu.ACC(shape, F32))
+
+    make(mma, ctx)(x_rows, _w_window_ws(w_ref, c0, d, p), allocations=allocs)
+
+  _, otr = _transforms(bv * 2)
+  pl.run_scoped(scope, make(ignore, ignore).get_allocations(x_rows, _w_window_ws(w_ref, 0, d, p)),
+                plgpu.SMEM((2, 4, bt), F32), plgpu.SMEM((2, bt), jnp.int32),
+                plgpu.SMEM((2, bv), F32) if d.has_bias else None,
+                plgpu.SMEM((2, bt, bv), dz_ref.dtype, transforms=otr),
+                plgpu.Barrier(num_barriers=2 * nvec), collective_axes="wg")
+
+
+def _dz_chunk_ws(x, w_c, b_c, labels_local, lse, coef, a, c, d: _Dims, p: Plan, opts):
+  width = w_c.shape[0] if d.w_layout == "vh" else w_c.shape[1]
+  kern = plgpu.kernel(
+      functools.partial(_dz_ws_body, d=d, p=p, opts=opts), out_type=jax.ShapeDtypeStruct((d.b, width), x.dtype),
+      grid=(width // (2 * p.block_v), d.b // p.block_t), grid_names=("tile", "row"), num_threads=3,
+      thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return kern(*([x, w_c] + ([b_c] if d.has_bias else []) + [labels_local, lse, coef, a, c]))
+
+
 # ------------------------------------------------------------------------------------------------ custom_vjp
 
 
@@ -435,7 +646,8 @@ def _prepare(x, w, bias, labels, spec: _base.Spec, p: Plan):
   bp = _cdiv(b, p.block_t) * p.block_t
   hp = _cdiv(h, p.block_k) * p.block_k
   # TMA tiles the whole GMEM array: V must be a multiple of 8 rows ("vh") or of the 64-column swizzle ("hv").
-  vp = max(_cdiv(v, 8 if spec.w_layout == "vh" else 64) * (8 if spec.w_layout == "vh" else 64), p.block_v)
+  cta_v = p.block_v * (2 if p.warp_specialized else 1)
+  vp = max(_cdiv(v, 8 if spec.w_layout == "vh" else 64) * (8 if spec.w_layout == "vh" else 64), cta_v)
   x = jnp.pad(x, ((0, bp - b), (0, hp - h)))
   labels = jnp.pad(labels, (0, bp - b), constant_values=_math.IGNORED)
   if hp != h or vp != v:  # small or odd problems only: this copies w
@@ -450,7 +662,7 @@ def _prepare(x, w, bias, labels, spec: _base.Spec, p: Plan):
 def _run_forward(x, w, bias, labels, spec, p):
   b = x.shape[0]
   xp, wp, bp, yp, d = _prepare(x, w, bias, labels, spec, p)
-  out = _forward(xp, wp, bp, yp, d, p, spec.opts)
+  out = (_forward_ws if p.warp_specialized else _forward)(xp, wp, bp, yp, d, p, spec.opts)
   return _math.TokenOut(*(a[:b] for a in out))
 
 
@@ -486,7 +698,7 @@ def _lean_bwd(spec, p, res, g):
     w_c = _base.slice_vocab(wp, start, cw, spec.w_layout)
     b_c = None if bp is None else lax.dynamic_slice_in_dim(bp, start, cw)
     local = jnp.where(yp >= 0, yp - start, -1)  # chunk-local target column (-1: none)
-    dz = _dz_chunk(xp, w_c, b_c, local, lse_p, coef, a, c, d, p, opts)
+    dz = (_dz_chunk_ws if p.warp_specialized else _dz_chunk)(xp, w_c, b_c, local, lse_p, coef, a, c, d, p, opts)
     # dw's columns are complete after this one matmul (overlap columns get the same values again).
     dw = lax.dynamic_update_slice_in_dim(dw, _base.grad_w(xp, dz, spec.w_layout).astype(dw.dtype), start, vaxis)
     if db is not None:
@@ -516,7 +728,7 @@ def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> 
 
   fp32 (and other non-16-bit) inputs are rounded to bf16 for the kernels; their gradients come back in their dtype.
   """
-  p = plan(x.shape[0], x.shape[1], spec.opts.vocab_size, config)
+  p = plan(x.shape[0], x.shape[1], spec.opts.vocab_size, config, spec.interpret)
   if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
   return _lean(x, w, bias, labels, spec, p)
