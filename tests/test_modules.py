@@ -5,6 +5,8 @@ between them; options and dtypes reach the op (checked against the float64 oracl
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -130,37 +132,42 @@ LINEN_CASES = [  # (tied, use_bias, impl, mode)
 ]
 
 
+@functools.cache
+def linen_reference(tied: bool, use_bias: bool):
+  """(params, loss, grads) of the Dense-head (or ``Embed.attend``) model, shared by the cases that need them."""
+  tokens, labels = make_batch(seed=1)
+  ref = LinenLM("attend" if tied else "dense", use_bias=use_bias)
+  params = jax.jit(ref.init)(jax.random.key(0), tokens, labels)["params"]
+  loss, grads = jax.jit(jax.value_and_grad(lambda p: ref.apply({"params": p}, tokens, labels)))(params)
+  return params, loss, grads
+
+
 @pytest.mark.parametrize("tied,use_bias,impl,mode", LINEN_CASES)
 def test_linen_model_matches_dense_head(tied, use_bias, impl, mode):
   tokens, labels = make_batch(seed=1)
-  ref = LinenLM("attend" if tied else "dense", use_bias=use_bias)
   fused = LinenLM("tied" if tied else "fused", use_bias=use_bias, impl=impl, mode=mode)
-  key = jax.random.key(0)
-  ref_vars = ref.init(key, tokens, labels)
-  fused_vars = fused.init(key, tokens, labels)
-  # Same names, shapes, dtypes — and, drawn from the same key, the same values: the head draws like Dense.
-  params = nn.meta.unbox(fused_vars)["params"]
-  assert shapes_dtypes(params) == shapes_dtypes(ref_vars["params"])
-  assert_trees_equal(params, ref_vars["params"])
+  ref_params, loss_ref, g_ref = linen_reference(tied, use_bias)
+  # Same names, shapes and dtypes (values drawn alike: test_linen_logits_match_dense).
+  abstract = nn.meta.unbox(jax.eval_shape(fused.init, jax.random.key(0), tokens, labels))["params"]
+  assert shapes_dtypes(abstract) == shapes_dtypes(ref_params)
   if not tied:
-    assert params["head"]["kernel"].shape == (EMBED, VOCAB)
-    assert ("bias" in params["head"]) == use_bias
+    assert abstract["head"]["kernel"].shape == (EMBED, VOCAB)
+    assert ("bias" in abstract["head"]) == use_bias
 
   # The fused model runs on the Dense model's (plain, unboxed) parameters.
-  loss_ref, g_ref = jax.jit(jax.value_and_grad(lambda p: ref.apply({"params": p}, tokens, labels)))(
-      ref_vars["params"])
-  loss, g = jax.jit(jax.value_and_grad(lambda p: fused.apply({"params": p}, tokens, labels)))(ref_vars["params"])
+  value_and_grad = jax.jit(jax.value_and_grad(lambda p, labels: fused.apply({"params": p}, tokens, labels)))
+  loss, g = value_and_grad(ref_params, labels)
   np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
   assert_trees_close(g, g_ref, rtol=1e-5)
   # The loss is not trivially insensitive to the labels.
   shifted = jnp.where(labels >= 0, (labels + 1) % VOCAB, labels)
-  assert abs(float(fused.apply({"params": ref_vars["params"]}, tokens, shifted)) - float(loss)) > 1e-3
+  assert abs(float(value_and_grad(ref_params, shifted)[0]) - float(loss)) > 1e-3
 
 
 def test_linen_fused_model_never_forms_logits():
   tokens, labels = make_batch()
   model = LinenLM("fused", impl="chunked", mode="lean")
-  params = nn.meta.unbox(model.init(jax.random.key(0), tokens, labels))["params"]
+  params = nn.meta.unbox(jax.eval_shape(model.init, jax.random.key(0), tokens, labels))["params"]
   jaxpr = jax.make_jaxpr(jax.grad(lambda p: model.apply({"params": p}, tokens, labels)))(params).jaxpr
   shapes = jaxpr_shapes(jaxpr)
   assert (BATCH * SEQ, VOCAB) not in shapes and (BATCH, SEQ, VOCAB) not in shapes
@@ -203,6 +210,25 @@ def test_linen_logits_match_dense(use_bias):
   assert out.dtype == dense.apply(dense_vars, xb).dtype == jnp.float32
 
 
+def test_linen_head_loss_and_logits_in_one_apply():
+  class Model(nn.Module):
+    def setup(self):
+      self.head = lce_linen.LMHead(VOCAB, use_bias=True, impl="xla")
+
+    def __call__(self, x, labels):
+      return self.head(x, labels), self.head.logits(x), self.head(x, labels, z_loss=0.5)
+
+  x = jax.random.normal(jax.random.key(1), (2, 5, EMBED))
+  _, labels = make_batch()
+  labels = labels[:2, :5]
+  variables = Model().init(jax.random.key(0), x, labels)
+  assert jax.tree.map(jnp.shape, nn.meta.unbox(variables)) == {
+      "params": {"head": {"kernel": (EMBED, VOCAB), "bias": (VOCAB,)}}}
+  loss, logits, loss_z = Model().apply(variables, x, labels)
+  np.testing.assert_allclose(loss, optax_loss(logits, labels), rtol=1e-6)
+  assert loss_z > loss + 1.0  # the per-call z_loss reached the op (0.5·lse² with lse ≈ log 97 + O(1))
+
+
 def test_linen_tied_logits_match_attend():
   x = jax.random.normal(jax.random.key(1), (3, 7, EMBED))
   embed = nn.Embed(VOCAB, EMBED)
@@ -226,12 +252,12 @@ def test_linen_orbax_dense_checkpoint_into_fused(tmp_path):
   tokens, labels = make_batch(seed=2)
   ref, fused = LinenLM("dense"), LinenLM("fused", impl="chunked")
   # A trained-looking Dense checkpoint: initialise with a different key than the fused model's own init.
-  dense_params = ref.init(jax.random.key(7), tokens, labels)["params"]
+  dense_params = jax.jit(ref.init)(jax.random.key(7), tokens, labels)["params"]
   target = nn.meta.unbox(jax.eval_shape(lambda: fused.init(jax.random.key(0), tokens, labels)))["params"]
   restored = _orbax_roundtrip(tmp_path, dense_params, target)
   assert_trees_equal(restored, dense_params)
-  np.testing.assert_allclose(fused.apply({"params": restored}, tokens, labels),
-                             ref.apply({"params": dense_params}, tokens, labels), rtol=1e-6)
+  np.testing.assert_allclose(jax.jit(fused.apply)({"params": restored}, tokens, labels),
+                             jax.jit(ref.apply)({"params": dense_params}, tokens, labels), rtol=1e-6)
   # And back: the fused model's checkpoint is a Dense checkpoint.
   back = _orbax_roundtrip(tmp_path / "back", restored, jax.eval_shape(lambda: dense_params))
   assert_trees_equal(back, dense_params)
@@ -358,23 +384,26 @@ def pure_params(model):
   return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
+@functools.cache
+def nnx_reference(tied: bool, use_bias: bool):
+  """(params, loss, grads) of the Linear-head (or ``Embed.attend``) NNX model, as pure dicts."""
+  tokens, labels = make_batch(seed=3)
+  ref = NNXLM("attend" if tied else "dense", use_bias=use_bias, rngs=nnx.Rngs(0))
+  loss, grads = nnx.jit(lambda m: nnx.value_and_grad(lambda m: m(tokens, labels))(m))(ref)
+  return pure_params(ref), loss, nnx.to_pure_dict(grads)
+
+
 @pytest.mark.parametrize("tied,use_bias,impl,mode", LINEN_CASES)
 def test_nnx_model_matches_linear_head(tied, use_bias, impl, mode):
   tokens, labels = make_batch(seed=3)
-  ref = NNXLM("attend" if tied else "dense", use_bias=use_bias, rngs=nnx.Rngs(0))
   fused = NNXLM("tied" if tied else "fused", use_bias=use_bias, impl=impl, mode=mode, rngs=nnx.Rngs(0))
+  ref_params, loss_ref, g_ref = nnx_reference(tied, use_bias)
   # Same variables, drawn alike from the same Rngs.
-  assert shapes_dtypes(pure_params(fused)) == shapes_dtypes(pure_params(ref))
-  assert_trees_equal(pure_params(fused), pure_params(ref))
-
-  @nnx.jit
-  def value_and_grad(model):
-    return nnx.value_and_grad(lambda m: m(tokens, labels))(model)
-
-  loss_ref, g_ref = value_and_grad(ref)
-  loss, g = value_and_grad(fused)
+  assert shapes_dtypes(pure_params(fused)) == shapes_dtypes(ref_params)
+  assert_trees_equal(pure_params(fused), ref_params)
+  loss, g = nnx.jit(lambda m: nnx.value_and_grad(lambda m: m(tokens, labels))(m))(fused)
   np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
-  assert_trees_close(nnx.to_pure_dict(g), nnx.to_pure_dict(g_ref), rtol=1e-5)
+  assert_trees_close(nnx.to_pure_dict(g), g_ref, rtol=1e-5)
 
 
 def test_nnx_head_and_logits_match_linear():
@@ -429,12 +458,22 @@ def test_nnx_sharding_metadata():
 def test_nnx_orbax_linear_checkpoint_into_fused(tmp_path):
   tokens, labels = make_batch(seed=4)
   ref = NNXLM("dense", rngs=nnx.Rngs(7))
-  fused = NNXLM("fused", impl="chunked", rngs=nnx.Rngs(0))
-  assert rel_err(fused(tokens, labels), ref(tokens, labels)) > 1e-4  # different weights before the restore
-  abstract = nnx.state(nnx.eval_shape(lambda: NNXLM("fused", rngs=nnx.Rngs(0))), nnx.Param)
-  target = nnx.to_pure_dict(abstract)
-  restored = _orbax_roundtrip(tmp_path, pure_params(ref), target)
-  nnx.replace_by_pure_dict(abstract, restored)
-  nnx.update(fused, abstract)
+  loss = nnx.jit(lambda m: m(tokens, labels))
+  want = loss(ref)
+  make_fused = lambda: NNXLM("fused", impl="chunked", rngs=nnx.Rngs(0))
+  assert rel_err(loss(make_fused()), want) > 1e-4  # different weights before the restore
+  abstract = nnx.state(nnx.eval_shape(make_fused))
+  # As NNX's checkpointing guide does it: save the model's State, restore into the new model's abstract State.
+  fused = make_fused()
+  nnx.update(fused, _orbax_roundtrip(tmp_path / "state", nnx.state(ref), abstract))
   assert_trees_equal(pure_params(fused), pure_params(ref))
-  np.testing.assert_allclose(fused(tokens, labels), ref(tokens, labels), rtol=1e-6)
+  np.testing.assert_allclose(loss(fused), want, rtol=1e-6)
+  assert fused.head.kernel.get_metadata()["out_sharding"] == ("embed", "vocab")  # the head's metadata stays
+  # As plain nested dicts of arrays.
+  fused = make_fused()
+  restored = _orbax_roundtrip(tmp_path / "pure", pure_params(ref), nnx.to_pure_dict(nnx.state(fused, nnx.Param)))
+  params = nnx.state(fused, nnx.Param)
+  nnx.replace_by_pure_dict(params, restored)
+  nnx.update(fused, params)
+  assert_trees_equal(pure_params(fused), pure_params(ref))
+  np.testing.assert_allclose(loss(fused), want, rtol=1e-6)
