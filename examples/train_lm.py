@@ -50,6 +50,8 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import lce_flax  # noqa: E402
+from lce_flax.sharding import DATA, make_mesh  # noqa: E402
+from lce_flax.train import TrainState, make_train_step  # noqa: E402
 
 LOSSES = ("fused", "xla")
 EOT = "<|endoftext|>"
@@ -356,7 +358,7 @@ class Trainer:
 
   @property
   def batch_sharding(self) -> NamedSharding:
-    return NamedSharding(self.mesh, P("data"))
+    return NamedSharding(self.mesh, P(DATA))
 
   def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     return jax.device_put(batch, self.batch_sharding)
@@ -367,10 +369,11 @@ class Trainer:
 
 
 def data_mesh(batch_size: int, num_devices: int | None = None) -> Mesh:
-  """A 1-D ("data",) mesh over as many of the first ``num_devices`` local devices as evenly divide the batch."""
+  """A data-parallel mesh (``lce_flax.sharding.make_mesh``) over as many of the first ``num_devices`` local devices
+  as evenly divide the batch."""
   devices = jax.local_devices()[:num_devices or None]
   n = max(d for d in range(1, len(devices) + 1) if batch_size % d == 0)
-  return Mesh(np.asarray(devices[:n]), ("data",))
+  return make_mesh(data=n, devices=devices[:n])
 
 
 def make_optimizer(lr: float, warmup: int, steps: int) -> optax.GradientTransformation:
@@ -383,22 +386,21 @@ def make_trainer(cfg: ModelConfig, loss: str, impl: str, batch_size: int, tx: op
   model = TransformerLM(cfg, loss=loss, impl=impl)
   mesh = data_mesh(batch_size, num_devices)
   repl = NamedSharding(mesh, P())
-  data = NamedSharding(mesh, P("data"))
+  data = NamedSharding(mesh, P(DATA))
 
   def init(key):
     params = model.init(key, jnp.zeros((1, seq_len), jnp.int32), jnp.zeros((1, seq_len), jnp.int32))["params"]
     params = nn.meta.unbox(params)  # drop logical-partitioning boxes: both heads give one plain params tree
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
   def loss_fn(params, batch):
     return model.apply({"params": params}, batch["inputs"], batch["labels"])
 
-  def step(state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    return ({"step": state["step"] + 1, "params": params, "opt_state": opt_state},
-            {"loss": loss, "grad_norm": optax.tree.norm(grads)})
+  # Data parallel: parameters replicated, the batch split over "data". The step is lce_flax's, jitted without a
+  # mesh argument: the shardings come from where the state and batch were placed (``init``'s out_shardings,
+  # ``put_batch``), which gives the same partitioned program as ``make_train_step(..., mesh=mesh)`` for a
+  # replicated state and keeps ``.lower()`` available for the compiled memory analysis.
+  step = make_train_step(loss_fn, tx, mesh=None, donate=True)
 
   def next_logits(params, tokens, pos):
     # Causal attention: logits at `pos` do not depend on the (padding) tokens after it, so one compiled length.
@@ -407,7 +409,7 @@ def make_trainer(cfg: ModelConfig, loss: str, impl: str, batch_size: int, tx: op
   return Trainer(
       model=model, tx=tx, mesh=mesh, batch_size=batch_size,
       init=jax.jit(init, out_shardings=repl),
-      step=jax.jit(step, in_shardings=(repl, data), out_shardings=(repl, repl), donate_argnums=0),
+      step=step,
       eval_loss=jax.jit(loss_fn, in_shardings=(repl, data), out_shardings=repl),
       next_logits=jax.jit(next_logits, static_argnums=()),
   )
@@ -521,7 +523,7 @@ def train(args: argparse.Namespace, data: Data, loss: str, log: Callable[[str], 
 
   compiled = compile_step(tr, state_like, args.seq_len)
   mem = compiled_memory(compiled)
-  n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+  n_params = sum(x.size for x in jax.tree.leaves(state.params))
   log(f"{loss}: {n_params / 1e6:.2f}M params (head {cfg.d_model}x{cfg.vocab_size}), batch {args.batch_size}x"
       f"{args.seq_len} on {tr.mesh.devices.size} {jax.default_backend()} device(s); compiled step peak "
       f"{_human(mem['peak'])}/device (temp {_human(mem['temp'])})")
@@ -551,7 +553,7 @@ def train(args: argparse.Namespace, data: Data, loss: str, log: Callable[[str], 
       peak = gpu_peak_bytes()
     done = step + 1
     if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-      e = evaluate(state["params"], done)
+      e = evaluate(state.params, done)
       log(f"step {done}: train loss {loss_val:.3f}, eval loss {e['loss']:.3f} (ppl {e['ppl']:.1f})")
     if mngr is not None:
       save_checkpoint(mngr, done, state, history, force=done == args.steps)
@@ -563,7 +565,7 @@ def train(args: argparse.Namespace, data: Data, loss: str, log: Callable[[str], 
     mngr.close()
 
   finished = (start if not times else stop) == args.steps
-  final_eval = evaluate(state["params"], stop) if finished or not history["eval"] else history["eval"][-1]
+  final_eval = evaluate(state.params, stop) if finished or not history["eval"] else history["eval"][-1]
   steady = times[1:] if len(times) > 1 else times  # the first step of a process pays for the transfer of state
   tok_s = tokens_per_step / statistics.median(steady) if steady else None
   record = {
@@ -573,7 +575,7 @@ def train(args: argparse.Namespace, data: Data, loss: str, log: Callable[[str], 
       "memory": {"compiled": mem, "gpu_peak_bytes_in_use": peak},
   }
   if finished and args.sample_tokens:
-    record["sample"] = generate(tr, state["params"], data, args.prompt, args.sample_tokens, args.seq_len)
+    record["sample"] = generate(tr, state.params, data, args.prompt, args.sample_tokens, args.seq_len)
   return record
 
 
