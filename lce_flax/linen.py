@@ -113,6 +113,7 @@ class LMHead(nn.Module):
   @nn.compact
   def _params(self, x: jax.Array):
     """Creates (or reads) ``kernel`` and ``bias`` as ``nn.Dense`` does, and promotes them with ``x``."""
+    x = jnp.asarray(x)
     check_input(x, None, type(self).__name__)
     kernel = self.param("kernel", _partitioned(self.kernel_init, self.kernel_axes),
                         (jnp.shape(x)[-1], self.vocab_size), self.param_dtype)
@@ -176,6 +177,7 @@ def tied_linear_cross_entropy(embed: nn.Embed | jax.Array, x: jax.Array, labels:
     As :func:`lce_flax.linear_cross_entropy`.
   """
   table, dtype = _table(embed, dtype)
+  x = jnp.asarray(x)
   check_input(x, table.shape[1], "tied_linear_cross_entropy")
   x, table = linen_dtypes.promote_dtype(x, table, dtype=dtype)
   return api.linear_cross_entropy(x, table, labels, w_layout="vh", **kwargs)
@@ -215,6 +217,10 @@ class TiedLMHead(nn.Module):
   def logits(self, embed: nn.Embed | jax.Array, x: jax.Array) -> jax.Array:
     """``[..., V]`` logits ``x @ table.T``, as ``Embed.attend(x)``."""
     table, dtype = _table(embed, self.dtype)
+    x = jnp.asarray(x)
     check_input(x, table.shape[1], type(self).__name__)
     x, table = linen_dtypes.promote_dtype(x, table, dtype=dtype)
     return jnp.dot(x, table.T)
+
+
+__all__ = ["LMHead", "TiedLMHead", "tied_linear_cross_entropy", "LOSS_OPTIONS", "KERNEL_AXES", "BIAS_AXES"]

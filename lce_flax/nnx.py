@@ -158,6 +158,7 @@ class LMHead(nnx.Module, _LossOptions):
                            interpret, config)
 
   def _promoted(self, x: jax.Array):
+    x = jnp.asarray(x)
     check_input(x, self.in_features, type(self).__name__)
     bias = self.bias[...] if self.bias is not None else None
     return nnx_dtypes.promote_dtype((x, self.kernel[...], bias), dtype=self.dtype)
@@ -215,6 +216,7 @@ class TiedLMHead(nnx.Module, _LossOptions):
       table, dtype = jnp.asarray(embed), self.dtype
       if table.ndim != 2:
         raise ValueError(f"embed must be an nnx.Embed or its [V, H] table, got an array of shape {table.shape}")
+    x = jnp.asarray(x)
     check_input(x, table.shape[1], type(self).__name__)
     return nnx_dtypes.promote_dtype((x, table), dtype=dtype)
 
