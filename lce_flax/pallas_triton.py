@@ -29,19 +29,23 @@ Backward (recompute; no B×V array)
   :func:`lce_flax._math.dlogits` and writes ``dz`` [B, chunk] in the input dtype (and, with a bias, per row
   block column sums for ``dbias`` in float32). Then ``dw[:, chunk] = xᵀ dz`` by one XLA matmul (complete: the
   reduction over B happens inside it, so dw's columns are written once, never accumulated), and
-  ``dx += dz w[:, chunk]ᵀ`` into a float32 accumulator, in place, by a second Pallas kernel (``dx_kernel``; with
-  ``dx_kernel=False`` an XLA matmul and an add, which keep a second B×H float32 buffer and re-read both).
-  Extra memory: ``dz`` (B·chunk·itemsize: 32 MB at llama3-8b with the default chunk of 2048), the float32 dx
-  accumulator (B·H·4: 128 MB at llama3-8b) and the [H, chunk] output of the dw matmul.
-  FLOPs: 2·B·H·V forward + 6·B·H·V backward.
+  ``dx += dz w[:, chunk]ᵀ`` into a float32 accumulator by an XLA matmul and an add (default), or in place by a
+  second Pallas kernel (``dx_kernel=True``: no second B×H float32 buffer, but slower than cuBLAS).
+  Extra memory (H100, compiled temp): llama3-8b 286 MB = float32 dx (B·H·4 = 128 MB) + XLA's float32 product
+  (128 MB) + ``dz`` (B·chunk·itemsize = 32 MB with the default chunk of 2048); 196 MB with ``dx_kernel=True``.
+  112–134 MB at gpt2-small, qwen3-8b, gemma2-2b. FLOPs: 2·B·H·V forward + 6·B·H·V backward.
 
   The float32 dx accumulator is what keeps this above 64 MB at llama3-8b. Any chunking of the backward
   accumulates one of dx (over vocabulary chunks) or dw (over token chunks) across chunks; holding neither in
   float32 means accumulating in bf16 (Liger's choice, error growing with the number of chunks) or a third
   logits pass, which ``Config(low_memory=True)`` does: the chunk loop above forms dw (and dbias) only, then
   a second loop over blocks of ``token_block`` tokens recomputes each block's logits in chunks of ``dx_chunk``
-  columns and accumulates that block's dx in a float32 [token_block, H] buffer, complete before the next block.
-  Extra memory: max(B·chunk·itemsize, ~2·16 MB) — 32 MB at llama3-8b; FLOPs 10·B·H·V.
+  columns and accumulates that block's dx in a float32 [token_block, H] buffer (the in-place dx kernel),
+  complete before the next block. FLOPs 10·B·H·V. Measured on H100: 58 MB / 74.4 ms at llama3-8b (default:
+  286 MB / 58.8 ms), 41 MB at gemma2-2b, but 70 MB at gpt2-small and 76 MB at qwen3-8b (its dz chunk and dw
+  chunk buffers are sized for 32 MB each; a smaller ``chunk_size`` lowers that, untested on GPU).
+
+Measured timings and the block-size sweep: ``benchmarks/NOTES_triton.md``.
 
 Ragged B, V and H are handled by masked loads and stores (``pl.ds`` windows checked against iota bounds); w is
 never padded or copied.
@@ -78,7 +82,8 @@ class Config:
     num_stages: Triton software-pipelining stages of the H loop.
     group_t: row blocks per group in the backward's tile order (L2 reuse of w).
     dx_kernel: accumulate ``dx += dz·w[chunk]ᵀ`` in place with a Pallas kernel (True) or with an XLA matmul
-      followed by an add (False; XLA then keeps a second B×H float32 buffer for the product).
+      followed by an add (False, the default: faster, but XLA keeps a second B×H float32 buffer for the
+      product).
     low_memory: a third logits pass instead of the B×H float32 dx accumulator (see the module docstring).
     token_block: tokens per block of the low-memory dx pass (a multiple of ``block_t``).
     dx_chunk: vocabulary columns per chunk of the low-memory dx pass (a multiple of ``block_v``).
@@ -195,7 +200,9 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: Config | None 
   cc = _device.compute_capability()
   stages = c.num_stages or (4 if small and cc is not None and cc >= (9, 0) else 3)
   group = c.group_t or 8
-  dx_kernel = True if c.dx_kernel is None else bool(c.dx_kernel)
+  # XLA's matmul + add measured faster than the in-place dx kernel at all four anchor shapes (H100: llama3-8b
+  # 58.8 vs 63.9 ms fwd+bwd), at 90 MB more temp memory there (286 vs 196 MB); the low-memory path needs the kernel.
+  dx_kernel = False if c.dx_kernel is None else bool(c.dx_kernel)
   low = bool(c.low_memory)
   # Low-memory dx pass: a float32 [token_block, H] accumulator and a [token_block, dx_chunk] dz of ~16 MB each.
   tb = c.token_block or max(bt, _pow2_floor(LOW_MEMORY_BLOCK_BYTES // (4 * max(hidden, 1))))

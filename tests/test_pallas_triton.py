@@ -57,11 +57,11 @@ def test_low_memory_vh_bf16_none():
         None,  # the heuristic: one tile holds the whole problem
         Config(block_t=16, block_v=16, block_k=16, num_splits=64, chunk_size=1000),  # splits > tiles; chunk > V
         Config(block_t=64, block_v=64, block_k=32, num_splits=1, chunk_size=16),  # B < block_t; one split
-        Config(block_t=16, block_v=32, block_k=16, chunk_size=96, dx_kernel=False),  # dx by XLA matmul + add
+        Config(block_t=16, block_v=32, block_k=16, chunk_size=96, dx_kernel=True),  # dx by the in-place kernel
         # low memory: dx over token blocks of 16 (37 = 2·16 + 5) and vocabulary chunks of 128 (301 = 2·128 + 45)
         Config(block_t=16, block_v=32, block_k=16, chunk_size=64, low_memory=True, token_block=16, dx_chunk=128),
     ],
-    ids=["heuristic", "many-splits", "one-split", "xla-dx", "low-memory"],
+    ids=["heuristic", "many-splits", "one-split", "dx-kernel", "low-memory"],
 )
 def test_configs(config):
   check(config=config, options=OPTIONS["smoothing"], bias=True, seed=5)
@@ -121,7 +121,7 @@ def test_supported():
 
 def test_plan_heuristic():
   p = pallas_triton.plan(8192, 4096, 128256, jnp.bfloat16)
-  assert (p.block_t, p.block_v, p.block_k, p.num_warps) == (128, 256, 64, 8)
+  assert (p.block_t, p.block_v, p.block_k, p.num_warps, p.dx_kernel) == (128, 256, 64, 8, False)
   assert p.chunk_size == 2048 and p.chunk_size % p.block_v == 0  # 32 MiB of bf16 dz at B=8192
   assert 64 * p.num_splits >= 132  # the forward grid covers the SMs
   p32 = pallas_triton.plan(8192, 4096, 128256, jnp.float32)
