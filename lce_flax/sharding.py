@@ -30,15 +30,22 @@ What each device does:
   per vocab chunk instead would bound the transient buffer to H·chunk, at the price of a second gather in the
   backward's recompute; not done.
 * **vocab parallel** (``vocab_axis``): each device holds V/t columns of ``w`` and reduces its columns to
-  per-token partial stats (running max, sum of exponentials, target logit, logit sum) with the chunked
-  implementation's loop (:func:`lce_flax.chunked.vocab_stats`); one pmax and one psum of [3, b] per call combine
-  them into the global lse, the target logit (only its owner adds a non-zero) and the smoothing term. The
-  backward recomputes each shard's chunk logits (:func:`lce_flax.chunked.vocab_grads`): dw and dbias are exact
-  per shard, dx is a partial sum reduced with one psum over the vocab axis. This path runs with ``check_vma=True``:
-  x is marked as varying over the vocab axis and w over the batch axes (``lax.pcast(..., to="varying")``), and the
-  transposes of those casts are exactly the two reductions (dx over the vocab axis, dw over the batch axes). ``w`` is never gathered; the
-  per-device head memory is that of a V/t head. This path always runs the chunked recompute design (8·B·H·V
-  FLOPs in all); ``chunk_size`` sets its vocabulary chunk, ``impl`` and ``mode`` are not used.
+  per-token partial stats (running max, sum of exponentials, target logit, logit sum); a pmax and a psum of
+  [3, tokens] combine them across the vocab axis into the global lse, the target logit (only its owner adds a
+  non-zero) and the smoothing term. ``w`` is never gathered; per-device head memory is that of a V/t head. Two
+  designs, chosen by ``mode`` as in the op, both built from :mod:`lce_flax._math` and the chunked
+  implementation's pieces (pure JAX, whatever ``impl`` says):
+
+  - ``"fast"`` (default; 6·B·H·V FLOPs in all): a scan over token chunks; each chunk's [c, V/t] logits, their
+    combined stats (one pmax + one psum of [3, c] per chunk), then the logit gradient, this shard's dw columns
+    (float32 accumulator, H·V/t) and its part of dx, psum'd over the vocab axis in float32 once at the end.
+  - ``"lean"`` (8·B·H·V FLOPs, O(B) residuals; also ``reduction="none"``): the loop of
+    :func:`lce_flax.chunked.vocab_stats` over vocabulary chunks, one combine per call; the backward recomputes the
+    chunk logits (:func:`lce_flax.chunked.vocab_grads`): dw and dbias exact per shard, dx partial sums psum'd
+    over the vocab axis in float32.
+
+  This path runs with ``check_vma=True``: ``w`` is cast to varying over the batch axes
+  (``lax.pcast(..., to="varying")``), whose transpose is the psum of dw over them.
 
 Requirements, checked with errors naming the sizes: B divisible by the product of the batch axes' sizes, V by
 the vocab axis' size, H by the FSDP axis' size.
@@ -59,6 +66,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lce_flax import _base, _math, api, chunked
+from lce_flax._base import F32
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 MESH_AXES = (DATA, FSDP, TENSOR)
@@ -148,25 +156,99 @@ def _col_offset(w, spec: _base.Spec, axis: str):
   return lax.axis_index(axis).astype(jnp.int32) * _base.vocab_size(w, spec.w_layout)
 
 
+# x enters both designs invariant over the vocab axis (every shard sees the same tokens). Inside, it is cast to
+# varying so that the chunk loops' carries (which mix in this shard's w) type-check; the backward psums the
+# shards' partial dx in float32 and returns it invariant, matching x (one reduction, before any rounding to bf16).
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _vocab_parallel(x, w, bias, labels, spec: _base.Spec, c: int, axis: str) -> _math.TokenOut:
-  st = chunked.vocab_stats(x, w, bias, labels, spec, c, _col_offset(w, spec, axis))
+def _vp_lean(x, w, bias, labels, spec: _base.Spec, c: int, axis: str) -> _math.TokenOut:
+  """Recompute design: stats over this shard's columns in vocabulary chunks of ``c``; 8·B·H·V FLOPs overall."""
+  st = chunked.vocab_stats(_vary(x, (axis,)), w, bias, labels, spec, c, _col_offset(w, spec, axis))
   return _math.finalize(_combine(st, axis, spec.opts), labels, spec.opts)
 
 
-def _vocab_parallel_fwd(x, w, bias, labels, spec, c, axis):
-  out = _vocab_parallel(x, w, bias, labels, spec, c, axis)
+def _vp_lean_fwd(x, w, bias, labels, spec, c, axis):
+  out = _vp_lean(x, w, bias, labels, spec, c, axis)
   return out, (x, w, bias, labels, out.lse)
 
 
-def _vocab_parallel_bwd(spec, c, axis, res, g):
+def _vp_lean_bwd(spec, c, axis, res, g):
   x, w, bias, labels, lse = res
-  dx, dw, db = chunked.vocab_grads(x, w, bias, labels, lse, g.loss, g.lse, spec, c, _col_offset(w, spec, axis))
-  # dx is this shard's partial sum; x was marked varying over `axis`, whose transpose psums it.
-  return dx.astype(x.dtype), dw, None if db is None else db.astype(bias.dtype), None
+  dx, dw, db = chunked.vocab_grads(_vary(x, (axis,)), w, bias, labels, lse, g.loss, g.lse, spec, c,
+                                   _col_offset(w, spec, axis))
+  return lax.psum(dx, axis).astype(x.dtype), dw, None if db is None else db.astype(bias.dtype), None
 
 
-_vocab_parallel.defvjp(_vocab_parallel_fwd, _vocab_parallel_bwd)
+_vp_lean.defvjp(_vp_lean_fwd, _vp_lean_bwd)
+
+
+def _vp_fast_forward(x, w, bias, labels, weights, spec, c, axis):
+  """Gradients formed in the forward, over token chunks of ``c`` rows; 6·B·H·V FLOPs overall.
+
+  Per chunk: this shard's [c, V/t] logits, their stats combined across the vocab axis (a pmax and a psum of
+  [3, c]), then the logit gradient of ``Σ weights·loss``, this shard's dx contribution and its dw columns.
+  Returns (Σ weights·loss, TokenOut, (dx, dw, dbias)).
+  """
+  opts = spec.opts
+  b, h = x.shape
+  n = -(-b // c)
+  pad = n * c - b
+  xv = _vary(x, (axis,))
+  xs = jnp.pad(xv, ((0, pad), (0, 0))).reshape(n, c, h)
+  ls = jnp.pad(labels, (0, pad), constant_values=_math.IGNORED).reshape(n, c)
+  ws = jnp.pad(weights.astype(F32), (0, pad)).reshape(n, c)
+  vl = _base.vocab_size(w, spec.w_layout)
+  cols = _col_offset(w, spec, axis) + jnp.arange(vl, dtype=jnp.int32)
+  all_cols = jnp.ones((vl,), bool)
+
+  def body(carry, chunk):
+    dw, db = carry
+    xc, lc, wc = chunk
+    z = chunked._chunk_logits(xc, w, bias, 0, vl, spec)
+    st = _combine(_math.tile_stats(_math.softcap(z, opts.logit_softcap), cols, lc, all_cols, opts), axis, opts)
+    out = _math.finalize(st, lc, opts)
+    dz = _math.dlogits(z, out.lse, lc, cols, all_cols, wc, None, opts)
+    dzm = dz.astype(_base.mxu_dtype(x))
+    dxc = _base.grad_x(dzm, w, spec.w_layout)  # float32, this shard's part
+    dw = dw + _base.grad_w(xc, dzm, spec.w_layout)
+    if db is not None:
+      db = db + dz.sum(0)
+    return (dw, db), (dxc, out)
+
+  init = (jnp.zeros_like(w, F32), None if bias is None else jnp.zeros_like(bias, F32))
+  (dw, db), (dx, out) = lax.scan(body, init, (xs, ls, ws))
+  out = jax.tree.map(lambda a: a.reshape(n * c)[:b], out)
+  dx = lax.psum(dx.reshape(n * c, h)[:b], axis).astype(x.dtype)
+  total = jnp.sum(weights.astype(F32) * out.loss)
+  return total, out, (dx, dw.astype(w.dtype), None if bias is None else db.astype(bias.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _vp_fast(x, w, bias, labels, weights, spec: _base.Spec, c: int, axis: str):
+  total, out, _ = _vp_fast_forward(x, w, bias, labels, weights, spec, c, axis)
+  return total, out
+
+
+def _vp_fast_fwd(x, w, bias, labels, weights, spec, c, axis):
+  # symbolic_zeros=True wraps each array argument in a CustomVJPPrimal (None stays None)
+  total, out, grads = _vp_fast_forward(x.value, w.value, None if bias is None else bias.value, labels.value,
+                                       weights.value, spec, c, axis)
+  return (total, out), grads
+
+
+def _vp_fast_bwd(spec, c, axis, grads, g):
+  g_total, g_out = g
+  for name in ("loss", "lse"):
+    if not isinstance(getattr(g_out, name), jax.custom_derivatives.SymbolicZero):
+      raise ValueError(f"mode='fast' forms only the gradient of the reduced loss; the aux output {name!r} was "
+                       "differentiated. Use mode='lean' (or reduction='none') to differentiate per-token values.")
+  scale = lambda a: None if a is None else (g_total * a.astype(F32)).astype(a.dtype)
+  dx, dw, db = grads
+  return scale(dx), scale(dw), scale(db), None, None
+
+
+_vp_fast.defvjp(_vp_fast_fwd, _vp_fast_bwd, symbolic_zeros=True)
 
 
 # -------------------------------------------------------------------------------------------- the call
@@ -208,7 +290,7 @@ def sharded_linear_cross_entropy(
     bias, reduction, ignore_index, where, label_smoothing, z_loss, logit_softcap, w_layout, return_aux: as in
       :func:`lce_flax.linear_cross_entropy`.
     **op_kwargs: ``impl``, ``mode``, ``chunk_size``, ``interpret``, ``config`` of the op. With a vocab axis of
-      size > 1 only ``chunk_size`` (vocabulary columns per chunk) is used.
+      size > 1 only ``mode`` and ``chunk_size`` (tokens per chunk when fast, vocabulary columns when lean) apply.
 
   Returns:
     The float32 loss (replicated scalar, or ``[B, ...]`` split like ``labels`` for ``reduction="none"``), and an
@@ -259,14 +341,17 @@ def sharded_linear_cross_entropy(
   opts = _math.LossOptions(vocab, float(label_smoothing), float(z_loss),
                            None if logit_softcap is None else float(logit_softcap))
   chunk_size = op_kwargs.get("chunk_size")
+  mode = op_kwargs.get("mode") or ("lean" if reduction == "none" else "fast")
+  if reduction == "none" and mode == "fast":
+    raise ValueError("reduction='none' needs per-token cotangents, which mode='fast' cannot take; use mode='lean'")
 
   def local(x, w, bias, labels, where):
     if faxis is not None:  # FSDP: the whole H for this device's columns, once per call
       w = lax.all_gather(w, faxis, axis=h_dim, tiled=True)
-    vary = batch + ((vaxis,) if vaxis is not None else ())
-    # Labels stay invariant over the vocab axis, so everything derived from the combined stats (loss, lse) is too.
     if vaxis is not None:
-      x, w, bias = _vary(x, vary), _vary(w, vary), _vary(bias, vary)
+      # w (and bias) replicated over the batch axes: the transpose of this cast psums dw over them. x and labels
+      # stay invariant over the vocab axis, so the loss and lse built from the combined stats are too.
+      w, bias = _vary(w, batch), _vary(bias, batch)
     norm = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1), ignore_index,
                                   vocab)
     count = lax.psum((norm != _math.IGNORED).sum(dtype=jnp.int32), batch) if batch else (
@@ -282,16 +367,24 @@ def sharded_linear_cross_entropy(
     else:
       x2 = x.reshape(-1, hidden)
       spec = _base.Spec(opts, w_layout)
-      c = chunked.lean_chunk(x2.shape[0], vocab // nv, chunk_size)
       dtype = jnp.promote_types(x.dtype, w.dtype)
-      out = _vocab_parallel(x2.astype(dtype), w.astype(dtype), bias, norm, spec, c, vaxis)
+      x2, w = x2.astype(dtype), w.astype(dtype)
+      if mode == "fast":
+        weights = (norm != _math.IGNORED).astype(jnp.float32)
+        if reduction == "mean":  # the global count: the division happens inside, before the psum below
+          weights = weights / jnp.maximum(count, 1).astype(jnp.float32)
+        c = chunked.fast_chunk(x2.shape[0], hidden, vocab // nv, chunk_size)
+        loss, out = _vp_fast(x2, w, bias, norm, weights, spec, c, vaxis)
+      else:
+        c = chunked.lean_chunk(x2.shape[0], vocab // nv, chunk_size)
+        out = _vp_lean(x2, w, bias, norm, spec, c, vaxis)
+        loss = out.loss.reshape(labels.shape) if reduction == "none" else out.loss.sum()
       tok_loss, lse = out.loss.reshape(labels.shape), out.lse.reshape(labels.shape)
       correct = out.correct.sum(dtype=jnp.int32)
-      loss = tok_loss if reduction == "none" else out.loss.sum()
     if reduction != "none":
       if batch:
         loss = lax.psum(loss, batch)
-      if reduction == "mean":
+      if reduction == "mean" and not (vaxis is not None and mode == "fast"):
         loss = loss / jnp.maximum(count, 1).astype(jnp.float32)
     if batch:
       correct = lax.psum(correct, batch)

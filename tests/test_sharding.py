@@ -118,6 +118,20 @@ def test_reduction_none_with_cotangent(mesh_shape):
   _compare(mesh_shape, options=OPTIONS["all"], reduction="none", seed=5, batch_shape=(8, 5))
 
 
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 1, 8)], ids=lambda m: "x".join(map(str, m)))
+def test_vocab_parallel_lean(mesh_shape):
+  """The recompute design of the vocab-parallel head (the default is the fast one), with ragged vocab chunks."""
+  _compare(mesh_shape, options=OPTIONS["all"], seed=6, mode="lean")
+
+
+def test_vocab_parallel_fast_refuses_aux_gradients():
+  mesh = make_mesh(1, 1, 8)
+  x, w, _, y, _ = _inputs(3)
+  f = lambda x: sharded_linear_cross_entropy(x, w, y, mesh=mesh, return_aux=True)[1].lse.sum()
+  with pytest.raises(ValueError, match="mode='lean'"):
+    jax.grad(f)(x)
+
+
 @pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 2, 4)], ids=lambda m: "x".join(map(str, m)))
 def test_embed_table_layout(mesh_shape):
   """w_layout='vh' ([V, H], a tied embedding table): V split over tensor, H over fsdp."""
@@ -162,21 +176,23 @@ def test_out_of_range_label_is_nan(mesh_shape):
   assert not np.isnan(np.delete(np.asarray(dx), 11, axis=0)).any()
 
 
-def _compiled_hlo(mesh, w_layout="hv", b=64, h=48, v=1000):
+def _compiled_hlo(mesh, w_layout="hv", b=64, h=48, v=1000, mode=None):
   tok = NamedSharding(mesh, P(("data", "fsdp")))
   wspec = P("fsdp", "tensor") if w_layout == "hv" else P("tensor", "fsdp")
   xs = jax.ShapeDtypeStruct((b, h), jnp.float32, sharding=tok)
   ws = jax.ShapeDtypeStruct((h, v) if w_layout == "hv" else (v, h), jnp.float32, sharding=NamedSharding(mesh, wspec))
   ys = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tok)
-  f = lambda x, w, y: sharded_linear_cross_entropy(x, w, y, mesh=mesh, w_layout=w_layout, label_smoothing=0.1)
+  f = lambda x, w, y: sharded_linear_cross_entropy(x, w, y, mesh=mesh, w_layout=w_layout, label_smoothing=0.1,
+                                                   mode=mode)
   return jax.jit(jax.value_and_grad(f, (0, 1))).lower(xs, ws, ys).compile().as_text()
 
 
-@pytest.mark.parametrize("mesh_shape,w_layout", [((1, 1, 8), "hv"), ((2, 2, 2), "hv"), ((4, 1, 2), "vh")])
-def test_vocab_parallel_never_gathers_the_head(mesh_shape, w_layout):
+@pytest.mark.parametrize("mesh_shape,w_layout,mode", [((1, 1, 8), "hv", "fast"), ((1, 1, 8), "hv", "lean"),
+                                                      ((2, 2, 2), "hv", "fast"), ((4, 1, 2), "vh", "lean")])
+def test_vocab_parallel_never_gathers_the_head(mesh_shape, w_layout, mode):
   """No all-gather, and no array at all, of the full [H, V] weight (or its gradient) in the compiled step."""
   h, v = 48, 1000
-  hlo = _compiled_hlo(make_mesh(*mesh_shape), w_layout)
+  hlo = _compiled_hlo(make_mesh(*mesh_shape), w_layout, mode=mode)
   full = f"f32[{h},{v}]" if w_layout == "hv" else f"f32[{v},{h}]"
   assert full not in hlo
   gathers = [line for line in hlo.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
