@@ -20,6 +20,7 @@ extra memory beyond inputs and gradients (``temp_bytes`` is null: torch has no c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -149,7 +150,7 @@ def measure(torch, loss_fn, pass_: str, shape: Shape, x, w, y, preset: Preset, f
   algo = 2 if pass_ == "fwd" else factor
   return dict(ms=ms, ms_min=min(times) * 1e3, reps=len(times), compile_s=warmup_s,
               tflops=shape.flops(2 if pass_ == "fwd" else 6) / ms / 1e9, algo_tflops=shape.flops(algo) / ms / 1e9,
-              flops_factor=algo, temp_bytes=None, device_peak_bytes=peak, loss=float(loss), timer="wallclock")
+              flops_factor=algo, temp_bytes=None, device_peak_bytes=peak, loss=float(loss.detach()), timer="wallclock")
 
 
 def run(preset: Preset, names, out_dir: str, budget_s: float | None = None) -> str:
@@ -216,8 +217,14 @@ def main(argv=None) -> int:
   p.add_argument("--impls", default=",".join(PEERS), help=f"comma-separated subset of {PEERS}")
   p.add_argument("--out", default=None, help="output folder (default: $OUT, else /tmp/lce_bench/<preset>)")
   p.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds; the rest is skipped")
+  p.add_argument("--passes", default=None, help="comma-separated subset of fwd,fwdbwd (default: the preset's)")
   a = p.parse_args(argv)
   preset = shapes_lib.PRESETS[a.preset]
+  if a.passes:
+    passes = tuple(x for x in a.passes.split(",") if x)
+    if not passes or any(x not in ("fwd", "fwdbwd") for x in passes):
+      raise SystemExit(f"--passes: {a.passes!r} must be a comma-separated subset of ('fwd', 'fwdbwd')")
+    preset = dataclasses.replace(preset, passes=passes, sweep_passes=passes)
   names = [n for n in a.impls.split(",") if n]
   out_dir = a.out or os.environ.get("OUT") or os.path.join("/tmp/lce_bench", preset.name)
   try:
