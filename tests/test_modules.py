@@ -195,6 +195,28 @@ def test_linen_partitioning_metadata():
   assert not isinstance(bare["params"]["kernel"], nn.LogicallyPartitioned)
 
 
+def test_linen_head_sharded_by_logical_rules():
+  """Parameters placed by their logical names on an (Auto) mesh: same loss, gradients sharded like the params."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rules = (("embed", None), ("vocab", "model"))
+  head = lce_linen.LMHead(96, use_bias=True, impl="chunked", chunk_size=CHUNK, bias_init=nn.initializers.normal(1.0))
+  x = jax.random.normal(jax.random.key(0), (4, 6, EMBED))
+  labels = jnp.asarray(np.random.default_rng(0).integers(-1, 96, (4, 6)), jnp.int32)
+  abstract = jax.eval_shape(head.init, jax.random.key(0), x, labels)
+  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
+  params = jax.jit(head.init, out_shardings=shardings)(jax.random.key(0), x, labels)
+  assert params["params"]["kernel"].value.sharding.spec == P(None, "model")
+  batch = jax.sharding.NamedSharding(mesh, P("data"))
+  loss_fn = lambda p, x, labels: head.apply(p, x, labels, ignore_index=-1)
+  loss, g = jax.jit(jax.value_and_grad(loss_fn))(params, jax.device_put(x, batch), jax.device_put(labels, batch))
+  assert g["params"]["kernel"].value.sharding.spec == P(None, "model")
+  plain = nn.meta.unbox(jax.device_get(params))
+  want = linear_cross_entropy_np(x, plain["params"]["kernel"], labels, bias=plain["params"]["bias"],
+                                 ignore_index=-1)
+  assert rel_err(loss, want["loss"]) < 1e-5
+  assert rel_err(g["params"]["kernel"].value, want["dw"]) < 1e-5
+
+
 @pytest.mark.parametrize("use_bias", [False, True])
 def test_linen_logits_match_dense(use_bias):
   x = jax.random.normal(jax.random.key(1), (3, 7, EMBED))
