@@ -127,8 +127,12 @@ def _cell(rows, shape, label, pass_="fwdbwd", ratio=False):
     if r["shape"] == shape and (r.get("label") or r["impl"]) == label and r["pass"] == pass_:
       if not _ok(r):
         return "skipped" if str(r.get("error", "")).startswith("skipped") else "error"
-      x = f" ({r['ms'] / r['floor_ms']:.2f}×)" if ratio and r.get("floor_ms") else ""
-      return f"{_fmt_ms(r['ms'])} ms{x} / {_fmt_gb(_mem_bytes(r))} GB"
+      x = ""
+      if ratio and r.get("floor_ms"):
+        f = r["ms"] / r["floor_ms"]
+        x = f" ({f:.2f}×)" if f < 100 else f" ({f:.0f}×)"
+      mem = _mem_bytes(r)
+      return f"{_fmt_ms(r['ms'])} ms{x} / " + ("—" if mem is None else f"{_fmt_gb(mem)} GB")
   return "—"
 
 
@@ -141,7 +145,7 @@ def _what(rows, label) -> str:
   rs = [r for r in rows if (r.get("label") or r["impl"]) == label]
   peer = any(_is_peer(r) for r in rs)
   factors = {r.get("flops_factor") for r in rs if r["pass"] == "fwdbwd" and r.get("flops_factor")}
-  return f"{'peer' if peer else 'lce_flax'}, {'/'.join(str(f) for f in sorted(factors)) or '?'}·BHV"
+  return f"{'peer' if peer else 'lce_flax'}, {'/'.join(str(f) for f in sorted(factors)) + '·BHV' if factors else '—'}"
 
 
 def llm_table(rows) -> str:
