@@ -8,8 +8,9 @@ Sections (each row records its error instead of stopping the run):
 
 * ``vocab_parallel`` (run first, so that ``peak_bytes_in_use`` is not polluted by the other sections):
   llama3-8b head (B=8192 tokens, H=4096, V=128256, bf16, mean), tokens replicated, ``w`` split over
-  ``tensor`` = k for k = n, …, 2; then one device with the same (chunked lean) design and with ``impl="auto"``.
-  Per device: compiled argument/output/temp bytes (``memory_analysis``), peak bytes, fwd+bwd time.
+  ``tensor`` = k for k = n, …, 2, both designs (``vp_lean``, ``vp_fast``); then one device with the same designs
+  (``chunked_lean``, ``chunked_fast``) and with ``impl="auto"``. Per device: compiled argument/output/temp bytes
+  (``memory_analysis``), peak bytes, fwd+bwd time; ratios against one device of the same design.
 * ``equality``: float32 with every option (bias, ignored tokens, ``where``, smoothing, z-loss, softcap), each
   mesh of n devices, loss/dx/dw/dbias relative error against the same op on one device
   (``jax.default_matmul_precision("highest")`` on both sides). Target ≤ 1e-5.
@@ -108,19 +109,19 @@ def _pow2_upto(n: int):
 def vocab_parallel(devs, b, h, v, dtype, rows):
   n = len(devs)
   key = jax.random.key(1)
-  configs = [(k, "vocab_parallel") for k in reversed(_pow2_upto(n)) if k > 1]
-  configs += [(1, "chunked_lean"), (1, "auto")]
+  configs = [(k, f"vp_{mode}") for k in reversed(_pow2_upto(n)) if k > 1 for mode in ("lean", "fast")]
+  configs += [(1, "chunked_lean"), (1, "chunked_fast"), (1, "auto")]
   for k, kind in configs:
     row = dict(section="vocab_parallel", devices=k, kind=kind, B=b, H=h, V=v, dtype=str(jnp.dtype(dtype)))
     try:
-      if kind == "vocab_parallel":
+      if kind.startswith("vp_"):
         mesh = make_mesh(data=1, fsdp=1, tensor=k, devices=devs[:k])
         rep, wsh = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "tensor"))
-        f = functools.partial(sharded_linear_cross_entropy, mesh=mesh)
+        f = functools.partial(sharded_linear_cross_entropy, mesh=mesh, mode=kind[3:])
       else:
         rep = wsh = jax.sharding.SingleDeviceSharding(devs[0])
-        f = functools.partial(linear_cross_entropy, impl="chunked" if kind == "chunked_lean" else "auto",
-                              mode="lean" if kind == "chunked_lean" else None)
+        f = functools.partial(linear_cross_entropy, impl="auto" if kind == "auto" else "chunked",
+                              mode=None if kind == "auto" else kind.split("_")[1])
       x = rand(jax.random.fold_in(key, 0), (b, h), dtype, rep)
       w = rand(jax.random.fold_in(key, 1), (h, v), dtype, wsh, 0.02)
       y = rand_labels(jax.random.fold_in(key, 2), (b,), v, rep)
@@ -134,13 +135,16 @@ def vocab_parallel(devs, b, h, v, dtype, rows):
       row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     rows.append(row)
     print(json.dumps(row), flush=True)
-  lean1 = next((r for r in rows if r.get("kind") == "chunked_lean" and "head_bytes" in r), None)
-  if lean1:
+  for mode in ("lean", "fast"):
+    one = next((r for r in rows if r.get("kind") == f"chunked_{mode}" and "head_bytes" in r), None)
+    if one is None:
+      continue
     for r in rows:
-      if r.get("kind") == "vocab_parallel" and "head_bytes" in r:
-        r["head_bytes_ratio_vs_1dev_lean"] = r["head_bytes"] / lean1["head_bytes"]
+      if r.get("kind") == f"vp_{mode}" and "head_bytes" in r:
+        r["head_bytes_ratio_vs_1dev"] = r["head_bytes"] / one["head_bytes"]
         r["ideal_ratio"] = 1 / r["devices"]
-        r["loss_rel_err_vs_1dev"] = abs(r["loss"] - lean1["loss"]) / abs(lean1["loss"])
+        r["loss_rel_err_vs_1dev"] = abs(r["loss"] - one["loss"]) / abs(one["loss"])
+        r["speedup_vs_1dev"] = one["fwdbwd_ms"] / r["fwdbwd_ms"]
 
 
 def equality(devs, b, h, v, rows):
@@ -243,7 +247,7 @@ def summary(rows):
   for r in rows:
     if r["section"] == "vocab_parallel" and "kind" in r:
       print(f"{r['kind']:15} k={r['devices']} head {r.get('head_bytes', 0) / 1e9:7.3f} GB  temp "
-            f"{r.get('temp_size_in_bytes', 0) / 1e9:7.3f} GB  ratio {r.get('head_bytes_ratio_vs_1dev_lean', float('nan')):.3f}"
+            f"{r.get('temp_size_in_bytes', 0) / 1e9:7.3f} GB  ratio {r.get('head_bytes_ratio_vs_1dev', float('nan')):.3f}"
             f" (ideal {r.get('ideal_ratio', 1):.3f})  {r.get('fwdbwd_ms', float('nan')):8.2f} ms  {r.get('error', '')}")
   print("\n== equality (fp32, all options) ==")
   for r in rows:
