@@ -47,6 +47,11 @@ Backward (recompute; no B×V array)
 
 Measured timings and the block-size sweep: ``benchmarks/NOTES_triton.md``.
 
+Precision: every product accumulates in float32. Float32 inputs follow ``jax.default_matmul_precision`` as
+JAX's own dots do: by default Pallas Triton multiplies them as TF32 on the tensor cores (H100: token-loss
+relative error ~8e-5, gradients ~4e-4); under ``jax.default_matmul_precision("highest")`` they are exact
+float32 (IEEE) products, at a fraction of the speed.
+
 Ragged B, V and H are handled by masked loads and stores (``pl.ds`` windows checked against iota bounds); w is
 never padded or copied.
 """
@@ -153,7 +158,7 @@ def _default_splits(row_blocks: int, vocab_tiles: int, sms: int) -> int:
   One program per SM at the default tile (its pipelined operands take ~200 KB of shared memory), so
   ``row_blocks·S / sms`` waves run, the last one partly idle; fewer splits keep each program's vocabulary walk
   long and the partial stats small. llama3-8b (64 row blocks, 132 SMs): S=4, 1.94 waves (measured best of
-  4/8/16 on H100: 15.2 vs 15.9 vs 18.0 ms).
+  4/8/16 on H100: 15.2 vs 16.2 vs 18.0 ms).
   """
   lo = max(1, _cdiv(sms, row_blocks))
   best, best_eff = lo, 0.0
