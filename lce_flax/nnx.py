@@ -46,8 +46,10 @@ def _mesh_names(entry) -> tuple[str, ...]:
   return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def _can_shard_now(axes: tuple, metadata: Mapping[str, Any]) -> bool:
+def _can_shard_now(axes: Any, metadata: Mapping[str, Any]) -> bool:
   """Whether ``axes`` (after the logical axis rules) name axes of the mesh in effect, so eager sharding can apply."""
+  if isinstance(axes, jax.sharding.NamedSharding):
+    return True  # it carries its own mesh
   mesh = metadata.get("mesh") or flax_meta.get_global_mesh()
   if mesh is None:
     return False
