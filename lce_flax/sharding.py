@@ -394,5 +394,10 @@ def sharded_linear_cross_entropy(
   out_specs = (loss_spec, api.Aux(tok_spec, tok_spec, P(), P()))
   fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, w_spec, P(vaxis), tok_spec, tok_spec),
                      out_specs=out_specs, check_vma=vaxis is not None)
-  loss, aux = fn(x, w, bias, labels, where)
+  args = (x, w, bias, labels, where)
+  if any(t == AxisType.Explicit for t in mesh.axis_types):
+    # an Explicit mesh types every array's sharding, and shard_map then refuses to reshard implicitly
+    specs = (tok_spec, w_spec, P(vaxis), tok_spec, tok_spec)
+    args = tuple(None if a is None else jax.sharding.reshard(a, NamedSharding(mesh, sp)) for a, sp in zip(args, specs))
+  loss, aux = fn(*args)
   return (loss, aux) if return_aux else loss

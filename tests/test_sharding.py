@@ -253,3 +253,16 @@ def test_default_rules_map_an_lm():
   assert nn.logical_to_mesh_axes(("batch", "length", "embed"), DEFAULT_RULES) == P(("data", "fsdp"), None, None)
   custom = (("batch", "data"), ("embed", None), ("vocab", "tensor"))
   assert nn.logical_to_mesh_axes(("embed", "vocab"), custom) == P(None, "tensor")
+
+
+def test_explicit_axis_mesh():
+  """A mesh from plain jax.make_mesh (Explicit axes) works too: the inputs are resharded to the op's layout."""
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+  x, w, b, y, _ = _inputs(8)
+  f0 = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, z_loss=1e-3)
+  f1 = lambda x, w, b: sharded_linear_cross_entropy(x, w, y, bias=b, z_loss=1e-3, mesh=mesh)
+  l0, g0 = jax.value_and_grad(f0, (0, 1, 2))(x, w, b)
+  l1, g1 = jax.jit(jax.value_and_grad(f1, (0, 1, 2)))(x, w, b)
+  assert rel_err(l1, l0) <= TOL
+  for s, r in zip(g1, g0):
+    assert rel_err(s, r) <= TOL
