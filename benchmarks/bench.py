@@ -241,6 +241,11 @@ def _time(compiled, args, preset: Preset) -> tuple[list[float], Any]:
   return times, out
 
 
+@jax.jit
+def _norm(a):
+  return jnp.sqrt(jnp.sum(jnp.square(a.astype(jnp.float32))))
+
+
 def measure(variant: Variant, pass_: str, shape: Shape, args, preset: Preset) -> dict[str, Any]:
   """One row: times, memory and loss of ``variant`` on ``args`` for ``pass_`` ("fwd" or "fwdbwd")."""
   if pass_ == "fwd":
@@ -269,6 +274,12 @@ def measure(variant: Variant, pass_: str, shape: Shape, args, preset: Preset) ->
       temp_bytes=temp,
       loss=float(loss),
   )
+  if pass_ == "fwdbwd":
+    # Cheap sanity of the gradients, comparable across implementations and with the torch peers: their float32
+    # norms (a scale error or a NaN shows; the implementations' own tests check the values).
+    dx, dw = out[1]
+    row["dx_norm"] = float(_norm(dx))
+    row["dw_norm"] = float(_norm(dw))
   mem_after = _device_memory()
   if mem_before is not None and mem_after is not None:
     # The allocator's peak cannot be reset from JAX, so a row's peak is only known when it set a new one. Less the

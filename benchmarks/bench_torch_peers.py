@@ -148,9 +148,12 @@ def measure(torch, loss_fn, pass_: str, shape: Shape, x, w, y, preset: Preset, f
     times.append(time.perf_counter() - t)
   ms = statistics.median(times) * 1e3
   algo = 2 if pass_ == "fwd" else factor
+  norms = {}
+  if pass_ == "fwdbwd":  # as bench.py: float32 norms of the gradients, a cheap cross-implementation sanity check
+    norms = dict(dx_norm=float(x.grad.float().norm()), dw_norm=float(w.grad.float().norm()))
   return dict(ms=ms, ms_min=min(times) * 1e3, reps=len(times), compile_s=warmup_s,
               tflops=shape.flops(2 if pass_ == "fwd" else 6) / ms / 1e9, algo_tflops=shape.flops(algo) / ms / 1e9,
-              flops_factor=algo, temp_bytes=None, device_peak_bytes=peak, loss=float(loss.detach()), timer="wallclock")
+              flops_factor=algo, temp_bytes=None, device_peak_bytes=peak, loss=float(loss.detach()), timer="wallclock", **norms)
 
 
 def run(preset: Preset, names, out_dir: str, budget_s: float | None = None) -> str:

@@ -58,6 +58,18 @@ def test_smoke_losses_match_reference(smoke):
       assert r["ref_loss"] == pytest.approx(r["B"] * float(jnp.log(r["V"])), rel=0.05)
 
 
+def test_smoke_gradient_norms_agree(smoke):
+  _, rows = smoke
+  for shape in {r["shape"] for r in rows}:
+    rs = [r for r in rows if r["shape"] == shape and r["pass"] == "fwdbwd"]
+    assert len(rs) == 3
+    for key in ("dx_norm", "dw_norm"):
+      ref = next(r[key] for r in rs if r["impl"] == "xla")
+      assert ref > 0
+      for r in rs:
+        assert r[key] == pytest.approx(ref, rel=2e-2), (key, r["label"], shape)
+
+
 def test_smoke_report_written(smoke):
   out, rows = smoke
   for png in ("llm.png", "sweep.png"):
