@@ -140,6 +140,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
   Returns:
     ``step(state, batch)``. ``batch`` is a pytree of arrays ``[B, ...]`` split over the batch axes on dim 0.
     Metrics: ``loss``, ``grad_norm`` (global L2 norm of the gradient), ``step`` (before the update).
+    ``step.lower(state, batch)`` gives the lowered step (e.g. ``.compile().as_text()``, ``memory_analysis()``).
   """
   if grad_accum_steps < 1:
     raise ValueError(f"{grad_accum_steps=} must be >= 1")
@@ -186,7 +187,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
 
   compiled: dict[Any, Callable] = {}
 
-  def sharded_step(state: TrainState, batch):
+  def jitted(state: TrainState, batch):
     leaves, treedef = jax.tree.flatten(batch)
     for a in leaves:
       if np.ndim(a) < 1 or np.shape(a)[0] % (accum * nb):
@@ -198,7 +199,18 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       bt = jax.tree.unflatten(treedef, [NamedSharding(mesh, P(bspec)) for _ in leaves])
       compiled[key] = jax.jit(step, in_shardings=(st, bt), out_shardings=(st, NamedSharding(mesh, P())),
                               donate_argnums=donate_argnums)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-      return compiled[key](state, batch)
+    return compiled[key]
 
+  def sharded_step(state: TrainState, batch):
+    fn = jitted(state, batch)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      return fn(state, batch)
+
+  def lower(state: TrainState, batch):
+    """``jax.jit(...).lower`` of the step for these arguments (to read its HLO or memory analysis)."""
+    fn = jitted(state, batch)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      return fn.lower(state, batch)
+
+  sharded_step.lower = lower
   return sharded_step

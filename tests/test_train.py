@@ -167,3 +167,17 @@ def test_indivisible_batch_raises():
                          mesh=mesh, grad_accum_steps=3)
   with pytest.raises(ValueError, match="divisible by grad_accum_steps=3"):
     step(state, _batches(1)[0])
+
+
+def test_vocab_parallel_train_step_never_holds_the_head():
+  """The whole compiled step on a 1×1×8 mesh (grads, Adam update) keeps the [H, V] head split over V."""
+  mesh = make_mesh(1, 1, 8)
+  b = _batches(1)[0]
+  params = TinyLM().init(jax.random.key(0), b["tokens"], b["labels"])["params"]
+  opt = optax.adam(1e-2)
+  state = TrainState.create(params, opt, mesh=mesh)
+  step = make_train_step(lambda p, b: TinyLM(mesh=mesh).apply({"params": p}, b["tokens"], b["labels"]), opt,
+                         mesh=mesh)
+  hlo = step.lower(state, b).compile().as_text()
+  assert f"f32[{H},{V // 8}]" in hlo  # the head shard is there...
+  assert f"f32[{H},{V}]" not in hlo  # ...and the whole head never is
