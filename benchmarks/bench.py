@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lce_flax
+from lce_flax import _base, _math
 from benchmarks import shapes as shapes_lib
 from benchmarks.shapes import PEAK_TFLOPS, Preset, Shape
 
@@ -122,21 +123,26 @@ class Variant:
     return self.impl if self.mode is None else f"{self.impl}:{self.mode}"
 
 
-def _lce_variants(name: str, modes: tuple[str, ...]) -> list[Variant]:
-  """``impl=name`` once per mode where the implementation has a distinct fast design, else once (mode None)."""
+def _lce_variants(name: str, modes: tuple[str, ...], interpret: bool = False) -> list[Variant]:
+  """``impl=name`` once per mode where the implementation has a distinct fast design, else once (mode None).
+
+  ``interpret=True`` runs Pallas kernels in interpret mode (on a CPU: checks the harness drives them; the times
+  mean nothing)."""
   try:
     mod = importlib.import_module(lce_flax.IMPLEMENTATIONS[name])
   except ImportError as e:
     return [Variant(name, None, None, 6, f"{type(e).__name__}: {e}")]
-  if name not in lce_flax.available_implementations():
-    return [Variant(name, None, None, 6, f"not available on {jax.default_backend()}")]
+  spec = _base.Spec(_math.LossOptions(vocab_size=2), interpret=interpret)
+  if name not in lce_flax.available_implementations(spec):
+    return [Variant(name, None, None, 6, f"not available on {jax.default_backend()} (interpret={interpret})")]
   if getattr(mod, "fast", None) is None:
     # One design whatever the mode: xla autodiffs stored logits (6·B·H·V); kernels without a fast path recompute.
     modes = (None,)
   out = []
   for mode in modes:
     factor = 6 if name == "xla" or mode == "fast" else 8
-    loss = functools.partial(lce_flax.linear_cross_entropy, reduction="sum", impl=name, mode=mode)
+    kw = {"interpret": True} if interpret else {}
+    loss = functools.partial(lce_flax.linear_cross_entropy, reduction="sum", impl=name, mode=mode, **kw)
     out.append(Variant(name, mode, loss, factor))
   return out
 
@@ -154,14 +160,16 @@ def _tokamax_variant(name: str, tokamax, reason: str | None) -> Variant:
   return Variant(name, None, loss, factor)
 
 
-def make_variants(impls: list[str] | None, modes: tuple[str, ...]) -> tuple[list[Variant], str | None]:
+def make_variants(impls: list[str] | None, modes: tuple[str, ...],
+                  interpret: bool = False) -> tuple[list[Variant], str | None]:
   """Variants for ``impls`` (None: every available lce_flax implementation, then tokamax's if it imports).
 
   Returns the variants and, when tokamax was wanted but does not import, why.
   """
   tokamax, reason = import_tokamax()
   if impls is None:
-    impls = lce_flax.available_implementations() + (list(TOKAMAX_IMPLS) if tokamax is not None else [])
+    spec = _base.Spec(_math.LossOptions(vocab_size=2), interpret=interpret)
+    impls = lce_flax.available_implementations(spec) + (list(TOKAMAX_IMPLS) if tokamax is not None else [])
   known = [*lce_flax.IMPLEMENTATIONS, *TOKAMAX_IMPLS]
   for name in impls:
     if name not in known:
@@ -171,7 +179,7 @@ def make_variants(impls: list[str] | None, modes: tuple[str, ...]) -> tuple[list
     if name in TOKAMAX_IMPLS:
       variants.append(_tokamax_variant(name, tokamax, reason))
     else:
-      variants.extend(_lce_variants(name, modes))
+      variants.extend(_lce_variants(name, modes, interpret))
   return variants, reason
 
 
@@ -395,6 +403,8 @@ def parse_args(argv=None):
   p.add_argument("--order", choices=("impl", "shape"), default="impl",
                  help="impl: each implementation over all shapes in turn (a budget cut drops the last "
                  "implementations); shape: all implementations at each shape in turn")
+  p.add_argument("--interpret", action="store_true",
+                 help="run Pallas kernels in interpret mode (CPU check of the harness; times mean nothing)")
   p.add_argument("--no-report", action="store_true", help="write JSON lines only (no markdown, no plots)")
   return p.parse_args(argv)
 
@@ -413,7 +423,7 @@ def main(argv=None) -> int:
       raise SystemExit(f"--modes: {m!r} is not 'fast' or 'lean'")
   impls = None if a.impls in (None, "", "all") else [s for s in a.impls.split(",") if s]
   out_dir = a.out or os.environ.get("OUT") or os.path.join("/tmp/lce_bench", preset.name)
-  variants, tk_reason = make_variants(impls, modes)
+  variants, tk_reason = make_variants(impls, modes, a.interpret)
   if tk_reason is not None and impls is None:
     print(f"# tokamax not measured: {tk_reason}")
   signal.signal(signal.SIGTERM, _on_sigterm)

@@ -155,3 +155,15 @@ def test_device_peak_from_allocator_counters(monkeypatch):
   counters = iter([{"in_use": 1000, "peak": 9000}, {"in_use": 1000, "peak": 9000}])
   row = bench.measure(variant, "fwd", shape, args, preset)
   assert "device_peak_bytes" not in row and "no new allocator peak" in row["device_peak_note"]
+
+
+def test_kernels_in_interpret_mode(tmp_path):
+  """--interpret lets the harness drive the Pallas kernels on a CPU (one tiny ragged shape, fwd+bwd)."""
+  preset = shapes.Preset("t", shapes=(shapes.Shape("t", 40, 32, 300),), passes=("fwdbwd",), min_reps=1, max_reps=1)
+  variants, _ = bench.make_variants(["xla", "pallas_triton", "pallas_mosaic"], ("fast",), interpret=True)
+  assert [v.impl for v in variants] == ["xla", "pallas_triton", "pallas_mosaic"]
+  rows = _rows(bench.run(preset, variants, str(tmp_path), log=lambda s: None))
+  ref = rows[0]
+  for r in rows:
+    assert "error" not in r, r
+    assert r["loss_rel_err"] < 1e-3 and r["dw_norm"] == pytest.approx(ref["dw_norm"], rel=2e-2), r
