@@ -12,7 +12,8 @@ Sections (each row records its error instead of stopping the run):
   (``chunked_lean``, ``chunked_fast``) and with ``impl="auto"``. Per device: compiled argument/output/temp bytes
   (``memory_analysis``), peak bytes, fwd+bwd time; ratios against one device of the same design.
 * ``equality``: float32 with every option (bias, ignored tokens, ``where``, smoothing, z-loss, softcap), each
-  mesh of n devices, loss/dx/dw/dbias relative error against the same op on one device
+  mesh of n devices, ``impl`` "chunked" and "auto" (the GPU kernels on the data-parallel path),
+  loss/dx/dw/dbias relative error against the same op (same ``impl``) on one device
   (``jax.default_matmul_precision("highest")`` on both sides). Target ≤ 1e-5.
 * ``weak_scaling``: data parallel (``data`` = k) and FSDP (``fsdp`` = k) with 8192 tokens per device at the
   llama3-8b head, bf16, mean, for k = 1, 2, 4, … ≤ n; efficiency = t(1) / t(k). ``data_local``: the same
@@ -157,11 +158,21 @@ def equality(devs, b, h, v, rows):
   b0 = rand(jax.random.fold_in(key, 3), (v,), jnp.float32, one)
   y0 = rand_labels(jax.random.fold_in(key, 2), (b,), v, one, ignore_frac=0.1)
   m0 = jax.jit(lambda k: jax.random.uniform(k, (b,)) < 0.9, out_shardings=one)(jax.random.fold_in(key, 4))
+  for impl in ("chunked", "auto"):
+    try:
+      _equality_impl(devs, impl, opts, (x0, w0, b0, y0, m0), b, h, v, rows)
+    except Exception as e:
+      rows.append(dict(section="equality", impl=impl, error=f"{type(e).__name__}: {str(e)[:400]}"))
+
+
+def _equality_impl(devs, impl, opts, inputs, b, h, v, rows):
+  """One backend (the data-parallel path runs it; the vocab-parallel path is pure JAX either way)."""
+  x0, w0, b0, y0, m0 = inputs
   with jax.default_matmul_precision("highest"):
-    ref_f = lambda x, w, bb: linear_cross_entropy(x, w, y0, bias=bb, where=m0, **opts)
+    ref_f = lambda x, w, bb: linear_cross_entropy(x, w, y0, bias=bb, where=m0, impl=impl, **opts)
     l0, g0 = jax.jit(jax.value_and_grad(ref_f, (0, 1, 2)))(x0, w0, b0)
-  for shape in _meshes(n):
-    row = dict(section="equality", mesh=dict(zip(("data", "fsdp", "tensor"), shape)), B=b, H=h, V=v,
+  for shape in _meshes(len(devs)):
+    row = dict(section="equality", impl=impl, mesh=dict(zip(("data", "fsdp", "tensor"), shape)), B=b, H=h, V=v,
                dtype="float32", **opts)
     try:
       mesh = make_mesh(*shape, devices=devs)
@@ -171,7 +182,8 @@ def equality(devs, b, h, v, rows):
       bb = jax.device_put(b0, NamedSharding(mesh, P("tensor")))
       y, m = jax.device_put(y0, tok), jax.device_put(m0, tok)
       with jax.default_matmul_precision("highest"):
-        f = lambda x, w, bb, y, m: sharded_linear_cross_entropy(x, w, y, bias=bb, where=m, mesh=mesh, **opts)
+        f = lambda x, w, bb, y, m: sharded_linear_cross_entropy(x, w, y, bias=bb, where=m, mesh=mesh, impl=impl,
+                                                                **opts)
         l1, g1 = jax.jit(jax.value_and_grad(f, (0, 1, 2)))(x, w, bb, y, m)
       row.update(loss=float(l1), loss_ref=float(l0), loss_rel_err=rel(l1, l0),
                  dx_rel_err=rel(g1[0], g0[0]), dw_rel_err=rel(g1[1], g0[1]), dbias_rel_err=rel(g1[2], g0[2]))
@@ -252,7 +264,8 @@ def summary(rows):
   print("\n== equality (fp32, all options) ==")
   for r in rows:
     if r["section"] == "equality" and "mesh" in r:
-      print(r["mesh"], {k: f"{r[k]:.1e}" for k in r if k.endswith("rel_err")}, r.get("pass_1e-5"), r.get("error", ""))
+      print(f"{r['impl']:8}", r["mesh"], {k: f"{r[k]:.1e}" for k in r if k.endswith("rel_err")}, r.get("pass_1e-5"),
+            r.get("error", ""))
   print("\n== weak scaling ==")
   for r in rows:
     if r["section"] == "weak_scaling" and "layout" in r:
