@@ -3,7 +3,8 @@
 Usage::
 
   python -m benchmarks.bench [--preset {smoke,llm,sweep}] [--impls xla,chunked,...] [--modes fast,lean]
-                             [--out DIR] [--budget-s SECONDS]
+                             [--passes fwd,fwdbwd] [--out DIR] [--budget-s SECONDS] [--order {impl,shape}]
+                             [--interpret] [--no-report]
 
 For each shape, implementation, mode and pass (``fwd``: the loss; ``fwdbwd``: the loss and the gradients of x and
 w) it compiles the jitted function once, reads the compiled temp memory
@@ -42,7 +43,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import lce_flax
 from lce_flax import _base, _math
