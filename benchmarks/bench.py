@@ -166,7 +166,9 @@ def make_variants(impls: list[str] | None, modes: tuple[str, ...],
 
   Returns the variants and, when tokamax was wanted but does not import, why.
   """
-  tokamax, reason = import_tokamax()
+  tokamax, reason = None, None
+  if impls is None or any(n in TOKAMAX_IMPLS for n in impls):
+    tokamax, reason = import_tokamax()
   if impls is None:
     spec = _base.Spec(_math.LossOptions(vocab_size=2), interpret=interpret)
     impls = lce_flax.available_implementations(spec) + (list(TOKAMAX_IMPLS) if tokamax is not None else [])
