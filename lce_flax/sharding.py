@@ -27,8 +27,9 @@ What each device does:
   of H for the columns it computes; gathering once keeps the op (and its GPU kernels) unchanged and costs a
   transient H·V/t buffer per device (t = vocab-axis size), while the stored weight, its optimizer state and its
   gradient stay 1/(fsdp·t). The gradient leaves through the all-gather's transpose, a reduce-scatter. Gathering
-  per vocab chunk instead would bound the transient buffer to H·chunk, at the price of a second gather in the
-  backward's recompute; not done.
+  per vocab chunk instead would bound the transient buffer to H·chunk, but it would have to live inside every
+  backend's chunk loop (kernels included), repeat for each pass over the chunks (twice in the lean design), and
+  put a collective in each chunk's critical path; not done.
 * **vocab parallel** (``vocab_axis``): each device holds V/t columns of ``w`` and reduces its columns to
   per-token partial stats (running max, sum of exponentials, target logit, logit sum); a pmax and a psum of
   [3, tokens] combine them across the vocab axis into the global lse, the target logit (only its owner adds a
@@ -392,8 +393,10 @@ def sharded_linear_cross_entropy(
 
   loss_spec = tok_spec if reduction == "none" else P()
   out_specs = (loss_spec, api.Aux(tok_spec, tok_spec, P(), P()))
-  fn = jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, w_spec, P(vaxis), tok_spec, tok_spec),
-                     out_specs=out_specs, check_vma=vaxis is not None)
+  # jit: eager shard_map does not run custom_vjps with symbolic zeros (the fast designs); inside an outer jit
+  # this is inlined
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, w_spec, P(vaxis), tok_spec, tok_spec),
+                             out_specs=out_specs, check_vma=vaxis is not None))
   args = (x, w, bias, labels, where)
   if any(t == AxisType.Explicit for t in mesh.axis_types):
     # an Explicit mesh types every array's sharding, and shard_map then refuses to reshard implicitly

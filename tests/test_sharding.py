@@ -266,3 +266,15 @@ def test_explicit_axis_mesh():
   assert rel_err(l1, l0) <= TOL
   for s, r in zip(g1, g0):
     assert rel_err(s, r) <= TOL
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (1, 1, 8)], ids=lambda m: "x".join(map(str, m)))
+def test_eager_call_and_grad(mesh_shape):
+  """Outside jit too (the fast designs' custom_vjps need jit under shard_map; the wrapper adds it)."""
+  mesh = make_mesh(*mesh_shape)
+  x, w, _, y, _ = _inputs(10)
+  l0, g0 = jax.value_and_grad(linear_cross_entropy, (0, 1))(x, w, y)
+  l1, g1 = jax.value_and_grad(lambda x, w: sharded_linear_cross_entropy(x, w, y, mesh=mesh), (0, 1))(x, w)
+  assert rel_err(l1, l0) <= TOL
+  for s, r in zip(g1, g0):
+    assert rel_err(s, r) <= TOL
