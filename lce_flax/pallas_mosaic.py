@@ -120,8 +120,9 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   """Tile sizes for one shape (bf16/fp16 operands): the heuristic, overridden by any field of ``config``.
 
   128×128 tiles (one warpgroup holds a 64 KB float32 accumulator: 128 registers per thread with the epilogue's
-  temporaries), 64-deep steps, 4 stages (32 KB of SMEM per stage); ``num_splits`` for ~4 waves of CTAs over the
-  SMs; ``chunk_size`` ``DZ_CHUNK_BYTES`` of bf16 dz, a power of two in [block_v, 16384], at most the
+  temporaries), 64-deep steps, 4 stages (32 KB of SMEM per stage; 48 KB with warp specialisation);
+  ``num_splits`` for ~8 waves of CTAs over the SMs (H100, llama3-8b forward: 4 splits 14.3 ms, 8 splits 14.7 ms,
+  16 splits 13.8 ms); ``chunk_size`` ``DZ_CHUNK_BYTES`` of bf16 dz, a power of two in [block_v, 16384], at most the
   (block-rounded) vocabulary.
   """
   c = config or Config()
@@ -139,7 +140,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   vp = max(vocab, bv)
   nb = _cdiv(num_tokens, bt)
   nvt = _cdiv(vp, bv)
-  splits = c.num_splits or max(1, min(nvt, 64, _cdiv(4 * _num_sms(), nb)))
+  splits = c.num_splits or max(1, min(nvt, 64, _cdiv(8 * _num_sms(), nb)))
   if splits < 1:
     raise ValueError(f"num_splits={splits} must be >= 1")
   splits = min(splits, nvt)

@@ -145,7 +145,7 @@ def test_supported_and_plan():
                            interpret=False)
   p = pallas_mosaic.plan(8192, 4096, 128256)
   assert (p.block_t, p.block_v, p.block_k) == (128, 128, 64) and p.chunk_size == 2048
-  assert 64 * p.num_splits >= 132  # the forward grid covers the SMs
+  assert 64 * p.num_splits >= 8 * 132  # about 8 waves of forward CTAs
   with pytest.raises(ValueError, match="block_v=96"):
     pallas_mosaic.plan(64, 64, 1000, Config(block_v=96))
   with pytest.raises(ValueError, match="chunk_size=100"):
