@@ -234,7 +234,10 @@ def main():
   correctness("one warpgroup (CPU-tested twin)", 1000, 512, 5003, "vh", bias=True,
               config=pm.Config(warp_specialized=False))
   llama3("vh")
-  if not quick:
+  if quick:
+    for name in ("gpt2-small", "qwen3-8b", "gemma2-2b"):
+      other_shape(name)
+  else:
     for cfg in (pm.Config(chunk_size=4096), pm.Config(chunk_size=8192)):
       fb_variant(cfg)
     llama3("hv")
