@@ -50,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import lce_flax  # noqa: E402
+import lce_flax.sharding  # noqa: E402
 from lce_flax.sharding import DATA, make_mesh  # noqa: E402
 from lce_flax.train import TrainState, make_train_step  # noqa: E402
 
@@ -267,35 +268,44 @@ class Block(nn.Module):
     return x + nn.Dense(cfg.d_model, dtype=dtype, name="mlp_out")(h)
 
 
-class _FusedHeadFallback(nn.Module):
-  """A ``Dense``-shaped kernel used through ``lce_flax.linear_cross_entropy``; used when ``lce_flax.linen`` is not
-  importable (the package's own ``LMHead`` is preferred)."""
+class KernelHead(nn.Module):
+  """The fused head on a ``Dense``-shaped ``kernel`` [H, V] (the parameter ``nn.Dense``/``LMHead`` would make), for
+  a data-parallel mesh: the loss goes through ``lce_flax.sharding.sharded_linear_cross_entropy``, which runs the op
+  on each device's tokens under ``shard_map`` (a kernel implementation is an opaque custom call that XLA would
+  otherwise run on gathered inputs). Also the stand-in when ``lce_flax.linen`` cannot be imported."""
 
   vocab_size: int
+  hidden: int
   dtype: Any = jnp.float32
-  kernel_init: Callable = HEAD_INIT
   impl: str = "auto"
   chunk_size: int | None = None
+  mesh: Mesh | None = None
 
   def setup(self):
-    self.kernel = self.param("kernel", self.kernel_init, (self.hidden, self.vocab_size), jnp.float32)
-
-  hidden: int = 0
+    self.kernel = self.param("kernel", HEAD_INIT, (self.hidden, self.vocab_size), jnp.float32)
 
   def __call__(self, x: jax.Array, labels: jax.Array) -> jax.Array:
-    return lce_flax.linear_cross_entropy(x.astype(self.dtype), self.kernel.astype(self.dtype), labels,
-                                         impl=self.impl, chunk_size=self.chunk_size)
+    x, k = x.astype(self.dtype), self.kernel.astype(self.dtype)
+    if self.mesh is not None and self.mesh.size > 1:
+      return lce_flax.sharding.sharded_linear_cross_entropy(
+          x, k, labels, mesh=self.mesh, batch_axes=(DATA,), vocab_axis=None, fsdp_axis=None, impl=self.impl,
+          chunk_size=self.chunk_size)
+    return lce_flax.linear_cross_entropy(x, k, labels, impl=self.impl, chunk_size=self.chunk_size)
 
   def logits(self, x: jax.Array) -> jax.Array:
     return jnp.einsum("...h,hv->...v", x.astype(self.dtype), self.kernel.astype(self.dtype),
                       preferred_element_type=jnp.float32)
 
 
-def fused_head(vocab_size: int, hidden: int, dtype: Any, impl: str, chunk_size: int | None = None) -> nn.Module:
+def fused_head(vocab_size: int, hidden: int, dtype: Any, impl: str, chunk_size: int | None = None,
+               mesh: Mesh | None = None) -> nn.Module:
+  """``lce_flax.linen.LMHead`` on one device; :class:`KernelHead` on a mesh (same parameter, same init)."""
   try:
     from lce_flax.linen import LMHead
   except ImportError:
-    return _FusedHeadFallback(vocab_size, dtype=dtype, impl=impl, hidden=hidden, chunk_size=chunk_size, name="head")
+    LMHead = None
+  if LMHead is None or (mesh is not None and mesh.size > 1):
+    return KernelHead(vocab_size, hidden, dtype=dtype, impl=impl, chunk_size=chunk_size, mesh=mesh, name="head")
   return LMHead(vocab_size, use_bias=False, dtype=dtype, kernel_init=HEAD_INIT, impl=impl, chunk_size=chunk_size,
                 name="head")
 
@@ -307,6 +317,7 @@ class TransformerLM(nn.Module):
   loss: str = "fused"
   impl: str = "auto"
   chunk_size: int | None = None
+  mesh: Mesh | None = None
 
   def setup(self):
     cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
@@ -316,7 +327,7 @@ class TransformerLM(nn.Module):
     self.blocks = [block(cfg, name=f"block{i}") for i in range(cfg.num_layers)]
     self.ln_f = nn.LayerNorm(dtype=dtype, name="ln_f")
     if self.loss == "fused":
-      self.head = fused_head(cfg.vocab_size, cfg.d_model, dtype, self.impl, self.chunk_size)
+      self.head = fused_head(cfg.vocab_size, cfg.d_model, dtype, self.impl, self.chunk_size, self.mesh)
     elif self.loss == "xla":
       self.head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, kernel_init=HEAD_INIT, name="head")
     else:
@@ -389,13 +400,14 @@ def make_optimizer(lr: float, warmup: int, steps: int) -> optax.GradientTransfor
 
 def make_trainer(cfg: ModelConfig, loss: str, impl: str, batch_size: int, tx: optax.GradientTransformation,
                  seq_len: int, num_devices: int | None = None, chunk_size: int | None = None) -> Trainer:
-  model = TransformerLM(cfg, loss=loss, impl=impl, chunk_size=chunk_size)
   mesh = data_mesh(batch_size, num_devices)
+  model = TransformerLM(cfg, loss=loss, impl=impl, chunk_size=chunk_size, mesh=mesh)
   repl = NamedSharding(mesh, P())
   data = NamedSharding(mesh, P(DATA))
 
   def init(key):
-    params = model.init(key, jnp.zeros((1, seq_len), jnp.int32), jnp.zeros((1, seq_len), jnp.int32))["params"]
+    dummy = jnp.zeros((mesh.devices.size, seq_len), jnp.int32)  # one row per device, for the sharded head
+    params = model.init(key, dummy, dummy)["params"]
     params = nn.meta.unbox(params)  # drop logical-partitioning boxes: both heads give one plain params tree
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 

@@ -173,3 +173,22 @@ def test_find_max_batch_against_a_cpu_budget(cache_dir, tmp_path):
     assert bigger and all(not probes[b]["fits"] and probes[b]["memory"]["peak"] > budget for b in bigger)
     assert min(bigger) - best <= max(1, best // 2)
   assert os.path.exists(out / "train_lm.png")
+
+
+def test_heads_share_one_parameter_tree():
+  import jax
+
+  cfg = train_lm.ModelConfig(vocab_size=300, seq_len=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+  tx = train_lm.make_optimizer(1e-3, 1, 2)
+  key = jax.random.key(3)
+  states = {
+      "fused, 1 device (LMHead)": train_lm.make_trainer(cfg, "fused", "auto", 8, tx, 16, num_devices=1).init(key),
+      "fused, 8 devices (KernelHead)": train_lm.make_trainer(cfg, "fused", "auto", 8, tx, 16).init(key),
+      "xla (nn.Dense)": train_lm.make_trainer(cfg, "xla", "auto", 8, tx, 16).init(key),
+  }
+  ref = states.pop("xla (nn.Dense)").params
+  assert ref["head"]["kernel"].shape == (32, 300)
+  for name, st in states.items():
+    assert jax.tree.structure(st.params) == jax.tree.structure(ref), name
+    for a, b in zip(jax.tree.leaves(st.params), jax.tree.leaves(ref)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
