@@ -229,7 +229,8 @@ def main():
   correctness("hv bias ragged", 1000, 512, 5003, "hv", bias=True)
   correctness("vh all options", 777, 256, 4096, "vh", bias=True, label_smoothing=0.1, z_loss=1e-3,
               logit_softcap=30.0)
-  correctness("fp32 inputs (bf16 kernels)", 600, 256, 3000, "vh", dtype=jnp.float32)
+  correctness("fp32 inputs (bf16 kernels)", 600, 256, 3000, "vh", dtype=jnp.float32,
+              config=pm.Config(fp32_inputs="bf16"))
   correctness("fp16 hv", 600, 256, 3000, "hv", dtype=jnp.float16)
   correctness("one warpgroup (CPU-tested twin)", 1000, 512, 5003, "vh", bias=True,
               config=pm.Config(warp_specialized=False))

@@ -27,9 +27,11 @@ end at V whose already-counted columns are masked, so w is not padded or copied 
 H a multiple of ``block_k`` (64) and V a multiple of 8 ("vh") or 64 ("hv"), and V ≥ ``block_v`` — true of the LLM
 heads (50304, 128256, 151936, 256000). Otherwise w is zero-padded (a copy of w per call; small problems only).
 
-dtypes: bf16 and fp16 run as they are (float32 accumulation). **fp32 inputs are rounded to bf16** before the
-kernels (WGMMA has no fp32 mode; tf32 would need a second swizzle/tiling path): the loss is then that of the
-bf16-rounded x and w (relative error ~1e-3 against fp32), and the gradients come back in fp32.
+dtypes: bf16 and fp16 run as they are (float32 accumulation). WGMMA has no fp32 operands (tf32 would need a
+second shared-memory layout), so **fp32 inputs** take one of two paths (``Config.fp32_inputs``): by default the
+exact chunked implementation (the package's fp32 contract: 2e-5 of the float64 oracle), or, opted in with
+``"bf16"``, the kernels on bf16-rounded x and w (the exact loss of the rounded inputs, ~1e-3 from the fp32 one;
+gradients returned in fp32).
 
 Interpret mode (CPU): the same kernel bodies run under Mosaic GPU's own interpreter
 (``plgpu.InterpretGPUParams``: simulated GMEM/SMEM, TMA copies, barriers), except the one WGMMA instruction, which
@@ -71,6 +73,9 @@ class Config:
     num_splits: vocabulary splits of the forward grid.
     chunk_size: vocabulary columns per backward chunk (a multiple of ``block_v``).
     semantics: ``"lane"`` (explicit register layouts) or ``"warpgroup"`` (layouts inferred by Mosaic).
+    fp32_inputs: what float32 (or mixed) inputs do: ``"chunked"`` (default) runs them exactly through
+      :mod:`lce_flax.chunked` (XLA float32 matmuls: WGMMA has no float32 operands); ``"bf16"`` rounds x and w to
+      bf16 and runs the kernels (the loss of the rounded inputs; gradients returned in float32).
     warp_specialized: two compute warpgroups (each a ``block_t × block_v`` accumulator, a CTA tile of
       ``block_t × 2·block_v``) fed by a third, TMA-only warpgroup (``plgpu.emit_pipeline_warp_specialized``);
       None: on a GPU yes, in interpret mode no (the interpreter cannot run it).
@@ -84,6 +89,7 @@ class Config:
   chunk_size: int | None = None
   semantics: str | None = None
   warp_specialized: bool | None = None
+  fp32_inputs: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -727,9 +733,17 @@ _lean.defvjp(_lean_fwd, _lean_bwd)
 def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> _math.TokenOut:
   """Per-token loss, lse and correctness; differentiable in x, w and bias with any cotangent on loss and lse.
 
-  fp32 (and other non-16-bit) inputs are rounded to bf16 for the kernels; their gradients come back in their dtype.
+  bf16/fp16 inputs run the kernels. Other inputs (fp32) follow ``config.fp32_inputs``: by default the exact
+  chunked implementation, or (``"bf16"``) the kernels on bf16-rounded x and w, gradients returned in fp32.
   """
+  config = config or Config()
+  fp32 = config.fp32_inputs or "chunked"
+  if fp32 not in ("chunked", "bf16"):
+    raise ValueError(f"fp32_inputs={fp32!r} must be 'chunked' or 'bf16'")
   p = plan(x.shape[0], x.shape[1], spec.opts.vocab_size, config, spec.interpret)
   if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
+    if fp32 == "chunked":
+      from lce_flax import chunked  # pylint: disable=g-import-not-at-top
+      return chunked.lean(x, w, bias, labels, spec, chunked.Config())
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
   return _lean(x, w, bias, labels, spec, p)

@@ -9,6 +9,8 @@ the compiled kernels (``pytest -m gpu`` on an SM90 machine).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,11 +45,17 @@ def test_dtypes_and_layouts(dtype, w_layout):
   check(dtype=dtype, w_layout=w_layout, batch_shape=(3, 13), v=333, seed=7, bias=w_layout == "vh")
 
 
+def test_float32_inputs_default_is_exact():
+  """fp32 inputs keep the package's fp32 accuracy (they run the chunked implementation)."""
+  check(dtype=jnp.float32, w_layout="vh", bias=True, seed=12)
+
+
 def test_float32_inputs_run_in_bf16():
-  """fp32 x, w are rounded to bf16 for the kernels: the result is the oracle's on the rounded inputs, to fp32
-  accumulation accuracy, and gradients come back in fp32."""
+  """With fp32_inputs="bf16", fp32 x, w are rounded to bf16 for the kernels: the result is the oracle's on the
+  rounded inputs, to fp32 accumulation accuracy, and gradients come back in fp32."""
   (x, w, y, _), (xn, wn, yn, _) = make_inputs(11, (70,), 128, 200, jnp.float32)
-  f = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=SMALL)
+  cfg = dataclasses.replace(SMALL, fp32_inputs="bf16")
+  f = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=cfg)
   loss, (dx, dw) = jax.value_and_grad(f, (0, 1))(x, w)
   rnd = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
   ref = linear_cross_entropy_np(rnd(xn), rnd(wn), yn)
@@ -150,6 +158,9 @@ def test_supported_and_plan():
     pallas_mosaic.plan(64, 64, 1000, Config(block_v=96))
   with pytest.raises(ValueError, match="chunk_size=100"):
     pallas_mosaic.plan(64, 64, 1000, Config(chunk_size=100))
+  with pytest.raises(ValueError, match="fp32_inputs='tf32'"):
+    linear_cross_entropy(jnp.ones((4, 64)), jnp.ones((64, 10)), jnp.zeros(4, int), impl="pallas_mosaic",
+                         config=Config(fp32_inputs="tf32"))
 
 
 @pytest.mark.gpu
