@@ -500,8 +500,11 @@ def _human(n: float | None, unit: str = "B") -> str:
   return str(n)
 
 
-def generate(trainer: Trainer, params, data: Data, prompt: str, num_tokens: int, seq_len: int) -> str:
-  """Greedy decoding through the head's logits (ids the tokenizer cannot emit are masked out)."""
+def generate(trainer: Trainer, params, data: Data, prompt: str, num_tokens: int, seq_len: int,
+             repetition_penalty: float = 1.0) -> str:
+  """Greedy decoding through the head's logits (ids the tokenizer cannot emit are masked out). A
+  ``repetition_penalty`` > 1 divides the positive logits (multiplies the negative ones) of tokens already in the
+  text by it, as in CTRL, which keeps a small, briefly trained model from repeating one word; 1 is plain greedy."""
   ids = data.tokenizer.encode(prompt).ids[-(seq_len - 1):] or [data.tokenizer.token_to_id(EOT)]
   buf = np.zeros((1, seq_len), np.int32)
   buf[0, :len(ids)] = ids
@@ -510,6 +513,9 @@ def generate(trainer: Trainer, params, data: Data, prompt: str, num_tokens: int,
   for _ in range(min(num_tokens, seq_len - n)):
     logits = np.array(trainer.next_logits(params, jnp.asarray(buf), n - 1)[0], np.float32)
     logits[data.tokenizer_vocab:] = -np.inf
+    if repetition_penalty != 1.0:
+      seen = np.unique(buf[0, :n])
+      logits[seen] = np.where(logits[seen] > 0, logits[seen] / repetition_penalty, logits[seen] * repetition_penalty)
     nxt = int(np.argmax(logits))
     out.append(nxt)
     buf[0, n] = nxt
@@ -598,7 +604,8 @@ def train(args: argparse.Namespace, data: Data, loss: str, log: Callable[[str], 
         f"{stop}; held-out loss {final_eval['loss']:.3f} (ppl {final_eval['ppl']:.1f}); "
         f"{tok_s:,.0f} tokens/s; step peak {_human(peak if peak is not None else mem['peak'])}")
   if finished and args.sample_tokens:
-    record["sample"] = generate(tr, state.params, data, args.prompt, args.sample_tokens, args.seq_len)
+    record["sample"] = generate(tr, state.params, data, args.prompt, args.sample_tokens, args.seq_len,
+                                args.repetition_penalty)
   return record
 
 
@@ -857,6 +864,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  help="tokenizer and token ids")
   p.add_argument("--sample-tokens", type=int, help="tokens of greedy generation at the end")
   p.add_argument("--prompt", default="Return the")
+  p.add_argument("--repetition-penalty", type=float, default=1.3, help="of the greedy sample; 1 = plain greedy")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   args = p.parse_args(argv)
   for k, v in PRESETS[args.preset].items():
@@ -932,7 +940,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       result["runs"] = {args.loss: run}
       result["memory_compiled"] = head_memory(args, args.batch_size, {args.loss: run["memory"]["compiled"]})
       if "sample" in run:
-        log(f"sample ({args.loss}, greedy): {run['sample']!r}")
+        log(f"sample ({args.loss}, greedy, repetition penalty {args.repetition_penalty}): {run['sample']!r}")
   print_table(result, log)
   write_outputs(result, args.out, log)
   return result
