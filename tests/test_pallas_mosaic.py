@@ -184,3 +184,35 @@ def test_gpu_llama3_against_xla(w_layout):
 @pytest.mark.skipif(not on_sm90, reason="needs an SM90 GPU")
 def test_gpu_options_compiled():
   check(config=None, h=512, v=5003, batch_shape=(1000,), options=OPTIONS["all"], bias=True, interpret=False)
+
+
+@pytest.mark.parametrize("w_layout,bias", [("vh", True), ("hv", False)])
+def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
+  """The GPU-default (warp-specialised) kernels cannot be interpreted, but their whole Pallas → Mosaic GPU
+  lowering runs on CPU: layout inference and the shared-memory budget are checked here."""
+  b, h, v = 200, 128, 1000
+  opts = _math.LossOptions(v, label_smoothing=0.1, z_loss=1e-3, logit_softcap=30.0)
+  spec = _base.Spec(opts, w_layout, interpret=False)
+  sds = jax.ShapeDtypeStruct
+  args = (sds((b, h), jnp.bfloat16), sds((v, h) if w_layout == "vh" else (h, v), jnp.bfloat16),
+          sds((v,), jnp.float32) if bias else None, sds((b,), jnp.int32))
+
+  def f(x, w, bias, y):
+    out = pallas_mosaic.lean(x, w, bias, y, spec, Config(warp_specialized=True))
+    return jnp.sum(out.loss) + jnp.sum(out.lse)
+
+  text = jax.jit(jax.grad(f, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 2  # the forward and the dz kernel
+  # 8 stages of 48 KB (H=1024 has enough steps to fill them) exceed the 227 KB of SMEM: caught when lowering
+  big = (sds((b, 1024), jnp.bfloat16), sds((v, 1024) if w_layout == "vh" else (1024, v), jnp.bfloat16)) + args[2:]
+  bad = lambda x, w, bias, y: pallas_mosaic.lean(x, w, bias, y, spec, Config(num_stages=8)).loss.sum()
+  with pytest.raises(ValueError, match="shared memory"):
+    jax.jit(bad).trace(*big).lower(lowering_platforms=("cuda",))
+
+
+def test_plan_warp_specialization_follows_interpret():
+  assert pallas_mosaic.plan(1000, 512, 5003).warp_specialized
+  p = pallas_mosaic.plan(1000, 512, 5003, interpret=True)
+  assert not p.warp_specialized and p.semantics == "lane"
+  with pytest.raises(NotImplementedError, match="interpret"):
+    pallas_mosaic.plan(1000, 512, 5003, Config(warp_specialized=True), interpret=True)
