@@ -1,16 +1,23 @@
 """``impl="pallas_mosaic"``: Pallas Mosaic GPU kernels (TMA + WGMMA) for Hopper GPUs (SM90: H100, H200).
 
-Both kernels share one building block, :func:`_logit_tile`: a ``[block_t, block_v]`` float32 tile of
-``x @ w`` accumulated by WGMMA over H from shared-memory tiles of x and w that ``plgpu.emit_pipeline`` streams in
-with TMA, ``num_stages`` steps ahead (``delay_release=1``: one WGMMA stays in flight while the next tiles land).
-The accumulator then never leaves the registers: the epilogue reduces or transforms it on chip.
+Both kernels (forward statistics, backward logit gradient) are built on one thing: a float32 tile of ``x @ w``
+accumulated by WGMMA over H from shared-memory tiles of x and w that TMA streams in ``num_stages`` steps ahead,
+whose accumulator never leaves the registers: the epilogue reduces or transforms it on chip. Two variants:
+
+* **warp-specialised** (the GPU default): a CTA tile of ``block_t × 2·block_v``; two compute warpgroups own one
+  ``block_t × block_v`` accumulator each, a third warpgroup only issues TMA copies
+  (``plgpu.emit_pipeline_warp_specialized``, as in jax's own Hopper matmul); while one compute warpgroup runs its
+  epilogue the other keeps the tensor cores busy. Warpgroup lowering semantics (Mosaic infers the layouts).
+* **one warpgroup** (``Config(warp_specialized=False)``; the interpret-mode path): ``plgpu.emit_pipeline`` with
+  ``delay_release=1`` (one WGMMA stays in flight while the next tiles land), Lane semantics with explicit
+  register layouts. About 1.3× slower on the H100 (``benchmarks/NOTES_mosaic.md``).
 
 Forward (O(B) output)
   ``plgpu.kernel`` over a grid ``(num_splits, row_blocks)``, split fastest, so the CTAs resident at one time share
   a few row blocks of x (in L2) while the vocabulary streams past. CTA ``(j, i)`` walks the vocabulary tiles of
   split ``j`` for its ``block_t`` tokens; each tile's logits (plus bias, soft cap) are reduced to the online
   logsumexp statistics (running max, sum of exponentials, target logit, logit sum) and merged into a running
-  per-row state held in registers. Only these 4 float32 per token and split reach HBM; a tiny JAX step merges the
+  per-row state (registers; SMEM per compute warpgroup in the warp-specialised kernel). Only these 4 float32 per token and split reach HBM; a tiny JAX step merges the
   splits with :func:`lce_flax._math.merge_stats` and :func:`lce_flax._math.finalize` gives loss and lse.
 
 Backward (recompute, bounded memory)
@@ -33,11 +40,12 @@ exact chunked implementation (the package's fp32 contract: 2e-5 of the float64 o
 ``"bf16"``, the kernels on bf16-rounded x and w (the exact loss of the rounded inputs, ~1e-3 from the fp32 one;
 gradients returned in fp32).
 
-Interpret mode (CPU): the same kernel bodies run under Mosaic GPU's own interpreter
+Interpret mode (CPU): the one-warpgroup kernels run under Mosaic GPU's own interpreter
 (``plgpu.InterpretGPUParams``: simulated GMEM/SMEM, TMA copies, barriers), except the one WGMMA instruction, which
 it cannot interpret: there the pipeline body adds ``jnp.dot`` of the same shared-memory tiles into a carried
 accumulator. Everything else (the TMA pipeline, index maps, tile windows, epilogues, SMEM stores) is what the GPU
-runs.
+runs. The warp-specialised kernels cannot be interpreted (collective warpgroup axes); CPU tests lower them for
+CUDA instead (layout inference and the SMEM budget are checked there), the GPU check runs them.
 """
 
 from __future__ import annotations
