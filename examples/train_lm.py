@@ -1,6 +1,6 @@
 """Train a small decoder-only transformer on real text with the fused head (``--loss fused``) or the plain one.
 
-    python examples/train_lm.py                       # CPU preset: fused head, ~2 minutes on 2 cores
+    python examples/train_lm.py                       # CPU preset: fused head, ~100 s on 2 cores
     python examples/train_lm.py --loss xla            # the same model with nn.Dense + optax cross-entropy
     python examples/train_lm.py --compare             # both, one after the other; memory/throughput table + plot
     python examples/train_lm.py --preset gpu --find-max-batch   # the largest batch each head fits on this GPU
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -35,7 +34,7 @@ import sys
 import sysconfig
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
