@@ -70,3 +70,14 @@ def grad_w(x, dz, w_layout: str):
 def mxu_dtype(x: jax.Array):
   """dtype the logit gradient is cast to before it enters a matmul: the inputs' (bf16 stays bf16)."""
   return x.dtype
+
+
+def vary(a, axes: tuple[str, ...]):
+  """Inside ``shard_map``: marks ``a`` as varying over ``axes`` (where it is not yet); its transpose is a psum."""
+  if a is None:
+    return None
+  aval = jax.typeof(a)
+  # the manual axes a value varies over: ``aval.vma`` in older JAX, ``manual_axis_type.varying`` in 0.11
+  vma = aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying
+  missing = tuple(ax for ax in axes if ax not in vma)
+  return lax.pcast(a, missing, to="varying") if missing else a

@@ -112,6 +112,19 @@ def merge_stats(a: RowStats, b: RowStats) -> RowStats:
   return RowStats(m, s, a.target + b.target, a.zsum + b.zsum)
 
 
+def all_reduce_stats(st: RowStats, axis: str, opts: LossOptions) -> RowStats:
+  """Row stats of the whole vocabulary from each ``axis`` shard's partial stats (inside ``shard_map``):
+  a pmax of the max, then one psum of the rescaled sums (and target and logit sum)."""
+  m = jax.lax.pmax(st.m, axis)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # as in merge_stats
+  parts = [st.s * jnp.exp(st.m - m_safe), st.target]
+  if opts.needs_logit_sum:
+    parts.append(st.zsum)
+  summed = jax.lax.psum(jnp.stack(parts), axis)
+  zsum = summed[2] if opts.needs_logit_sum else jnp.zeros_like(m)
+  return RowStats(m, summed[0], summed[1], zsum)
+
+
 class TokenOut(NamedTuple):
   loss: jax.Array  # [B] float32; 0 for tokens not counted, NaN for out-of-range labels
   lse: jax.Array  # [B] float32

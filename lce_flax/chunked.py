@@ -141,24 +141,42 @@ def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int, col_offset
   return lax.fori_loop(0, n, body, init)
 
 
-def _lean_forward(x, w, bias, labels, spec, c):
-  return _math.finalize(vocab_stats(x, w, bias, labels, spec, c), labels, spec.opts)
+# Both designs take an optional ``axis``: the shard_map axis over which w's vocabulary is split
+# (``lce_flax.sharding``). Then each device sees the same tokens and V/t columns; its partial row stats are combined
+# across the axis (:func:`lce_flax._math.all_reduce_stats`), and its partial dx is psum'd in float32 before any
+# rounding. x enters invariant over the axis and is cast to varying so the loops' carries type-check.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _lean(x, w, bias, labels, spec, c):
-  return _lean_forward(x, w, bias, labels, spec, c)
+def _shard_view(x, w, spec, axis):
+  """(x as seen by this shard, global index of this shard's first column)."""
+  if axis is None:
+    return x, 0
+  return _base.vary(x, (axis,)), lax.axis_index(axis).astype(jnp.int32) * _base.vocab_size(w, spec.w_layout)
 
 
-def _lean_fwd(x, w, bias, labels, spec, c):
-  out = _lean_forward(x, w, bias, labels, spec, c)
+def _finish_dx(dx, x, axis):
+  return (dx if axis is None else lax.psum(dx, axis)).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _lean(x, w, bias, labels, spec, c, axis=None):
+  xs, col0 = _shard_view(x, w, spec, axis)
+  st = vocab_stats(xs, w, bias, labels, spec, c, col0)
+  if axis is not None:
+    st = _math.all_reduce_stats(st, axis, spec.opts)
+  return _math.finalize(st, labels, spec.opts)
+
+
+def _lean_fwd(x, w, bias, labels, spec, c, axis):
+  out = _lean(x, w, bias, labels, spec, c, axis)
   return out, (x, w, bias, labels, out.lse)
 
 
-def _lean_bwd(spec, c, res, g):
+def _lean_bwd(spec, c, axis, res, g):
   x, w, bias, labels, lse = res
-  dx, dw, db = vocab_grads(x, w, bias, labels, lse, g.loss, g.lse, spec, c)
-  return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
+  xs, col0 = _shard_view(x, w, spec, axis)
+  dx, dw, db = vocab_grads(xs, w, bias, labels, lse, g.loss, g.lse, spec, c, col0)
+  return _finish_dx(dx, x, axis), dw, None if bias is None else db.astype(bias.dtype), None
 
 
 _lean.defvjp(_lean_fwd, _lean_bwd)
@@ -166,33 +184,40 @@ _lean.defvjp(_lean_fwd, _lean_bwd)
 
 def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> _math.TokenOut:
   c = lean_chunk(x.shape[0], spec.opts.vocab_size, (config or Config()).chunk_size)
-  return _lean(x, w, bias, labels, spec, c)
+  return _lean(x, w, bias, labels, spec, c, None)
 
 
 # ----------------------------------------------------------------------------------------------- fast
 
 
-def _fast_forward(x, w, bias, labels, weights, spec, c):
+def _fast_forward(x, w, bias, labels, weights, spec, c, axis=None):
   """Returns (Σ weights·loss, TokenOut, (dx, dw, db)) with the gradients of that sum."""
   opts = spec.opts
+  x_in = x
+  x, col0 = _shard_view(x, w, spec, axis)
+  v = _base.vocab_size(w, spec.w_layout)
   b = x.shape[0]
   n = -(-b // c)
   pad = n * c - b
   xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(n, c, x.shape[1])
   ls = jnp.pad(labels, (0, pad), constant_values=_math.IGNORED).reshape(n, c)
   ws = jnp.pad(weights.astype(F32), (0, pad)).reshape(n, c)
-  cols = jnp.arange(opts.vocab_size, dtype=jnp.int32)
-  all_cols = jnp.ones((opts.vocab_size,), bool)
+  cols = col0 + jnp.arange(v, dtype=jnp.int32)
+  all_cols = jnp.ones((v,), bool)
 
   def body(carry, chunk):
     dw, db = carry
     xc, lc, wc = chunk
-    z = _chunk_logits(xc, w, bias, 0, opts.vocab_size, spec)
-    zc = _math.softcap(z, opts.logit_softcap)
-    out = _math.finalize(_math.tile_stats(zc, cols, lc, all_cols, opts), lc, opts)
+    z = _chunk_logits(xc, w, bias, 0, v, spec)
+    st = _math.tile_stats(_math.softcap(z, opts.logit_softcap), cols, lc, all_cols, opts)
+    if axis is not None:
+      st = _math.all_reduce_stats(st, axis, opts)
+    out = _math.finalize(st, lc, opts)
     dz = _math.dlogits(z, out.lse, lc, cols, all_cols, wc, None, opts)
     dzm = dz.astype(_base.mxu_dtype(x))
-    dxc = _base.grad_x(dzm, w, spec.w_layout).astype(x.dtype)
+    dxc = _base.grad_x(dzm, w, spec.w_layout)
+    # one device: round each chunk's (complete) dx rows now; vocab-parallel: keep float32 for the psum
+    dxc = dxc.astype(x.dtype) if axis is None else dxc
     dw = dw + _base.grad_w(xc, dzm, spec.w_layout)
     if db is not None:
       db = db + dz.sum(0)
@@ -202,26 +227,26 @@ def _fast_forward(x, w, bias, labels, weights, spec, c):
   init = (jnp.zeros_like(w, F32), None if bias is None else jnp.zeros_like(bias, F32))
   (dw, db), (dx, out) = lax.scan(body, init, (xs, ls, ws))
   out = jax.tree.map(lambda a: a.reshape(n * c)[:b], out)
-  dx = dx.reshape(n * c, -1)[:b]
+  dx = _finish_dx(dx.reshape(n * c, -1)[:b], x_in, axis)
   total = jnp.sum(weights.astype(F32) * out.loss)
   grads = (dx, dw.astype(w.dtype), None if bias is None else db.astype(bias.dtype))
   return total, out, grads
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _fast(x, w, bias, labels, weights, spec, c):
-  total, out, _ = _fast_forward(x, w, bias, labels, weights, spec, c)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _fast(x, w, bias, labels, weights, spec, c, axis=None):
+  total, out, _ = _fast_forward(x, w, bias, labels, weights, spec, c, axis)
   return total, out
 
 
-def _fast_fwd(x, w, bias, labels, weights, spec, c):
+def _fast_fwd(x, w, bias, labels, weights, spec, c, axis):
   # symbolic_zeros=True wraps each array argument in a CustomVJPPrimal (None stays None).
   total, out, grads = _fast_forward(x.value, w.value, None if bias is None else bias.value,
-                                    labels.value, weights.value, spec, c)
+                                    labels.value, weights.value, spec, c, axis)
   return (total, out), grads
 
 
-def _fast_bwd(spec, c, grads, g):
+def _fast_bwd(spec, c, axis, grads, g):
   g_total, g_out = g
   for name in ("loss", "lse"):
     if not isinstance(getattr(g_out, name), jax.custom_derivatives.SymbolicZero):
@@ -238,4 +263,4 @@ _fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
 
 def fast(x, w, bias, labels, weights, spec: _base.Spec, config: Config | None = None):
   c = fast_chunk(x.shape[0], x.shape[1], spec.opts.vocab_size, (config or Config()).chunk_size)
-  return _fast(x, w, bias, labels, weights, spec, c)
+  return _fast(x, w, bias, labels, weights, spec, c, None)

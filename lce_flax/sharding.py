@@ -54,7 +54,6 @@ the vocab axis' size, H by the FSDP axis' size.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -67,7 +66,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lce_flax import _base, _math, api, chunked
-from lce_flax._base import F32
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 MESH_AXES = (DATA, FSDP, TENSOR)
@@ -126,130 +124,11 @@ def _axes_size(mesh: Mesh, axes) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def _vary(a, axes: tuple[str, ...]):
-  """Marks ``a`` as varying over ``axes`` (where it is not yet). Its transpose is a psum over those axes."""
-  if a is None:
-    return None
-  aval = jax.typeof(a)
-  # the set of manual axes a value varies over: ``aval.vma`` in older JAX, ``manual_axis_type.varying`` in 0.11
-  vma = aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying
-  missing = tuple(ax for ax in axes if ax not in vma)
-  return lax.pcast(a, missing, to="varying") if missing else a
-
-
 # ------------------------------------------------------------------------------------------ vocab parallel
 
 
-def _combine(st: _math.RowStats, axis: str, opts: _math.LossOptions) -> _math.RowStats:
-  """Global row stats from every vocab shard's partial stats: a pmax, then one psum of the rescaled sums."""
-  m = lax.pmax(st.m, axis)
-  # rows all of whose logits are -inf keep m = -inf; shift by 0 there (as _math.merge_stats does)
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  parts = [st.s * jnp.exp(st.m - m_safe), st.target]
-  if opts.needs_logit_sum:
-    parts.append(st.zsum)
-  summed = lax.psum(jnp.stack(parts), axis)
-  zsum = summed[2] if opts.needs_logit_sum else jnp.zeros_like(m)
-  return _math.RowStats(m, summed[0], summed[1], zsum)
-
-
-def _col_offset(w, spec: _base.Spec, axis: str):
-  return lax.axis_index(axis).astype(jnp.int32) * _base.vocab_size(w, spec.w_layout)
-
-
-# x enters both designs invariant over the vocab axis (every shard sees the same tokens). Inside, it is cast to
-# varying so that the chunk loops' carries (which mix in this shard's w) type-check; the backward psums the
-# shards' partial dx in float32 and returns it invariant, matching x (one reduction, before any rounding to bf16).
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _vp_lean(x, w, bias, labels, spec: _base.Spec, c: int, axis: str) -> _math.TokenOut:
-  """Recompute design: stats over this shard's columns in vocabulary chunks of ``c``; 8·B·H·V FLOPs overall."""
-  st = chunked.vocab_stats(_vary(x, (axis,)), w, bias, labels, spec, c, _col_offset(w, spec, axis))
-  return _math.finalize(_combine(st, axis, spec.opts), labels, spec.opts)
-
-
-def _vp_lean_fwd(x, w, bias, labels, spec, c, axis):
-  out = _vp_lean(x, w, bias, labels, spec, c, axis)
-  return out, (x, w, bias, labels, out.lse)
-
-
-def _vp_lean_bwd(spec, c, axis, res, g):
-  x, w, bias, labels, lse = res
-  dx, dw, db = chunked.vocab_grads(_vary(x, (axis,)), w, bias, labels, lse, g.loss, g.lse, spec, c,
-                                   _col_offset(w, spec, axis))
-  return lax.psum(dx, axis).astype(x.dtype), dw, None if db is None else db.astype(bias.dtype), None
-
-
-_vp_lean.defvjp(_vp_lean_fwd, _vp_lean_bwd)
-
-
-def _vp_fast_forward(x, w, bias, labels, weights, spec, c, axis):
-  """Gradients formed in the forward, over token chunks of ``c`` rows; 6·B·H·V FLOPs overall.
-
-  Per chunk: this shard's [c, V/t] logits, their stats combined across the vocab axis (a pmax and a psum of
-  [3, c]), then the logit gradient of ``Σ weights·loss``, this shard's dx contribution and its dw columns.
-  Returns (Σ weights·loss, TokenOut, (dx, dw, dbias)).
-  """
-  opts = spec.opts
-  b, h = x.shape
-  n = -(-b // c)
-  pad = n * c - b
-  xv = _vary(x, (axis,))
-  xs = jnp.pad(xv, ((0, pad), (0, 0))).reshape(n, c, h)
-  ls = jnp.pad(labels, (0, pad), constant_values=_math.IGNORED).reshape(n, c)
-  ws = jnp.pad(weights.astype(F32), (0, pad)).reshape(n, c)
-  vl = _base.vocab_size(w, spec.w_layout)
-  cols = _col_offset(w, spec, axis) + jnp.arange(vl, dtype=jnp.int32)
-  all_cols = jnp.ones((vl,), bool)
-
-  def body(carry, chunk):
-    dw, db = carry
-    xc, lc, wc = chunk
-    z = chunked._chunk_logits(xc, w, bias, 0, vl, spec)
-    st = _combine(_math.tile_stats(_math.softcap(z, opts.logit_softcap), cols, lc, all_cols, opts), axis, opts)
-    out = _math.finalize(st, lc, opts)
-    dz = _math.dlogits(z, out.lse, lc, cols, all_cols, wc, None, opts)
-    dzm = dz.astype(_base.mxu_dtype(x))
-    dxc = _base.grad_x(dzm, w, spec.w_layout)  # float32, this shard's part
-    dw = dw + _base.grad_w(xc, dzm, spec.w_layout)
-    if db is not None:
-      db = db + dz.sum(0)
-    return (dw, db), (dxc, out)
-
-  init = (jnp.zeros_like(w, F32), None if bias is None else jnp.zeros_like(bias, F32))
-  (dw, db), (dx, out) = lax.scan(body, init, (xs, ls, ws))
-  out = jax.tree.map(lambda a: a.reshape(n * c)[:b], out)
-  dx = lax.psum(dx.reshape(n * c, h)[:b], axis).astype(x.dtype)
-  total = jnp.sum(weights.astype(F32) * out.loss)
-  return total, out, (dx, dw.astype(w.dtype), None if bias is None else db.astype(bias.dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _vp_fast(x, w, bias, labels, weights, spec: _base.Spec, c: int, axis: str):
-  total, out, _ = _vp_fast_forward(x, w, bias, labels, weights, spec, c, axis)
-  return total, out
-
-
-def _vp_fast_fwd(x, w, bias, labels, weights, spec, c, axis):
-  # symbolic_zeros=True wraps each array argument in a CustomVJPPrimal (None stays None)
-  total, out, grads = _vp_fast_forward(x.value, w.value, None if bias is None else bias.value, labels.value,
-                                       weights.value, spec, c, axis)
-  return (total, out), grads
-
-
-def _vp_fast_bwd(spec, c, axis, grads, g):
-  g_total, g_out = g
-  for name in ("loss", "lse"):
-    if not isinstance(getattr(g_out, name), jax.custom_derivatives.SymbolicZero):
-      raise ValueError(f"mode='fast' forms only the gradient of the reduced loss; the aux output {name!r} was "
-                       "differentiated. Use mode='lean' (or reduction='none') to differentiate per-token values.")
-  scale = lambda a: None if a is None else (g_total * a.astype(F32)).astype(a.dtype)
-  dx, dw, db = grads
-  return scale(dx), scale(dw), scale(db), None, None
-
-
-_vp_fast.defvjp(_vp_fast_fwd, _vp_fast_bwd, symbolic_zeros=True)
+# The vocab-parallel designs are the chunked implementation's, run with ``axis=vocab_axis``
+# (``chunked._lean`` / ``chunked._fast``): partial row stats combined across the axis, dx psum'd in float32.
 
 
 # -------------------------------------------------------------------------------------------- the call
@@ -352,7 +231,7 @@ def sharded_linear_cross_entropy(
     if vaxis is not None:
       # w (and bias) replicated over the batch axes: the transpose of this cast psums dw over them. x and labels
       # stay invariant over the vocab axis, so the loss and lse built from the combined stats are too.
-      w, bias = _vary(w, batch), _vary(bias, batch)
+      w, bias = _base.vary(w, batch), _base.vary(bias, batch)
     norm = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1), ignore_index,
                                   vocab)
     count = lax.psum((norm != _math.IGNORED).sum(dtype=jnp.int32), batch) if batch else (
@@ -375,10 +254,10 @@ def sharded_linear_cross_entropy(
         if reduction == "mean":  # the global count: the division happens inside, before the psum below
           weights = weights / jnp.maximum(count, 1).astype(jnp.float32)
         c = chunked.fast_chunk(x2.shape[0], hidden, vocab // nv, chunk_size)
-        loss, out = _vp_fast(x2, w, bias, norm, weights, spec, c, vaxis)
+        loss, out = chunked._fast(x2, w, bias, norm, weights, spec, c, vaxis)
       else:
         c = chunked.lean_chunk(x2.shape[0], vocab // nv, chunk_size)
-        out = _vp_lean(x2, w, bias, norm, spec, c, vaxis)
+        out = chunked._lean(x2, w, bias, norm, spec, c, vaxis)
         loss = out.loss.reshape(labels.shape) if reduction == "none" else out.loss.sum()
       tok_loss, lse = out.loss.reshape(labels.shape), out.lse.reshape(labels.shape)
       correct = out.correct.sum(dtype=jnp.int32)
