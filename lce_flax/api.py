@@ -128,6 +128,35 @@ def _check(x, w, labels, bias, where, reduction, w_layout, impl, mode, label_smo
     raise ValueError(f"logit_softcap={logit_softcap} must be > 0 (or None)")
 
 
+def _explicitly_sharded_axes(a) -> tuple[str, ...]:
+  """Mesh axes with ``AxisType.Explicit`` over which ``a`` is sharded (empty outside explicit-sharding mode)."""
+  sharding = getattr(jax.typeof(a), "sharding", None)
+  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+  if mesh is None or spec is None or not getattr(mesh, "axis_types", ()):
+    return ()
+  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
+  used = []
+  for entry in spec:
+    for name in (entry if isinstance(entry, tuple) else (entry,)):
+      if name in explicit:
+        used.append(name)
+  return tuple(used)
+
+
+def _check_sharding(impl, **arrays):
+  """The chunk loops contract over dimensions that explicit sharding would split without saying how to combine
+  them; say so clearly instead of failing deep inside with a ShardingTypeError."""
+  if impl == "xla":
+    return
+  for name, a in arrays.items():
+    axes = _explicitly_sharded_axes(a) if a is not None else ()
+    if axes:
+      raise ValueError(
+          f"{name} is sharded over the explicit mesh axes {axes} ({name}.sharding={jax.typeof(a).sharding}); "
+          "call lce_flax.sharding.sharded_linear_cross_entropy(..., mesh=mesh) for the sharded computation, "
+          "or reshard the inputs to replicated (or use impl='xla').")
+
+
 def linear_cross_entropy(
     x: jax.Array,
     w: jax.Array,
@@ -195,6 +224,7 @@ def linear_cross_entropy(
   """
   x, w, labels = jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels)
   _check(x, w, labels, bias, where, reduction, w_layout, impl, mode, label_smoothing, z_loss, logit_softcap)
+  _check_sharding(impl, x=x, w=w, labels=labels, bias=bias)
   if mode is None:
     mode = "lean" if reduction == "none" else "fast"
   if reduction == "none" and mode == "fast":

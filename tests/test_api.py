@@ -251,3 +251,20 @@ def test_memory_bounded(mode):
   xla = _temp_bytes("xla")
   ours = _temp_bytes("chunked", mode=mode)
   assert ours <= 0.05 * xla, (ours, xla)
+
+
+def test_explicitly_sharded_inputs_get_a_clear_error():
+  """On an Explicit-axes mesh the direct call names the sharded argument and points to the sharded wrapper."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  (x, w, y, _), _ = make_inputs(0, (8,), 16, 96, jnp.float32, ignore_frac=0.0)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    ys = jax.device_put(y, NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match=r"x is sharded over the explicit mesh axes \('data',\).*sharded_linear"):
+      jax.jit(lambda x, w, y: linear_cross_entropy(x, w, y, impl="chunked"))(xs, w, ys)
+    # replicated inputs on the same mesh run, and the xla path handles sharded ones itself
+    ref = linear_cross_entropy(x, w, y, impl="xla")
+    assert np.allclose(jax.jit(lambda x, w, y: linear_cross_entropy(x, w, y, impl="chunked"))(x, w, y), ref)
+    assert np.allclose(jax.jit(lambda x, w, y: linear_cross_entropy(x, w, y, impl="xla"))(xs, w, ys), ref,
+                       rtol=1e-6)
