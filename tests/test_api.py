@@ -87,6 +87,36 @@ def check_impl(impl, *, seed=0, batch_shape=(37,), h=24, v=301, dtype=jnp.float3
   return loss, aux, (dx, dw, db)
 
 
+def check_lse_cotangent(impl, *, h=40, dtype=jnp.float32, tol=1e-5, **kwargs):
+  """Cotangents on the aux lse flow through the backward: d(Σ_t c_t lse_t)/dx = (c ⊙ softmax) @ w.T."""
+  (x, w, y, _), (xn, wn, _, _) = make_inputs(4, (21,), h, 77, dtype)
+  c = np.random.default_rng(0).standard_normal(21).astype(np.float32)
+  g = jax.grad(lambda x: (c * linear_cross_entropy(x, w, y, impl=impl, mode="lean", return_aux=True,
+                                                   **kwargs)[1].lse).sum())(x)
+  z = xn.astype(np.float64) @ wn
+  p = np.exp(z - z.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  assert rel_err(g, (c[:, None] * p) @ wn.T) < tol
+
+
+def check_bad_and_ignored_labels(impl, *, h=16, dtype=jnp.float32, **kwargs):
+  """An out-of-range label gives NaN loss and grads for its token only; an ignored token gives 0; a batch with
+  every token ignored gives zero loss and exactly zero gradients (no NaN from padding rows of kernels)."""
+  (x, w, y, b), _ = make_inputs(2, (19,), h, 70, dtype, bias=True, ignore_frac=0.0)
+  y = y.at[4].set(70).at[7].set(-100)
+  f = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, impl=impl, reduction="none", **kwargs).sum()
+  loss, (dx, dw, db) = jax.value_and_grad(f, (0, 1, 2))(x, w, b)
+  f32 = lambda a: np.asarray(a, np.float32)
+  assert np.isnan(loss) and np.isnan(f32(dx[4])).all() and np.isnan(f32(dw)).any() and np.isnan(f32(db)).any()
+  tok = linear_cross_entropy(x, w, y, bias=b, impl=impl, reduction="none", **kwargs)
+  assert np.isnan(tok[4]) and tok[7] == 0.0 and np.isfinite(np.delete(np.asarray(tok), 4)).all()
+  y0 = jnp.full((19,), -100)
+  g = jax.grad(lambda x, w, b: linear_cross_entropy(x, w, y0, bias=b, impl=impl, z_loss=0.1, mode="lean",
+                                                    **kwargs), (0, 1, 2))(x, w, b)
+  for a in g:
+    assert np.isfinite(f32(a)).all() and not np.any(f32(a))
+
+
 @pytest.mark.parametrize("impl,mode,chunk", VARIANTS)
 @pytest.mark.parametrize("opt", list(OPTIONS))
 def test_options(impl, mode, chunk, opt):
@@ -181,14 +211,11 @@ def test_fast_mode_refuses_aux_gradients():
 
 
 def test_aux_lse_gradient_lean():
-  """Cotangents on the aux lse flow: d(Σ lse)/dx = softmax @ w.T."""
-  (x, w, y, _), (xn, wn, _, _) = make_inputs(4, (10,), 6, 33, jnp.float32)
-  g = jax.grad(lambda x: linear_cross_entropy(x, w, y, impl="chunked", mode="lean", chunk_size=8,
-                                              return_aux=True)[1].lse.sum())(x)
-  z = xn.astype(np.float64) @ wn
-  p = np.exp(z - z.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  assert rel_err(g, p @ wn.T) < 1e-5
+  check_lse_cotangent("chunked", chunk_size=8)
+
+
+def test_bad_and_ignored_labels_lean():
+  check_bad_and_ignored_labels("chunked", chunk_size=16)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import pytest
 from lce_flax import _base, _device, _math, linear_cross_entropy, pallas_mosaic
 from lce_flax.pallas_mosaic import Config
 from tests.reference_np import linear_cross_entropy_np, rel_err
-from tests.test_api import OPTIONS, check_impl, make_inputs
+from tests.test_api import OPTIONS, check_bad_and_ignored_labels, check_impl, check_lse_cotangent, make_inputs
 
 # B=101 = 64 + 37 rows; V=301: 5 vocabulary tiles of 64 (the last a clamped window), 3 forward splits, backward
 # chunks of 128 (2 full + a clamped tail); H=128: two pipeline steps of 64.
@@ -85,34 +85,11 @@ def test_configs(config, h, v):
 
 
 def test_lse_cotangent():
-  """Cotangents on the aux lse flow through the backward kernel: d(Σ_t c_t lse_t)/dx = (c ⊙ softmax) @ w.T."""
-  (x, w, y, _), (xn, wn, _, _) = make_inputs(4, (21,), 64, 77, jnp.bfloat16)
-  c = np.random.default_rng(0).standard_normal(21).astype(np.float32)
-  g = jax.grad(lambda x: (c * linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=SMALL,
-                                                   return_aux=True)[1].lse).sum())(x)
-  z = xn.astype(np.float64) @ wn
-  p = np.exp(z - z.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  assert rel_err(g, (c[:, None] * p) @ wn.T) < 1e-2
+  check_lse_cotangent("pallas_mosaic", h=64, dtype=jnp.bfloat16, tol=1e-2, config=SMALL)
 
 
 def test_out_of_range_label_is_nan_and_ignored_is_zero():
-  (x, w, y, b), _ = make_inputs(2, (19,), 64, 70, jnp.bfloat16, bias=True, ignore_frac=0.0)
-  y = y.at[4].set(70).at[7].set(-100)
-  f = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, impl="pallas_mosaic", reduction="none",
-                                           config=SMALL).sum()
-  loss, (dx, dw, db) = jax.value_and_grad(f, (0, 1, 2))(x, w, b)
-  assert np.isnan(loss) and np.isnan(np.asarray(dx[4], np.float32)).all()
-  assert np.isnan(np.asarray(dw, np.float32)).any() and np.isnan(db).any()
-  tok = linear_cross_entropy(x, w, y, bias=b, impl="pallas_mosaic", reduction="none", config=SMALL)
-  assert np.isnan(tok[4]) and tok[7] == 0.0 and np.isfinite(np.delete(np.asarray(tok), 4)).all()
-  # all tokens ignored: zero loss and exactly zero gradients (no NaN from the padding rows of the kernels)
-  y0 = jnp.full((19,), -100)
-  g = jax.grad(lambda x, w, b: linear_cross_entropy(x, w, y0, bias=b, impl="pallas_mosaic", z_loss=0.1,
-                                                    mode="lean", config=SMALL), (0, 1, 2))(x, w, b)
-  for a in g:
-    a = np.asarray(a, np.float32)
-    assert np.isfinite(a).all() and not np.any(a)
+  check_bad_and_ignored_labels("pallas_mosaic", h=64, dtype=jnp.bfloat16, config=SMALL)
 
 
 def test_epilogue_math_matches_shared_math():

@@ -14,8 +14,8 @@ import pytest
 
 from lce_flax import _base, _math, linear_cross_entropy, pallas_triton
 from lce_flax.pallas_triton import Config
-from tests.reference_np import linear_cross_entropy_np, rel_err
-from tests.test_api import OPTIONS, check_impl, make_inputs
+from tests.reference_np import linear_cross_entropy_np
+from tests.test_api import OPTIONS, check_bad_and_ignored_labels, check_impl, check_lse_cotangent, make_inputs
 
 # 16-token, 32-column, 16-deep tiles; 3 splits of the forward; backward chunks of 64 columns: with B=37, H=24,
 # V=301 every loop runs several times and ends on a ragged tile (37 = 2·16 + 5, 24 = 16 + 8, 301 = 9·32 + 13,
@@ -68,32 +68,11 @@ def test_configs(config):
 
 
 def test_lse_cotangent():
-  """Cotangents on the aux lse flow through the backward kernel: d(Σ_t c_t lse_t)/dx = (c ⊙ softmax) @ w.T."""
-  (x, w, y, _), (xn, wn, _, _) = make_inputs(4, (21,), 40, 77, jnp.float32)
-  c = np.random.default_rng(0).standard_normal(21).astype(np.float32)
-  g = jax.grad(lambda x: (c * linear_cross_entropy(x, w, y, impl="pallas_triton", mode="lean", config=SMALL,
-                                                   return_aux=True)[1].lse).sum())(x)
-  z = xn.astype(np.float64) @ wn
-  p = np.exp(z - z.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  assert rel_err(g, (c[:, None] * p) @ wn.T) < 1e-5
+  check_lse_cotangent("pallas_triton", config=SMALL)
 
 
 def test_out_of_range_label_is_nan_and_ignored_is_zero():
-  (x, w, y, b), _ = make_inputs(2, (19,), 16, 70, jnp.float32, bias=True, ignore_frac=0.0)
-  y = y.at[4].set(70).at[7].set(-100)
-  f = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, impl="pallas_triton", reduction="none",
-                                           config=SMALL).sum()
-  loss, (dx, dw, db) = jax.value_and_grad(f, (0, 1, 2))(x, w, b)
-  assert np.isnan(loss) and np.isnan(dx[4]).all() and np.isnan(dw).any() and np.isnan(db).any()
-  tok = linear_cross_entropy(x, w, y, bias=b, impl="pallas_triton", reduction="none", config=SMALL)
-  assert np.isnan(tok[4]) and tok[7] == 0.0 and np.isfinite(np.delete(np.asarray(tok), 4)).all()
-  # all tokens ignored: zero loss and exactly zero gradients (no NaN from the padding rows of the kernels)
-  y0 = jnp.full((19,), -100)
-  g = jax.grad(lambda x, w, b: linear_cross_entropy(x, w, y0, bias=b, impl="pallas_triton", z_loss=0.1,
-                                                    config=SMALL), (0, 1, 2))(x, w, b)
-  for a in g:
-    assert np.isfinite(a).all() and not np.any(a)
+  check_bad_and_ignored_labels("pallas_triton", config=SMALL)
 
 
 def test_jit_and_checkpoint_agree():
