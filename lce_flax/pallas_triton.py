@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -328,6 +329,12 @@ def _forward(x, w, bias, labels, spec: _base.Spec, p: Plan) -> _math.TokenOut:
       compiler_params=plgpu.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages),
       name="lce_forward",
   )(*([x, w] + ([] if bias is None else [bias]) + [labels]))
+  return merge_splits(outs, b, p, labels, opts)
+
+
+def merge_splits(outs, b: int, p, labels, opts) -> _math.TokenOut:
+  """Finalises the forward from the four [num_splits · row_blocks · block_t] partial-stat outputs of a kernel."""
+  nb = _cdiv(b, p.block_t)
   parts = [o.reshape(p.num_splits, nb * p.block_t)[:, :b] for o in outs]
   st = _math.RowStats(*(a[0] for a in parts))
   for k in range(1, p.num_splits):
@@ -467,24 +474,41 @@ def _dx_accumulate(dx, dz, w, k, spec: _base.Spec, p: Plan):
 # ------------------------------------------------------------------------------------------------ custom_vjp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _lean(x, w, bias, labels, spec, p):
-  return _forward(x, w, bias, labels, spec, p)
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+  """The two kernel launchers the recompute custom_vjp below calls (hashable: a ``nondiff_argnums`` argument).
+
+  ``impl="triton"`` (``triton_kernels.py``) runs the same forward/backward orchestration with its own launchers.
+
+  Attributes:
+    forward: ``(x, w, bias, labels, spec, plan) -> TokenOut``.
+    dz_chunk: ``(k, width, x, w, bias, labels, lse, g_loss, g_lse, spec, plan) -> (dz, dbias or None)``: the
+      logit gradient [B, width] (input dtype) of the columns ``[k·plan.chunk_size, k·plan.chunk_size + width)``
+      and their float32 bias gradient; ``k`` is a traced int32 scalar.
+  """
+
+  forward: Any
+  dz_chunk: Any
 
 
-def _lean_fwd(x, w, bias, labels, spec, p):
-  out = _forward(x, w, bias, labels, spec, p)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _lean(x, w, bias, labels, spec, p, kernels):
+  return kernels.forward(x, w, bias, labels, spec, p)
+
+
+def _lean_fwd(x, w, bias, labels, spec, p, kernels):
+  out = kernels.forward(x, w, bias, labels, spec, p)
   return out, (x, w, bias, labels, out.lse)
 
 
-def _lean_bwd(spec, p, res, g):
+def _lean_bwd(spec, p, kernels, res, g):
   x, w, bias, labels, lse = res
   g_loss = g.loss.astype(F32)
   g_lse = g.lse.astype(F32)
   # On a GPU the dw matmul writes the weights' dtype directly (cuBLAS accumulates in float32 either way); in
   # interpret mode (CPU) it accumulates in float32 explicitly.
   dw_type = F32 if spec.interpret else w.dtype
-  dw_step = functools.partial(_dw_step, x, w, bias, labels, lse, g_loss, g_lse, spec, p, dw_type)
+  dw_step = functools.partial(_dw_step, kernels, x, w, bias, labels, lse, g_loss, g_lse, spec, p, dw_type)
 
   def step(k, width, carry):
     dx, dw, db = carry
@@ -500,7 +524,7 @@ def _lean_bwd(spec, p, res, g):
   if p.low_memory:
     _, dw, db = _vocab_loop(spec.opts.vocab_size, p.chunk_size, lambda k, n, cr: (None, *dw_step(k, n, cr)[1:]),
                             (None, *carry[1:]))
-    dx = _dx_by_token_blocks(x, w, bias, labels, lse, g_loss, g_lse, spec, p)
+    dx = _dx_by_token_blocks(kernels, x, w, bias, labels, lse, g_loss, g_lse, spec, p)
   else:
     dx, dw, db = _vocab_loop(spec.opts.vocab_size, p.chunk_size, step, carry)
   return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
@@ -516,10 +540,10 @@ def _vocab_loop(vocab: int, c: int, step, carry):
   return carry
 
 
-def _dw_step(x, w, bias, labels, lse, g_loss, g_lse, spec, p, dw_type, k, width, carry):
+def _dw_step(kernels, x, w, bias, labels, lse, g_loss, g_lse, spec, p, dw_type, k, width, carry):
   """One vocabulary chunk: its dz, and its columns of dw (and dbias). Returns (dz, dw, db)."""
   _, dw, db = carry
-  dz, dbc = _dz_chunk(k, width, x, w, bias, labels, lse, g_loss, g_lse, spec, p)
+  dz, dbc = kernels.dz_chunk(k, width, x, w, bias, labels, lse, g_loss, g_lse, spec, p)
   # The reduction over tokens is complete inside this one matmul: dw's columns are written once.
   dwc = lax.dot_general(*((x, dz) if spec.w_layout == "hv" else (dz, x)), (((0,), (0,)), ((), ())),
                         preferred_element_type=dw_type)
@@ -529,7 +553,7 @@ def _dw_step(x, w, bias, labels, lse, g_loss, g_lse, spec, p, dw_type, k, width,
   return dz, dw, db
 
 
-def _dx_by_token_blocks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
+def _dx_by_token_blocks(kernels, x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   """The low-memory backward's dx pass: per block of ``token_block`` tokens, the logits are recomputed chunk by
   chunk (``dx_chunk`` columns) and ``dx_block += dz wᵀ`` accumulates in a float32 [token_block, H] buffer that
   is complete, and cast, before the next block starts."""
@@ -541,7 +565,7 @@ def _dx_by_token_blocks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
     xb, yb, lb, glb, gsb = sl(x), sl(labels), sl(lse), sl(g_loss), sl(g_lse)
 
     def step(k, width, acc):
-      dz, _ = _dz_chunk(k, width, xb, w, bias, yb, lb, glb, gsb, spec, px)
+      dz, _ = kernels.dz_chunk(k, width, xb, w, bias, yb, lb, glb, gsb, spec, px)
       return _dx_accumulate(acc, dz, w, k, spec, px)
 
     return _vocab_loop(vocab, px.chunk_size, step, jnp.zeros((n, x.shape[1]), F32)).astype(x.dtype)
@@ -557,9 +581,16 @@ def _dx_by_token_blocks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
 
 
 _lean.defvjp(_lean_fwd, _lean_bwd)
+PALLAS_KERNELS = Kernels(_forward, _dz_chunk)
+
+
+def lean_with(kernels: Kernels, x, w, bias, labels, spec: _base.Spec, p) -> _math.TokenOut:
+  """The recompute custom_vjp with the given kernel launchers and a resolved plan (``p`` needs ``chunk_size``,
+  ``dx_kernel`` and ``low_memory``, plus whatever the launchers read)."""
+  return _lean(x, w, bias, labels, spec, p, kernels)
 
 
 def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> _math.TokenOut:
   """Per-token loss, lse and correctness; differentiable in x, w and bias with any cotangent on loss and lse."""
   p = plan(x.shape[0], x.shape[1], spec.opts.vocab_size, x.dtype, config)
-  return _lean(x, w, bias, labels, spec, p)
+  return lean_with(PALLAS_KERNELS, x, w, bias, labels, spec, p)

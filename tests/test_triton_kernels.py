@@ -1,0 +1,161 @@
+"""``impl="triton"`` (raw Triton kernels through jax-triton).
+
+Raw Triton kernels only run on an NVIDIA GPU: on CPU these tests check the error path (a clear
+``NotImplementedError`` from ``supported``, so ``impl="auto"`` skips the backend and ``impl="triton"`` fails
+naming the reason) and the plan. The ``gpu``-marked tests run the compiled kernels against the float64 oracle at
+small ragged shapes (every option, both layouts, bf16/fp16/fp32) and at the llama3-8b shape (``pytest -m gpu``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lce_flax import _base, _device, _math, api, linear_cross_entropy, pallas_triton, triton_kernels
+from lce_flax.triton_kernels import Config
+from tests.reference_np import linear_cross_entropy_np
+from tests.test_api import OPTIONS, check_bad_and_ignored_labels, check_impl, check_lse_cotangent
+
+on_gpu = jax.default_backend() == "gpu"
+
+
+def _can_run() -> bool:
+  try:
+    triton_kernels.supported(_base.Spec(_math.LossOptions(10)), _device.platform())
+    return True
+  except NotImplementedError:
+    return False
+
+
+needs_gpu = pytest.mark.skipif(not (on_gpu and _can_run()), reason="needs an NVIDIA GPU (SM80+) and jax-triton")
+
+# 16-token, 32-column, 16-deep tiles; 3 forward splits; backward chunks of 64 columns: at B=37, H=24, V=301 every
+# loop runs several times and ends on a ragged tile (as in test_pallas_triton).
+SMALL = Config(block_t=16, block_v=32, block_k=16, num_splits=3, chunk_size=64)
+
+
+# ------------------------------------------------------------------------------------------------ CPU: error path
+
+
+def test_supported_says_why_not_on_cpu():
+  spec = _base.Spec(_math.LossOptions(10))
+  with pytest.raises(NotImplementedError, match=r"impl='triton' .*NVIDIA GPU \(platform='cpu'"):
+    triton_kernels.supported(spec, "cpu")
+  with pytest.raises(NotImplementedError, match="no interpret mode"):
+    triton_kernels.supported(_base.Spec(_math.LossOptions(10), interpret=True), "gpu")
+
+
+def test_supported_without_jax_triton_names_the_package(monkeypatch):
+  monkeypatch.setitem(sys.modules, "jax_triton", None)  # `import jax_triton` raises ImportError
+  monkeypatch.setattr(triton_kernels, "triton", object())  # as if triton itself were installed
+  with pytest.raises(NotImplementedError, match=r"jax-triton package .*lce_flax\[gpu\]"):
+    triton_kernels.supported(_base.Spec(_math.LossOptions(10), interpret=False), "gpu")
+
+
+@pytest.mark.skipif(on_gpu, reason="checks the CPU error path")
+def test_op_fails_clearly_and_auto_skips_it():
+  args = (jnp.ones((4, 8)), jnp.ones((8, 10)), jnp.zeros(4, int))
+  for kw in ({}, {"chunk_size": 4}, {"interpret": False}):
+    with pytest.raises(ValueError, match=r"impl='triton' cannot run here \(triton: impl='triton' runs raw Triton"):
+      linear_cross_entropy(*args, impl="triton", **kw)
+  assert "triton" not in api.available_implementations()
+  assert np.isfinite(float(linear_cross_entropy(*args, impl="auto")))
+
+
+@pytest.mark.parametrize("cc", [(7, 5), (8, 0), (9, 0), (10, 0)])
+def test_auto_never_picks_raw_triton(monkeypatch, cc):
+  # pallas_triton is as fast or faster where measured (benchmarks/NOTES_triton_raw.md)
+  monkeypatch.setattr(_device, "platform", lambda: "gpu")
+  monkeypatch.setattr(_device, "compute_capability", lambda: cc)
+  assert "triton" not in api._auto_order()
+
+
+def test_plan_uses_pallas_triton_tiles(monkeypatch):
+  p = triton_kernels.plan(8192, 4096, 128256, jnp.bfloat16)
+  q = pallas_triton.plan(8192, 4096, 128256, jnp.bfloat16)
+  assert (p.block_t, p.block_v, p.block_k, p.num_splits, p.chunk_size, p.num_warps, p.group_t) == (
+      q.block_t, q.block_v, q.block_k, q.num_splits, q.chunk_size, q.num_warps, q.group_t)
+  assert not p.dx_kernel and not p.low_memory and p.bwd_num_stages == p.num_stages
+  assert p.input_precision == "tf32"
+  with jax.default_matmul_precision("highest"):
+    assert triton_kernels.plan(37, 24, 301, jnp.float32, SMALL).input_precision == "ieee"
+  s = triton_kernels.plan(37, 24, 301, jnp.float32, Config(block_v=32, chunk_size=50, bwd_num_stages=2))
+  assert (s.block_v, s.chunk_size, s.bwd_num_stages) == (32, 64, 2)
+  with pytest.raises(ValueError, match="block_v=48"):
+    triton_kernels.plan(37, 24, 301, jnp.float32, Config(block_v=48))
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+def check(**kw):
+  kw.setdefault("config", SMALL)
+  kw.setdefault("interpret", False)
+  dtype = kw.get("dtype", jnp.float32)
+  if dtype == jnp.float32:  # exact float32 products, as the oracle's tolerance assumes (default would be TF32)
+    with jax.default_matmul_precision("highest"):
+      return check_impl("triton", mode="lean", **kw)
+  return check_impl("triton", mode="lean", **kw)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("opt", list(OPTIONS))
+def test_options(opt):
+  check(options=OPTIONS[opt], bias=True, seed=hash(opt) % 1000, dtype=jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("w_layout", ["hv", "vh"])
+def test_dtypes_and_layouts(dtype, w_layout):
+  check(dtype=dtype, w_layout=w_layout, batch_shape=(3, 13), v=333, h=48, seed=7, bias=w_layout == "vh",
+        options=OPTIONS["all"])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("config", [None, Config(block_t=16, block_v=16, block_k=16, num_splits=64, chunk_size=1000)],
+                         ids=["heuristic", "many-splits"])
+def test_configs_ragged(config):
+  check(config=config, batch_shape=(1037,), h=200, v=5003, dtype=jnp.bfloat16, options=OPTIONS["smoothing"],
+        bias=True, seed=5)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_lse_cotangent_and_bad_labels():
+  with jax.default_matmul_precision("highest"):
+    check_lse_cotangent("triton", config=SMALL, interpret=False)
+    check_bad_and_ignored_labels("triton", config=SMALL, interpret=False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_llama3_8b_shape():
+  """bf16 at B=8192, H=4096, V=128256: per-token loss vs float64 (64 rows) ≤ 1e-4; grads vs the XLA path on
+  float32 inputs at highest precision ≤ 1e-2 relative norm."""
+  b, h, v = 8192, 4096, 128256
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k1, (b, h), jnp.float32).astype(jnp.bfloat16)
+  w = (0.02 * jax.random.normal(k2, (h, v), jnp.float32)).astype(jnp.bfloat16)
+  y = jax.random.randint(k3, (b,), 0, v, jnp.int32)
+  rows = np.sort(np.random.default_rng(0).choice(b, 64, replace=False))
+  tok = np.asarray(jax.jit(lambda x, w, y: linear_cross_entropy(x, w, y, reduction="none", impl="triton"))(x, w, y))
+  ref = linear_cross_entropy_np(np.asarray(x[rows].astype(jnp.float32), np.float64),
+                                np.asarray(w.astype(jnp.float32), np.float64), np.asarray(y)[rows],
+                                reduction="none")
+  assert np.max(np.abs(tok[rows] - ref["loss"]) / np.abs(ref["loss"])) <= 1e-4
+  f = lambda impl: lambda x, w: linear_cross_entropy(x, w, y, reduction="sum", impl=impl)
+  loss, grads = jax.jit(jax.value_and_grad(f("triton"), (0, 1)))(x, w)
+  with jax.default_matmul_precision("highest"):
+    loss_r, grads_r = jax.jit(jax.value_and_grad(f("xla"), (0, 1)))(x.astype(jnp.float32), w.astype(jnp.float32))
+  assert abs(float(loss) - float(loss_r)) / abs(float(loss_r)) <= 1e-4
+  for g, r in zip(grads, grads_r):
+    err = float(jnp.linalg.norm((g.astype(jnp.float32) - r).ravel()) / jnp.linalg.norm(r.ravel()))
+    assert err <= 1e-2, err
