@@ -54,17 +54,27 @@ def logits(x, w, w_layout: str):
   return lax.dot_general(x, w, (((1,), (contract,)), ((), ())), preferred_element_type=F32)
 
 
-def grad_x(dz, w, w_layout: str):
-  """``dz @ w.T`` for [H, V] weights (``dz @ w`` for [V, H]), accumulated in float32: [B, H]."""
+def grad_x(dz, w, w_layout: str, out_dtype=F32):
+  """``dz @ w.T`` for [H, V] weights (``dz @ w`` for [V, H]), accumulated in float32: [B, H] of ``out_dtype``."""
   contract = 1 if w_layout == "hv" else 0
-  return lax.dot_general(dz, w, (((1,), (contract,)), ((), ())), preferred_element_type=F32)
+  return lax.dot_general(dz, w, (((1,), (contract,)), ((), ())), preferred_element_type=out_dtype)
 
 
-def grad_w(x, dz, w_layout: str):
-  """``x.T @ dz`` ([H, v]) or ``dz.T @ x`` ([v, H]), accumulated in float32."""
+def grad_w(x, dz, w_layout: str, out_dtype=F32):
+  """``x.T @ dz`` ([H, v]) or ``dz.T @ x`` ([v, H]), accumulated in float32, returned as ``out_dtype``."""
   if w_layout == "hv":
-    return lax.dot_general(x, dz, (((0,), (0,)), ((), ())), preferred_element_type=F32)
-  return lax.dot_general(dz, x, (((0,), (0,)), ((), ())), preferred_element_type=F32)
+    return lax.dot_general(x, dz, (((0,), (0,)), ((), ())), preferred_element_type=out_dtype)
+  return lax.dot_general(dz, x, (((0,), (0,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def check_fast_cotangents(g_out) -> None:
+  """A fast design forms only the gradient of the reduced loss: its per-token outputs must not be differentiated
+  (their cotangents arrive as ``jax.custom_derivatives.SymbolicZero`` under ``symbolic_zeros=True``)."""
+  for name in ("loss", "lse"):
+    if not isinstance(getattr(g_out, name), jax.custom_derivatives.SymbolicZero):
+      raise ValueError(
+          f"mode='fast' forms only the gradient of the reduced loss; the aux output {name!r} was differentiated."
+          " Use mode='lean' (or reduction='none') to differentiate per-token values.")
 
 
 def mxu_dtype(x: jax.Array):

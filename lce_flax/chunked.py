@@ -248,11 +248,7 @@ def _fast_fwd(x, w, bias, labels, weights, spec, c, axis):
 
 def _fast_bwd(spec, c, axis, grads, g):
   g_total, g_out = g
-  for name in ("loss", "lse"):
-    if not isinstance(getattr(g_out, name), jax.custom_derivatives.SymbolicZero):
-      raise ValueError(
-          f"mode='fast' forms only the gradient of the reduced loss; the aux output {name!r} was differentiated."
-          " Use mode='lean' (or reduction='none') to differentiate per-token values.")
+  _base.check_fast_cotangents(g_out)
   dx, dw, db = grads
   scale = lambda a: None if a is None else (g_total * a.astype(F32)).astype(a.dtype)
   return scale(dx), scale(dw), scale(db), None, None

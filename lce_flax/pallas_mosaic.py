@@ -62,8 +62,6 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from lce_flax import _base, _device, _math
 from lce_flax._base import F32
 
-fast = None  # api.py runs ``lean`` and reduces; the gradient comes from the recompute backward
-
 _L = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per tile row (token)
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per tile column (vocabulary entry)
@@ -87,6 +85,8 @@ class Config:
     warp_specialized: two compute warpgroups (each a ``block_t × block_v`` accumulator, a CTA tile of
       ``block_t × 2·block_v``) fed by a third, TMA-only warpgroup (``plgpu.emit_pipeline_warp_specialized``);
       None: on a GPU yes, in interpret mode no (the interpreter cannot run it).
+    fast_design: the buffer ``mode="fast"`` spends (see :func:`fast`): ``"logits"`` (the B×V shifted logits in
+      the input dtype), ``"chunked"`` (the chunked implementation's H×V float32 dw), or None: the smaller.
   """
 
   block_t: int | None = None
@@ -98,6 +98,7 @@ class Config:
   semantics: str | None = None
   warp_specialized: bool | None = None
   fp32_inputs: str | None = None
+  fast_design: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,17 +202,26 @@ def _cols(v, shape):
   return lax.broadcast_in_dim(v, shape, [1])
 
 
-def epilogue_stats(z, cols, valid, labels, opts: _math.LossOptions):
-  """``_math.tile_stats`` of the capped tile ``z`` [bt, bv]; ``cols``/``valid`` are [bt, bv], labels [bt]."""
-  zc = _math.softcap(z, opts.logit_softcap)
+def epilogue_stats(zc, cols, valid, labels, opts: _math.LossOptions):
+  """``_math.tile_stats`` of the capped tile ``zc`` [bt, bv]; ``cols``/``valid`` are [bt, bv], labels [bt]."""
   masked = jnp.where(valid, zc, -jnp.inf)
   m = masked.max(axis=1)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
-  s = jnp.exp(masked - _rows(m_safe, z.shape)).sum(axis=1)
-  hit = valid & (cols == _rows(labels, z.shape))
+  s = jnp.exp(masked - _rows(m_safe, zc.shape)).sum(axis=1)
+  hit = valid & (cols == _rows(labels, zc.shape))
   target = jnp.where(hit, zc, 0.0).sum(axis=1)
   zsum = jnp.where(valid, zc, 0.0).sum(axis=1) if opts.needs_logit_sum else jnp.zeros_like(m)
   return _math.RowStats(m, s, target, zsum)
+
+
+def shifted_logits(zc, m):
+  """What the fast forward stores of a capped tile: ``zc - m`` with ``m`` the tile's row max (finite).
+
+  Stored in bf16/fp16, the entries that carry the softmax mass (``zc`` near the row max) are near 0, so their
+  rounding error is absolute ~2⁻⁹·|zc - m| instead of ~2⁻⁹·|zc| (as for rounded logits): an entry's probability
+  keeps a relative error ≤ 2⁻⁹·(m - zc), which is only large where the probability is ~e^{-(m - zc)} small.
+  """
+  return zc - _rows(jnp.where(m == -jnp.inf, 0.0, m), zc.shape)
 
 
 def merge(a: _math.RowStats, b: _math.RowStats) -> _math.RowStats:
@@ -243,8 +253,12 @@ def row_coefficients(lse, labels, g_loss, g_lse, opts: _math.LossOptions):
 
 def epilogue_dlogits(z, cols, labels, lse, coef, a, c, opts: _math.LossOptions):
   """The logit gradient of a tile from :func:`row_coefficients` (``cols`` [bt, bv] global column ids)."""
-  shape = z.shape
-  zc = _math.softcap(z, opts.logit_softcap)
+  return dlogits_capped(_math.softcap(z, opts.logit_softcap), cols, labels, lse, coef, a, c, opts)
+
+
+def dlogits_capped(zc, cols, labels, lse, coef, a, c, opts: _math.LossOptions):
+  """:func:`epilogue_dlogits` of the already capped tile ``zc``."""
+  shape = zc.shape
   p = jnp.exp(zc - _rows(lse, shape))
   dz = p * _rows(coef, shape) - jnp.where(cols == _rows(labels, shape), _rows(a, shape), 0.0)
   if opts.label_smoothing:
@@ -267,6 +281,7 @@ class _Dims:
   w_layout: str
   has_bias: bool
   interpret: bool
+  store: bool = False  # the fast forward: also write the shifted logits and tile maxima (see _store_tile)
 
 
 def _transforms(minor_bytes: int):
@@ -340,11 +355,16 @@ def _fetch(pairs, bars, first: int = 0):
 
 
 def _fwd_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
-  if d.has_bias:
-    x_ref, w_ref, b_ref, y_ref, st_ref, y_smem, b_smem, st_smem, bars = refs
-  else:
-    x_ref, w_ref, y_ref, st_ref, y_smem, st_smem, bars = refs
-    b_ref = b_smem = None
+  refs = list(refs)
+  x_ref, w_ref = refs.pop(0), refs.pop(0)
+  b_ref = refs.pop(0) if d.has_bias else None
+  y_ref, st_ref = refs.pop(0), refs.pop(0)
+  zb_ref, mt_ref = (refs.pop(0), refs.pop(0)) if d.store else (None, None)
+  y_smem = refs.pop(0)
+  b_smem = refs.pop(0) if d.has_bias else None
+  st_smem = refs.pop(0)
+  o_smem, m_smem = (refs.pop(0), refs.pop(0)) if d.store else (None, None)
+  (bars,) = refs
   bt, bv, ns = p.block_t, p.block_v, p.num_splits
   nvt = _cdiv(d.vp, bv)
   tps = _cdiv(nvt, ns)  # vocabulary tiles per split
@@ -366,7 +386,10 @@ def _fwd_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
       z = z + _cols(_load_vec(b_smem, _COL, p, d), shape)
     cols = _iota(shape, 1, p, d) + c0
     valid = (cols >= nominal) & (cols < d.v)
-    new = epilogue_stats(z, cols, valid, labels, opts)
+    zc = _math.softcap(z, opts.logit_softcap)
+    new = epilogue_stats(zc, cols, valid, labels, opts)
+    if d.store:
+      _store_tile(zc, new.m, o_smem, m_smem, zb_ref, mt_ref, r0, c0, nominal, bt, bv)
     return tuple(merge(st, new))
 
   init = tuple(_layout(jnp.full((bt,), val, F32), _ROW, p, d) for val in (-jnp.inf, 0.0, 0.0, 0.0))
@@ -381,6 +404,25 @@ def _fwd_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
   plgpu.wait_smem_to_gmem(0)
 
 
+def _store_tile(zc, m, o_smem, m_smem, zb_ref, mt_ref, r0, c0, nominal, bt: int, bv: int):
+  """Fast forward: writes the tile's :func:`shifted_logits` (input dtype) and its row max through SMEM + TMA.
+
+  ``c0`` is the tile's first column, ``nominal`` the first column its CTA tile counts. With V a multiple of
+  ``block_v`` (see :func:`_prepare`) a tile is either all new (stored) or all overlap of the clamped last window
+  (skipped), so every column is stored once, by a tile aligned to ``block_v``: column ``q``'s max is row
+  ``q // block_v`` of ``mt``. The SMEM buffers are reused by the next tile: wait until the previous tile's
+  copies have read them.
+  """
+  @pl.when(c0 >= nominal)
+  def _():
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_smem[...] = shifted_logits(zc, m).astype(o_smem.dtype)
+    m_smem[...] = jnp.where(m == -jnp.inf, 0.0, m)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, zb_ref.at[pl.ds(r0, bt), pl.ds(c0, bv)])
+    plgpu.copy_smem_to_gmem(m_smem, mt_ref.at[c0 // bv, pl.ds(r0, bt)])
+
+
 def _kernel(body, out_type, scratch, grid, names, d: _Dims, p: Plan, name: str):
   params = plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Lane if p.semantics == "lane"
@@ -390,22 +432,40 @@ def _kernel(body, out_type, scratch, grid, names, d: _Dims, p: Plan, name: str):
                       )
 
 
-def _forward(x, w, bias, labels, d: _Dims, p: Plan, opts) -> _math.TokenOut:
-  """x [d.b, d.h], w padded as _prepare made it, labels [d.b] (padding rows -1)."""
+def _out_types(d: _Dims, p: Plan, nparts: int, dtype):
+  out = [jax.ShapeDtypeStruct((4, nparts, d.b), F32)]
+  if d.store:
+    out += [jax.ShapeDtypeStruct((d.b, d.vp), dtype), jax.ShapeDtypeStruct((d.vp // p.block_v, d.b), F32)]
+  return tuple(out)
+
+
+def _merge_parts(st, labels, opts) -> _math.TokenOut:
+  acc = _math.RowStats(*(a[0] for a in st))
+  for k in range(1, st.shape[1]):
+    acc = _math.merge_stats(acc, _math.RowStats(*(a[k] for a in st)))
+  return _math.finalize(acc, labels, opts)
+
+
+def _forward(x, w, bias, labels, d: _Dims, p: Plan, opts):
+  """x [d.b, d.h], w padded as _prepare made it, labels [d.b] (padding rows -1).
+
+  Returns (TokenOut, stored) with ``stored`` = (shifted logits [d.b, d.vp], row maxima [vp/bv, d.b]) when
+  ``d.store``, else None.
+  """
   nb = d.b // p.block_t
   ns = p.num_splits
   scratch = [plgpu.SMEM((p.block_t,), jnp.int32)]
   if d.has_bias:
     scratch.append(plgpu.SMEM((p.block_v,), F32))
-  scratch += [plgpu.SMEM((4, p.block_t), F32), plgpu.Barrier(num_barriers=2)]
-  kern = _kernel(functools.partial(_fwd_body, d=d, p=p, opts=opts),
-                 jax.ShapeDtypeStruct((4, ns, d.b), F32), scratch, (ns, nb), ("split", "row"), d, p,
-                 "lce_mosaic_forward")
-  st = kern(*([x, w] + ([bias] if d.has_bias else []) + [labels]))
-  acc = _math.RowStats(*(a[0] for a in st))
-  for k in range(1, ns):
-    acc = _math.merge_stats(acc, _math.RowStats(*(a[k] for a in st)))
-  return _math.finalize(acc, labels, opts)
+  scratch.append(plgpu.SMEM((4, p.block_t), F32))
+  if d.store:
+    scratch += [plgpu.SMEM((p.block_t, p.block_v), x.dtype, transforms=_transforms(p.block_v * 2)[1]),
+                plgpu.SMEM((p.block_t,), F32)]
+  scratch.append(plgpu.Barrier(num_barriers=2))
+  kern = _kernel(functools.partial(_fwd_body, d=d, p=p, opts=opts), _out_types(d, p, ns, x.dtype), scratch,
+                 (ns, nb), ("split", "row"), d, p, "lce_mosaic_forward")
+  st, *stored = kern(*([x, w] + ([bias] if d.has_bias else []) + [labels]))
+  return _merge_parts(st, labels, opts), (tuple(stored) if d.store else None)
 
 
 def _dz_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
@@ -497,11 +557,11 @@ def _w_window_ws(w_ref, c0, d: _Dims, p: Plan):
 
 
 def _fwd_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
-  if d.has_bias:
-    x_ref, w_ref, b_ref, y_ref, st_ref = refs
-  else:
-    x_ref, w_ref, y_ref, st_ref = refs
-    b_ref = None
+  refs = list(refs)
+  x_ref, w_ref = refs.pop(0), refs.pop(0)
+  b_ref = refs.pop(0) if d.has_bias else None
+  y_ref, st_ref = refs.pop(0), refs.pop(0)
+  zb_ref, mt_ref = (refs.pop(0), refs.pop(0)) if d.store else (None, None)
   bt, bv, ns = p.block_t, p.block_v, p.num_splits
   cv = 2 * bv
   nvt = _cdiv(d.vp, cv)
@@ -510,11 +570,12 @@ def _fwd_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
   i = lax.axis_index("row")
   r0 = i * bt
   x_rows = x_ref.at[pl.ds(r0, bt)]
-  make, mma = _ws_pipeline(d, p, p.num_stages)
+  # the stored tiles take 2·bt·bv·itemsize bytes of SMEM: one pipeline stage fewer (as in the dz kernel)
+  make, mma = _ws_pipeline(d, p, max(2, p.num_stages - 1) if d.store else p.num_stages)
   ignore = lambda *_, **__: None
   shape = (bt, bv)
 
-  def scope(allocs, st_smem, y_smem, b_smem, bars):
+  def scope(allocs, st_smem, y_smem, b_smem, o_smem, m_smem, bars):
     g = lax.axis_index("wg")
 
     @pl.when(g < 2)
@@ -543,7 +604,10 @@ def _fwd_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
             z = z + _cols(b_smem[g], shape)
           cols = lax.broadcasted_iota(jnp.int32, shape, 1) + c0g
           valid = (cols >= nominal) & (cols < d.v)
-          new = epilogue_stats(z, cols, valid, y_smem[g], opts)
+          zc = _math.softcap(z, opts.logit_softcap)
+          new = epilogue_stats(zc, cols, valid, y_smem[g], opts)
+          if d.store:
+            _store_tile(zc, new.m, o_smem.at[g], m_smem.at[g], zb_ref, mt_ref, r0, c0g, nominal, bt, bv)
           old = _math.RowStats(*(st_smem[g, k] for k in range(4)))
           st = merge(old, new)
           for k in range(4):
@@ -567,22 +631,22 @@ def _fwd_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
   pl.run_scoped(scope, make(ignore, ignore).get_allocations(x_rows, w_tmpl),
                 plgpu.SMEM((2, 4, bt), F32), plgpu.SMEM((2, bt), jnp.int32),
                 plgpu.SMEM((2, bv), F32) if d.has_bias else None,
+                plgpu.SMEM((2, bt, bv), x_ref.dtype, transforms=_transforms(bv * 2)[1]) if d.store else None,
+                plgpu.SMEM((2, bt), F32) if d.store else None,
                 plgpu.Barrier(num_barriers=4), collective_axes="wg")
 
 
-def _forward_ws(x, w, bias, labels, d: _Dims, p: Plan, opts) -> _math.TokenOut:
+def _forward_ws(x, w, bias, labels, d: _Dims, p: Plan, opts):
+  """Warp-specialised :func:`_forward` (same outputs)."""
   nb = d.b // p.block_t
   ns = p.num_splits
   kern = plgpu.kernel(
       functools.partial(_fwd_ws_body, d=d, p=p, opts=opts),
-      out_type=jax.ShapeDtypeStruct((4, 2 * ns, d.b), F32), grid=(ns, nb), grid_names=("split", "row"),
+      out_type=_out_types(d, p, 2 * ns, x.dtype), grid=(ns, nb), grid_names=("split", "row"),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  st = kern(*([x, w] + ([bias] if d.has_bias else []) + [labels]))
-  acc = _math.RowStats(*(a[0] for a in st))
-  for k in range(1, 2 * ns):
-    acc = _math.merge_stats(acc, _math.RowStats(*(a[k] for a in st)))
-  return _math.finalize(acc, labels, opts)
+  st, *stored = kern(*([x, w] + ([bias] if d.has_bias else []) + [labels]))
+  return _merge_parts(st, labels, opts), (tuple(stored) if d.store else None)
 
 
 def _dz_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
@@ -654,15 +718,20 @@ def _dz_chunk_ws(x, w_c, b_c, labels_local, lse, coef, a, c, d: _Dims, p: Plan, 
 # ------------------------------------------------------------------------------------------------ custom_vjp
 
 
-def _prepare(x, w, bias, labels, spec: _base.Spec, p: Plan):
-  """Pads tokens to whole row blocks (and, only where unavoidable, H and V); bias to float32."""
+def _prepare(x, w, bias, labels, spec: _base.Spec, p: Plan, store: bool = False):
+  """Pads tokens to whole row blocks (and, only where unavoidable, H and V); bias to float32.
+
+  TMA tiles the whole GMEM array: V must be a multiple of 8 rows ("vh") or of the 64-column swizzle ("hv"). The
+  fast forward (``store``) also needs whole ``block_v`` tiles, so that every stored tile is aligned and no two
+  overlap (true of the LLM heads: 50304, 128256, 151936 and 256000 are multiples of 128).
+  """
   b, h = x.shape
   v = spec.opts.vocab_size
   bp = _cdiv(b, p.block_t) * p.block_t
   hp = _cdiv(h, p.block_k) * p.block_k
-  # TMA tiles the whole GMEM array: V must be a multiple of 8 rows ("vh") or of the 64-column swizzle ("hv").
   cta_v = p.block_v * (2 if p.warp_specialized else 1)
-  vp = max(_cdiv(v, 8 if spec.w_layout == "vh" else 64) * (8 if spec.w_layout == "vh" else 64), cta_v)
+  mult = p.block_v if store else (8 if spec.w_layout == "vh" else 64)
+  vp = max(_cdiv(v, mult) * mult, cta_v)
   x = jnp.pad(x, ((0, bp - b), (0, hp - h)))
   labels = jnp.pad(labels, (0, bp - b), constant_values=_math.IGNORED)
   if hp != h or vp != v:  # small or odd problems only: this copies w
@@ -670,14 +739,14 @@ def _prepare(x, w, bias, labels, spec: _base.Spec, p: Plan):
     w = jnp.pad(w, pads)
   if bias is not None:
     bias = jnp.pad(bias.astype(F32), (0, vp - v))
-  d = _Dims(bp, hp, v, vp, spec.w_layout, bias is not None, spec.interpret)
+  d = _Dims(bp, hp, v, vp, spec.w_layout, bias is not None, spec.interpret, store)
   return x, w, bias, labels, d
 
 
 def _run_forward(x, w, bias, labels, spec, p):
   b = x.shape[0]
   xp, wp, bp, yp, d = _prepare(x, w, bias, labels, spec, p)
-  out = (_forward_ws if p.warp_specialized else _forward)(xp, wp, bp, yp, d, p, spec.opts)
+  out, _ = (_forward_ws if p.warp_specialized else _forward)(xp, wp, bp, yp, d, p, spec.opts)
   return _math.TokenOut(*(a[:b] for a in out))
 
 
@@ -755,3 +824,104 @@ def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> 
       return chunked.lean(x, w, bias, labels, spec, chunked.Config())
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
   return _lean(x, w, bias, labels, spec, p)
+
+
+# ------------------------------------------------------------------------------------------------ fast mode
+# 6·B·H·V: the forward kernel also stores every logit tile (shifted by its row max, in the input dtype) and its
+# row maxima; once lse is known, one elementwise XLA pass turns the buffer into dz in place, and two plain
+# matmuls (the largest and most efficient shapes the problem has) give dx and dw. No accumulation across chunks:
+# every product accumulates in float32 inside one matmul. Extra memory: the B×V buffer (B·V·itemsize) + B·V/bv
+# float32 maxima; the alternative, H×V float32 dw accumulated over token chunks, is chunked's fast design.
+
+
+def _fast_forward(x, w, bias, labels, weights, spec: _base.Spec, p: Plan):
+  opts = spec.opts
+  b = x.shape[0]
+  v = opts.vocab_size
+  xp, wp, bp, yp, d = _prepare(x, w, bias, labels, spec, p, store=True)
+  out, (zb, mt) = (_forward_ws if p.warp_specialized else _forward)(xp, wp, bp, yp, d, p, opts)
+  wts = jnp.pad(weights.astype(F32), (0, d.b - b))  # padding rows: weight 0 (and label -1): dz = 0
+  coef, a, c = row_coefficients(out.lse, yp, wts, jnp.zeros_like(wts), opts)
+  nt = d.vp // p.block_v
+  zc = (zb.astype(F32).reshape(d.b, nt, p.block_v) + mt.T[:, :, None]).reshape(d.b, d.vp)
+  cols = lax.broadcasted_iota(jnp.int32, zc.shape, 1)
+  dz = dlogits_capped(zc, cols, yp, out.lse, coef, a, c, opts)
+  if d.vp != v:
+    dz = jnp.where(cols < v, dz, 0.0)
+  db = None if bias is None else jnp.sum(dz, axis=0)
+  # The barrier keeps XLA from fusing this pass into the dx/dw matmuls: fused, the buffer of shifted logits
+  # stays alive next to dz (two B×V buffers, 4.2 GB at llama3-8b on the H100); materialised here, dz takes
+  # over the buffer it was computed from.
+  dz = lax.optimization_barrier(dz.astype(x.dtype))
+  out = _math.TokenOut(*(t[:b] for t in out))
+  total = jnp.sum(weights.astype(F32) * out.loss)
+  return total, out, (dz, xp, wp, db)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _fast(x, w, bias, labels, weights, spec, p, meta):
+  del meta  # (H, bias dtype): what the backward needs to undo _prepare's padding
+  total, out, _ = _fast_forward(x, w, bias, labels, weights, spec, p)
+  return total, out
+
+
+def _fast_fwd(x, w, bias, labels, weights, spec, p, meta):
+  del meta
+  # symbolic_zeros=True wraps each array argument in a CustomVJPPrimal (None stays None).
+  total, out, res = _fast_forward(x.value, w.value, None if bias is None else bias.value, labels.value,
+                                  weights.value, spec, p)
+  return (total, out), (res, labels.value)
+
+
+def _fast_bwd(spec, p, meta, residuals, g):
+  (dz, xp, wp, db), labels = residuals
+  g_total, g_out = g
+  _base.check_fast_cotangents(g_out)
+  gt = g_total.astype(F32)
+  (h, bias_dtype), b, v = meta, labels.shape[0], spec.opts.vocab_size
+  # The scalar cotangent enters through x for dw (exact when it is 1, as for a loss), so that the matmul writes
+  # dw in its final dtype: no H×V float32 product.
+  xg = (xp.astype(F32) * gt).astype(xp.dtype)
+  dw = _base.grad_w(xg, dz, spec.w_layout, out_dtype=wp.dtype)
+  dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
+  dx = (_base.grad_x(dz, wp, spec.w_layout, out_dtype=F32) * gt)[:b, :h].astype(xp.dtype)
+  dbias = None if db is None else (db * gt)[:v].astype(bias_dtype)
+  return dx, dw, dbias, None, None
+
+
+_fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
+
+
+def fast_design(num_tokens: int, hidden: int, vocab: int, itemsize: int = 2) -> str:
+  """The smaller buffer of the two fast designs: ``"logits"`` (B·V·itemsize) or ``"chunked"`` (H·V·4 bytes of
+  float32 dw plus chunked's logits chunk). llama3-8b: 2.10 vs 3.15 GB, qwen3-8b: 1.24 vs 3.11 GB (logits);
+  gpt2-small: 1.65 vs 0.23 GB, gemma2-2b: 4.19 vs 3.54 GB (chunked)."""
+  from lce_flax import chunked  # pylint: disable=g-import-not-at-top
+  c = chunked.fast_chunk(num_tokens, hidden, vocab)
+  return "logits" if num_tokens * vocab * itemsize <= (hidden + c) * vocab * 4 else "chunked"
+
+
+def fast(x, w, bias, labels, weights, spec: _base.Spec, config: Config | None = None):
+  """``(Σ weights·loss, TokenOut)``, differentiable in x, w, bias through the scalar only (6·B·H·V FLOPs).
+
+  ``config.fast_design`` (default: the smaller buffer, :func:`fast_design`) picks the stored-logits design of
+  this module or the chunked implementation's float32-dw design; float32 inputs follow ``config.fp32_inputs``
+  as in :func:`lean`.
+  """
+  from lce_flax import chunked  # pylint: disable=g-import-not-at-top
+  config = config or Config()
+  fp32 = config.fp32_inputs or "chunked"
+  if fp32 not in ("chunked", "bf16"):
+    raise ValueError(f"fp32_inputs={fp32!r} must be 'chunked' or 'bf16'")
+  low = x.dtype in (jnp.bfloat16, jnp.float16) and w.dtype == x.dtype
+  if not low and fp32 == "chunked":
+    return chunked.fast(x, w, bias, labels, weights, spec, chunked.Config())
+  design = config.fast_design or fast_design(x.shape[0], x.shape[1], spec.opts.vocab_size)
+  if design not in ("logits", "chunked"):
+    raise ValueError(f"fast_design={design!r} must be 'logits' or 'chunked'")
+  if design == "chunked":
+    return chunked.fast(x, w, bias, labels, weights, spec, chunked.Config())
+  if not low:
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  p = plan(x.shape[0], x.shape[1], spec.opts.vocab_size, config, spec.interpret)
+  return _fast(x, w, bias, labels, weights, spec, p, (x.shape[1], None if bias is None else bias.dtype))

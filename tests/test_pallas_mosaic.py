@@ -32,7 +32,8 @@ def check(**kw):
   kw.setdefault("h", 128)
   kw.setdefault("batch_shape", (101,))
   kw.setdefault("dtype", jnp.bfloat16)
-  return check_impl("pallas_mosaic", mode="lean", **kw)
+  kw.setdefault("mode", "lean")
+  return check_impl("pallas_mosaic", **kw)
 
 
 @pytest.mark.parametrize("opt", ["plain", "softcap", "all"])  # "all" holds smoothing and z-loss too
@@ -103,7 +104,8 @@ def test_epilogue_math_matches_shared_math():
   cols = jnp.broadcast_to(cols1, (bt, bv))
   valid1 = cols1 >= 45
   labels = jnp.asarray(rng.integers(-1, v + 1, bt), jnp.int32).at[:3].set(jnp.array([50, 41, 63]))
-  got = pallas_mosaic.epilogue_stats(z, cols, jnp.broadcast_to(valid1, (bt, bv)), labels, opts)
+  got = pallas_mosaic.epilogue_stats(_math.softcap(z, opts.logit_softcap), cols, jnp.broadcast_to(valid1, (bt, bv)),
+                                     labels, opts)
   want = _math.tile_stats(_math.softcap(z, opts.logit_softcap), cols1, labels, valid1, opts)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -118,6 +120,58 @@ def test_epilogue_math_matches_shared_math():
   want = _math.dlogits(z, lse, labels, cols1, jnp.ones((bv,), bool), g_loss, g_lse, opts)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   assert np.isnan(got[labels >= v]).all()
+
+
+# ------------------------------------------------------------------------------------------------ fast mode
+FAST = dataclasses.replace(SMALL, fast_design="logits")
+
+
+@pytest.mark.parametrize("opt,dtype,w_layout,bias", [
+    ("plain", jnp.bfloat16, "hv", False),
+    ("all", jnp.bfloat16, "vh", True),  # V=301 is padded to whole 64-column tiles for the stores (w copied)
+    ("softcap", jnp.float16, "hv", True),
+])
+def test_fast_stored_logits(opt, dtype, w_layout, bias):
+  """mode="fast": the forward kernel stores shifted logits, dz is formed once lse is known, dx/dw are matmuls."""
+  check(mode="fast", config=FAST, dtype=dtype, w_layout=w_layout, bias=bias, options=OPTIONS[opt], where=True,
+        seed=20 + len(opt))
+
+
+@pytest.mark.parametrize("w_layout", ["hv", "vh"])
+def test_fast_peaky_logits_sum(w_layout):
+  """Logits with std ≈ 11 (the regime where storing rounded logits would hurt): the stored values are shifted by
+  their tile's row max, so the gradient keeps the error of the bf16 dz that every design has."""
+  (x, w, y, _), (xn, wn, yn, _) = make_inputs(31, (101,), 128, 257, jnp.bfloat16, w_layout=w_layout, wscale=1.0)
+  f = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="fast", reduction="sum",
+                                        w_layout=w_layout, config=FAST)
+  loss, (dx, dw) = jax.value_and_grad(f, (0, 1))(x, w)
+  ref = linear_cross_entropy_np(xn, wn, yn, reduction="sum", w_layout=w_layout)
+  assert rel_err(loss, ref["loss"]) < 2e-5
+  assert rel_err(dx, ref["dx"]) < 1e-2 and rel_err(dw, ref["dw"]) < 1e-2
+
+
+def test_fast_cotangent_scales_and_aux_is_not_differentiable():
+  (x, w, y, _), (xn, wn, yn, _) = make_inputs(32, (70,), 64, 130, jnp.bfloat16)
+  f = lambda x: 2.5 * linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="fast", config=FAST)
+  ref = linear_cross_entropy_np(xn, wn, yn)
+  assert rel_err(jax.grad(f)(x), 2.5 * ref["dx"]) < 1e-2
+  g = lambda x: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="fast", config=FAST,
+                                     return_aux=True)[1].lse.sum()
+  with pytest.raises(ValueError, match="'lse' was differentiated"):
+    jax.grad(g)(x)
+
+
+def test_fast_design_choice_and_fp32():
+  """The smaller buffer wins: B·V·2 bytes of stored logits, or H·V·4 of float32 dw (chunked's design)."""
+  assert pallas_mosaic.fast_design(8192, 4096, 128256) == "logits"  # llama3-8b: 2.10 vs 3.15 GB
+  assert pallas_mosaic.fast_design(4096, 4096, 151936) == "logits"  # qwen3-8b: 1.24 vs 3.11 GB
+  assert pallas_mosaic.fast_design(16384, 768, 50304) == "chunked"  # gpt2-small: 1.65 vs 0.23 GB
+  assert pallas_mosaic.fast_design(8192, 2304, 256000) == "chunked"  # gemma2-2b: 4.19 vs 3.54 GB
+  with pytest.raises(ValueError, match="fast_design='big'"):
+    linear_cross_entropy(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int),
+                         impl="pallas_mosaic", mode="fast", config=Config(fast_design="big"))
+  # float32 inputs keep the package's float32 contract in fast mode too (chunked's exact path)
+  check(mode="fast", config=FAST, dtype=jnp.float32, seed=33)
 
 
 def test_supported_and_plan():
@@ -180,6 +234,13 @@ def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
 
   text = jax.jit(jax.grad(f, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 2  # the forward and the dz kernel
+
+  def g(x, w, bias, y):  # the fast forward: tile stores through SMEM + TMA on top of the statistics
+    cfg = Config(warp_specialized=True, fast_design="logits")
+    return pallas_mosaic.fast(x, w, bias, y, jnp.ones(y.shape, jnp.float32), spec, cfg)[0]
+
+  text = jax.jit(jax.grad(g, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 1
   # 8 stages of 48 KB (H=1024 has enough steps to fill them) exceed the 227 KB of SMEM: caught when lowering
   big = (sds((b, 1024), jnp.bfloat16), sds((v, 1024) if w_layout == "vh" else (1024, v), jnp.bfloat16)) + args[2:]
   bad = lambda x, w, bias, y: pallas_mosaic.lean(x, w, bias, y, spec, Config(num_stages=8)).loss.sum()
