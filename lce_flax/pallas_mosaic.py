@@ -77,7 +77,8 @@ class Config:
     block_k: hidden units per pipeline step (64: one 128-byte swizzle of bf16).
     num_stages: TMA pipeline depth (≥ 2).
     num_splits: vocabulary splits of the forward grid.
-    chunk_size: vocabulary columns per backward chunk (a multiple of ``block_v``).
+    chunk_size: vocabulary columns per backward chunk (a multiple of ``block_v``); in the "tokens" fast design,
+      tokens per chunk (a multiple of ``block_t``).
     semantics: ``"lane"`` (explicit register layouts) or ``"warpgroup"`` (layouts inferred by Mosaic).
     fp32_inputs: what float32 (or mixed) inputs do: ``"chunked"`` (default) runs them exactly through
       :mod:`lce_flax.chunked` (XLA float32 matmuls: WGMMA has no float32 operands); ``"bf16"`` rounds x and w to
@@ -86,7 +87,8 @@ class Config:
       ``block_t × 2·block_v``) fed by a third, TMA-only warpgroup (``plgpu.emit_pipeline_warp_specialized``);
       None: on a GPU yes, in interpret mode no (the interpreter cannot run it).
     fast_design: the buffer ``mode="fast"`` spends (see :func:`fast`): ``"logits"`` (the B×V shifted logits in
-      the input dtype), ``"chunked"`` (the chunked implementation's H×V float32 dw), or None: the smaller.
+      the input dtype), ``"tokens"`` (a chunk of them and an H×V float32 dw), ``"chunked"`` (the chunked
+      implementation's fast design), or None: the smaller of the first two.
   """
 
   block_t: int | None = None
@@ -828,85 +830,129 @@ def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> 
 
 # ------------------------------------------------------------------------------------------------ fast mode
 # 6·B·H·V: the forward kernel also stores every logit tile (shifted by its row max, in the input dtype) and its
-# row maxima; once lse is known, one elementwise XLA pass turns the buffer into dz in place, and two plain
-# matmuls (the largest and most efficient shapes the problem has) give dx and dw. No accumulation across chunks:
-# every product accumulates in float32 inside one matmul. Extra memory: the B×V buffer (B·V·itemsize) + B·V/bv
-# float32 maxima; the alternative, H×V float32 dw accumulated over token chunks, is chunked's fast design.
+# row maxima; once lse is known, one elementwise XLA pass turns the stored tiles into dz in place. Two designs:
+#
+# * "logits": all B tokens at once. The buffer is B×V in the input dtype (+ B·V/bv float32 maxima); the backward
+#   forms dx = dz wᵀ and dw = xᵀ dz as two whole matmuls (the largest, most efficient shapes the problem has; no
+#   accumulation across chunks: every product accumulates in float32 inside one matmul).
+# * "tokens": chunks of c tokens (a c×V buffer); each chunk's dx rows are complete at once and its xᵀdz adds into
+#   an H×V float32 dw: the choice when H·V·4 + c·V·2 is smaller than B·V·2 (small H, many tokens: gpt2-small).
 
 
-def _fast_forward(x, w, bias, labels, weights, spec: _base.Spec, p: Plan):
-  opts = spec.opts
-  b = x.shape[0]
-  v = opts.vocab_size
-  xp, wp, bp, yp, d = _prepare(x, w, bias, labels, spec, p, store=True)
+def _stored_dz(xp, wp, bp, yp, wts, d: _Dims, p: Plan, opts):
+  """Forward kernel with stores + the dz pass over rows ``xp``: (TokenOut, dz [rows, vp] in x's dtype, dbias)."""
   out, (zb, mt) = (_forward_ws if p.warp_specialized else _forward)(xp, wp, bp, yp, d, p, opts)
-  wts = jnp.pad(weights.astype(F32), (0, d.b - b))  # padding rows: weight 0 (and label -1): dz = 0
   coef, a, c = row_coefficients(out.lse, yp, wts, jnp.zeros_like(wts), opts)
   nt = d.vp // p.block_v
   zc = (zb.astype(F32).reshape(d.b, nt, p.block_v) + mt.T[:, :, None]).reshape(d.b, d.vp)
   cols = lax.broadcasted_iota(jnp.int32, zc.shape, 1)
   dz = dlogits_capped(zc, cols, yp, out.lse, coef, a, c, opts)
-  if d.vp != v:
-    dz = jnp.where(cols < v, dz, 0.0)
-  db = None if bias is None else jnp.sum(dz, axis=0)
+  if d.vp != opts.vocab_size:
+    dz = jnp.where(cols < opts.vocab_size, dz, 0.0)
+  db = None if bp is None else jnp.sum(dz, axis=0)
   # The barrier keeps XLA from fusing this pass into the dx/dw matmuls: fused, the buffer of shifted logits
   # stays alive next to dz (two B×V buffers, 4.2 GB at llama3-8b on the H100); materialised here, dz takes
   # over the buffer it was computed from.
-  dz = lax.optimization_barrier(dz.astype(x.dtype))
+  return out, lax.optimization_barrier(dz.astype(xp.dtype)), db
+
+
+def _fast_forward(x, w, bias, labels, weights, spec: _base.Spec, p: Plan, chunk: int | None):
+  """(Σ weights·loss, TokenOut, residuals): ``chunk`` None is the "logits" design, else "tokens" with that many
+  tokens per chunk (a multiple of block_t)."""
+  opts = spec.opts
+  b = x.shape[0]
+  xp, wp, bp, yp, d = _prepare(x, w, bias, labels, spec, p, store=True)
+  wts = jnp.pad(weights.astype(F32), (0, d.b - b))  # padding rows: weight 0 (and label -1): dz = 0
+  if chunk is None:
+    out, dz, db = _stored_dz(xp, wp, bp, yp, wts, d, p, opts)
+    res = (dz, xp, wp, None, None, db)
+  else:
+    n = _cdiv(d.b, chunk)
+    pad = n * chunk - d.b
+    xs = jnp.pad(xp, ((0, pad), (0, 0))).reshape(n, chunk, d.h)
+    ys = jnp.pad(yp, (0, pad), constant_values=_math.IGNORED).reshape(n, chunk)
+    ws = jnp.pad(wts, (0, pad)).reshape(n, chunk)
+    dc = dataclasses.replace(d, b=chunk)
+
+    def body(carry, rows):
+      dw, db = carry
+      xc, yc, wc = rows
+      out, dz, dbc = _stored_dz(xc, wp, bp, yc, wc, dc, p, opts)
+      dw = dw + _base.grad_w(xc, dz, spec.w_layout)
+      return (dw, None if db is None else db + dbc), (_base.grad_x(dz, wp, spec.w_layout, out_dtype=xp.dtype), out)
+
+    init = (jnp.zeros(wp.shape, F32), None if bp is None else jnp.zeros(bp.shape, F32))
+    (dw, db), (dx, out) = lax.scan(body, init, (xs, ys, ws))
+    out = jax.tree.map(lambda t: t.reshape(n * chunk), out)
+    res = (None, None, None, dx.reshape(n * chunk, d.h), dw, db)
   out = _math.TokenOut(*(t[:b] for t in out))
   total = jnp.sum(weights.astype(F32) * out.loss)
-  return total, out, (dz, xp, wp, db)
+  return total, out, res
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _fast(x, w, bias, labels, weights, spec, p, meta):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fast(x, w, bias, labels, weights, spec, p, chunk, meta):
   del meta  # (H, bias dtype): what the backward needs to undo _prepare's padding
-  total, out, _ = _fast_forward(x, w, bias, labels, weights, spec, p)
+  total, out, _ = _fast_forward(x, w, bias, labels, weights, spec, p, chunk)
   return total, out
 
 
-def _fast_fwd(x, w, bias, labels, weights, spec, p, meta):
+def _fast_fwd(x, w, bias, labels, weights, spec, p, chunk, meta):
   del meta
   # symbolic_zeros=True wraps each array argument in a CustomVJPPrimal (None stays None).
   total, out, res = _fast_forward(x.value, w.value, None if bias is None else bias.value, labels.value,
-                                  weights.value, spec, p)
+                                  weights.value, spec, p, chunk)
   return (total, out), (res, labels.value)
 
 
-def _fast_bwd(spec, p, meta, residuals, g):
-  (dz, xp, wp, db), labels = residuals
+def _fast_bwd(spec, p, chunk, meta, residuals, g):
+  del p, chunk
+  (dz, xp, wp, dx, dw, db), labels = residuals
   g_total, g_out = g
   _base.check_fast_cotangents(g_out)
   gt = g_total.astype(F32)
   (h, bias_dtype), b, v = meta, labels.shape[0], spec.opts.vocab_size
-  # The scalar cotangent enters through x for dw (exact when it is 1, as for a loss), so that the matmul writes
-  # dw in its final dtype: no H×V float32 product.
-  xg = (xp.astype(F32) * gt).astype(xp.dtype)
-  dw = _base.grad_w(xg, dz, spec.w_layout, out_dtype=wp.dtype)
+  scale = lambda t, dtype: (t.astype(F32) * gt).astype(dtype)
+  if dz is not None:  # "logits": the two matmuls now
+    # The cotangent enters dw through x (exact when it is 1, as for a loss): the matmul writes dw in its final
+    # dtype, with no H×V float32 product.
+    dw = _base.grad_w(scale(xp, xp.dtype), dz, spec.w_layout, out_dtype=wp.dtype)
+    dx = scale(_base.grad_x(dz, wp, spec.w_layout), xp.dtype)
+  else:  # "tokens": formed in the forward (x and w share the kernels' dtype)
+    dx, dw = scale(dx, dx.dtype), scale(dw, dx.dtype)
   dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
-  dx = (_base.grad_x(dz, wp, spec.w_layout, out_dtype=F32) * gt)[:b, :h].astype(xp.dtype)
-  dbias = None if db is None else (db * gt)[:v].astype(bias_dtype)
-  return dx, dw, dbias, None, None
+  dbias = None if db is None else scale(db, bias_dtype)[:v]
+  return dx[:b, :h], dw, dbias, None, None
 
 
 _fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
 
 
+def token_chunk(num_tokens: int, hidden: int, block_t: int = 128) -> int:
+  """Tokens per chunk of the "tokens" design: a c×V buffer no larger than the H×V float32 dw it adds into
+  (c ≤ 2H), at most half the tokens, a power of two and a multiple of ``block_t``."""
+  return max(block_t, _pow2_floor(min(2 * hidden, max(num_tokens // 2, 1))))
+
+
 def fast_design(num_tokens: int, hidden: int, vocab: int, itemsize: int = 2) -> str:
-  """The smaller buffer of the two fast designs: ``"logits"`` (B·V·itemsize) or ``"chunked"`` (H·V·4 bytes of
-  float32 dw plus chunked's logits chunk). llama3-8b: 2.10 vs 3.15 GB, qwen3-8b: 1.24 vs 3.11 GB (logits);
-  gpt2-small: 1.65 vs 0.23 GB, gemma2-2b: 4.19 vs 3.54 GB (chunked)."""
-  from lce_flax import chunked  # pylint: disable=g-import-not-at-top
-  c = chunked.fast_chunk(num_tokens, hidden, vocab)
-  return "logits" if num_tokens * vocab * itemsize <= (hidden + c) * vocab * 4 else "chunked"
+  """The design with the smaller buffer: ``"logits"`` (B·V·itemsize) or ``"tokens"`` (H·V·4 of float32 dw plus a
+  c×V chunk, c = :func:`token_chunk`). llama3-8b: 2.10 vs 3.15 GB, qwen3-8b 1.24 vs 3.11, gemma2-2b 4.19 vs
+  4.46 (logits); gpt2-small: 1.65 vs 0.26 GB (tokens)."""
+  c = token_chunk(num_tokens, hidden)
+  if c >= num_tokens:
+    return "logits"
+  return "logits" if num_tokens * itemsize <= 4 * hidden + c * itemsize else "tokens"
+
+
+FAST_DESIGNS = ("logits", "tokens", "chunked")
 
 
 def fast(x, w, bias, labels, weights, spec: _base.Spec, config: Config | None = None):
   """``(Σ weights·loss, TokenOut)``, differentiable in x, w, bias through the scalar only (6·B·H·V FLOPs).
 
-  ``config.fast_design`` (default: the smaller buffer, :func:`fast_design`) picks the stored-logits design of
-  this module or the chunked implementation's float32-dw design; float32 inputs follow ``config.fp32_inputs``
-  as in :func:`lean`.
+  ``config.fast_design``: ``"logits"`` or ``"tokens"`` (this module's kernels, see above), ``"chunked"`` (the
+  pure-JAX chunked implementation's fast design), or None: the smaller buffer (:func:`fast_design`). float32
+  inputs follow ``config.fp32_inputs`` as in :func:`lean`.
   """
   from lce_flax import chunked  # pylint: disable=g-import-not-at-top
   config = config or Config()
@@ -914,14 +960,19 @@ def fast(x, w, bias, labels, weights, spec: _base.Spec, config: Config | None = 
   if fp32 not in ("chunked", "bf16"):
     raise ValueError(f"fp32_inputs={fp32!r} must be 'chunked' or 'bf16'")
   low = x.dtype in (jnp.bfloat16, jnp.float16) and w.dtype == x.dtype
-  if not low and fp32 == "chunked":
-    return chunked.fast(x, w, bias, labels, weights, spec, chunked.Config())
   design = config.fast_design or fast_design(x.shape[0], x.shape[1], spec.opts.vocab_size)
-  if design not in ("logits", "chunked"):
-    raise ValueError(f"fast_design={design!r} must be 'logits' or 'chunked'")
-  if design == "chunked":
+  if design not in FAST_DESIGNS:
+    raise ValueError(f"fast_design={design!r} must be one of {FAST_DESIGNS}")
+  if design == "chunked" or (not low and fp32 == "chunked"):
     return chunked.fast(x, w, bias, labels, weights, spec, chunked.Config())
   if not low:
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-  p = plan(x.shape[0], x.shape[1], spec.opts.vocab_size, config, spec.interpret)
-  return _fast(x, w, bias, labels, weights, spec, p, (x.shape[1], None if bias is None else bias.dtype))
+  p = plan(x.shape[0], x.shape[1], spec.opts.vocab_size, dataclasses.replace(config, chunk_size=None),
+           spec.interpret)
+  chunk = None
+  if design == "tokens":
+    chunk = config.chunk_size or token_chunk(x.shape[0], x.shape[1], p.block_t)
+    if chunk % p.block_t:
+      raise ValueError(f"chunk_size={chunk} (tokens per chunk of the 'tokens' fast design) must be a multiple of "
+                       f"block_t={p.block_t}")
+  return _fast(x, w, bias, labels, weights, spec, p, chunk, (x.shape[1], None if bias is None else bias.dtype))

@@ -161,15 +161,27 @@ def test_fast_cotangent_scales_and_aux_is_not_differentiable():
     jax.grad(g)(x)
 
 
+@pytest.mark.parametrize("opt,w_layout,bias,chunk", [("plain", "hv", False, 64), ("all", "vh", True, 128)])
+def test_fast_token_chunks(opt, w_layout, bias, chunk):
+  """The "tokens" fast design: chunks of stored logits, dx rows per chunk, dw accumulated in float32."""
+  cfg = dataclasses.replace(SMALL, fast_design="tokens", chunk_size=chunk)
+  check(mode="fast", config=cfg, w_layout=w_layout, bias=bias, options=OPTIONS[opt], where=True, seed=40 + chunk)
+
+
 def test_fast_design_choice_and_fp32():
-  """The smaller buffer wins: B·V·2 bytes of stored logits, or H·V·4 of float32 dw (chunked's design)."""
+  """The smaller buffer wins: B·V·2 bytes of stored logits, or H·V·4 of float32 dw + a c×V chunk of them."""
   assert pallas_mosaic.fast_design(8192, 4096, 128256) == "logits"  # llama3-8b: 2.10 vs 3.15 GB
   assert pallas_mosaic.fast_design(4096, 4096, 151936) == "logits"  # qwen3-8b: 1.24 vs 3.11 GB
-  assert pallas_mosaic.fast_design(16384, 768, 50304) == "chunked"  # gpt2-small: 1.65 vs 0.23 GB
-  assert pallas_mosaic.fast_design(8192, 2304, 256000) == "chunked"  # gemma2-2b: 4.19 vs 3.54 GB
+  assert pallas_mosaic.fast_design(8192, 2304, 256000) == "logits"  # gemma2-2b: 4.19 vs 4.46 GB
+  assert pallas_mosaic.fast_design(16384, 768, 50304) == "tokens"  # gpt2-small: 1.65 vs 0.26 GB
+  assert pallas_mosaic.token_chunk(16384, 768) == 1024
   with pytest.raises(ValueError, match="fast_design='big'"):
     linear_cross_entropy(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int),
                          impl="pallas_mosaic", mode="fast", config=Config(fast_design="big"))
+  with pytest.raises(ValueError, match="chunk_size=100 .*block_t=64"):
+    linear_cross_entropy(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int),
+                         impl="pallas_mosaic", mode="fast", interpret=True,
+                         config=dataclasses.replace(SMALL, fast_design="tokens", chunk_size=100))
   # float32 inputs keep the package's float32 contract in fast mode too (chunked's exact path)
   check(mode="fast", config=FAST, dtype=jnp.float32, seed=33)
 
@@ -235,12 +247,13 @@ def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
   text = jax.jit(jax.grad(f, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 2  # the forward and the dz kernel
 
-  def g(x, w, bias, y):  # the fast forward: tile stores through SMEM + TMA on top of the statistics
-    cfg = Config(warp_specialized=True, fast_design="logits")
-    return pallas_mosaic.fast(x, w, bias, y, jnp.ones(y.shape, jnp.float32), spec, cfg)[0]
+  for design in ("logits", "tokens"):
+    def g(x, w, bias, y, design=design):  # the fast forward: tile stores through SMEM + TMA, on top of the stats
+      cfg = Config(warp_specialized=True, fast_design=design)
+      return pallas_mosaic.fast(x, w, bias, y, jnp.ones(y.shape, jnp.float32), spec, cfg)[0]
 
-  text = jax.jit(jax.grad(g, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("mosaic_gpu") >= 1
+    text = jax.jit(jax.grad(g, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
   # 8 stages of 48 KB (H=1024 has enough steps to fill them) exceed the 227 KB of SMEM: caught when lowering
   big = (sds((b, 1024), jnp.bfloat16), sds((v, 1024) if w_layout == "vh" else (1024, v), jnp.bfloat16)) + args[2:]
   bad = lambda x, w, bias, y: pallas_mosaic.lean(x, w, bias, y, spec, Config(num_stages=8)).loss.sum()
