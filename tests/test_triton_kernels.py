@@ -79,7 +79,7 @@ def test_plan_uses_pallas_triton_tiles(monkeypatch):
   q = pallas_triton.plan(8192, 4096, 128256, jnp.bfloat16)
   assert (p.block_t, p.block_v, p.block_k, p.num_splits, p.chunk_size, p.num_warps, p.group_t) == (
       q.block_t, q.block_v, q.block_k, q.num_splits, q.chunk_size, q.num_warps, q.group_t)
-  assert not p.dx_kernel and not p.low_memory and p.bwd_num_stages == p.num_stages
+  assert not p.dx_kernel and not p.low_memory and p.num_stages == p.bwd_num_stages == 3
   assert p.input_precision == "tf32"
   with jax.default_matmul_precision("highest"):
     assert triton_kernels.plan(37, 24, 301, jnp.float32, SMALL).input_precision == "ieee"
