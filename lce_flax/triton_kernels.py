@@ -20,8 +20,7 @@ Backward (``_dz_kernel`` inside :func:`lce_flax.pallas_triton.lean_with`)
   ``low_memory`` variants use its Pallas dx kernel and are not offered here.)
 
 The tile math is the ``_math`` formulas written out in ``triton.language`` (Triton kernels cannot call ``jnp``);
-the tests check every option against the float64 oracle, and ``tests/test_triton_kernels.py`` also checks the
-kernels in Triton's CPU interpreter where ``triton`` is installed.
+the GPU tests (``tests/test_triton_kernels.py``) check every option against the float64 oracle.
 
 Why pointer loads and not TMA: jax-triton 0.3.1 builds its ``TritonKernel`` without the kernel's
 ``global_scratch_size`` (jaxlib has accepted it since 0.10, but jax-triton does not pass it), so a kernel that
