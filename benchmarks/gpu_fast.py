@@ -70,6 +70,8 @@ def correctness(name, b, h, v, layout, wscale, bias=True, **opts):
              dx_rel=host_rel(g1[0], g0[0]), dw_rel=host_rel(g1[1], g0[1]), db_rel=host_rel(g1[2], g0[2]) if bias else None)
   row["loss_rel"] = abs(row["loss"] - row["loss_ref"]) / abs(row["loss_ref"])
   # the lean kernels on the same inputs: the rounding of dz alone, for comparison
+  row["misaligned_inputs"] = misaligned((x, w, bb))
+  print("ALIGN inputs before lean", row["misaligned_inputs"], flush=True)
   lean = jax.jit(jax.value_and_grad(loss_fn("pallas_mosaic", "lean", layout, y, **opts), argn))
   l2, g2 = lean(x, w, bb)
   row.update(misaligned_lean=misaligned((l2, g2)), lean_dx_rel=host_rel(g2[0], g0[0]), lean_dw_rel=host_rel(g2[1], g0[1]))
@@ -158,8 +160,9 @@ def main():
     correctness("ragged, no bias", 1000, 512, 5003, "vh", 0.3, bias=False)
     correctness("ragged, peaky, softcap 30", 1000, 512, 5003, "hv", 0.5, logit_softcap=30.0)
     timing("llama3-8b", designs=("logits",), lean=False, check=True)
+    timing("qwen3-8b", designs=("logits",), lean=False)
     timing("gpt2-small", designs=("tokens", "logits"), lean=False)
-    timing("gemma2-2b", designs=("tokens",), lean=False)
+    timing("gemma2-2b", designs=("logits",), lean=False)
     _save()
     print("ERRORS", RES["errors"], flush=True)
     return

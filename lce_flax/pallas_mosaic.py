@@ -29,6 +29,13 @@ Backward (recompute, bounded memory)
   FLOPs 2·B·H·V (forward) + 2·B·H·V (recompute) + 4·B·H·V (gradients) = 8·B·H·V.
   Extra memory: dz (B·chunk·2 bytes: 32 MiB at B=8192, chunk 2048), the float32 dx (B·H·4), one chunk of w.
 
+Fast mode (``mode="fast"``, 6·B·H·V, a bounded buffer; see the "fast mode" section at the end)
+  The forward kernel also writes every logit tile, shifted by its row max, in the input dtype, plus the maxima
+  (through SMEM + TMA, while the other warpgroup keeps the tensor cores busy). Once lse is known, one elementwise
+  pass turns the stored tiles into dz in place, and dx, dw are plain matmuls: for all B tokens at once
+  (``"logits"``: a B×V buffer, the same bytes as torch.compile's bf16 logits) or per chunk of tokens with a float32
+  dw (``"tokens"``: H·V·4 + c·V·2 bytes); the default is whichever buffer is smaller.
+
 Shapes: B is padded to a multiple of ``block_t`` (x is small); the vocabulary's last tile is a window clamped to
 end at V whose already-counted columns are masked, so w is not padded or copied when TMA can tile it as it is:
 H a multiple of ``block_k`` (64) and V a multiple of 8 ("vh") or 64 ("hv"), and V ≥ ``block_v`` — true of the LLM
@@ -839,21 +846,50 @@ def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> 
 #   an H×V float32 dw: the choice when H·V·4 + c·V·2 is smaller than B·V·2 (small H, many tokens: gpt2-small).
 
 
+def _dz_pass_body(zb_ref, mt_ref, lse_ref, y_ref, coef_ref, a_ref, c_ref, o_ref, *db_ref, opts, v: int):
+  """One [bt, bv] block of stored tiles → dz, in place (Pallas Triton on the GPU; interpreted on CPU)."""
+  bt, bv = zb_ref.shape
+  j = pl.program_id(1)
+  shape = (bt, bv)
+  zc = zb_ref[...].astype(F32) + _rows(mt_ref[0, :], shape)
+  cols = lax.broadcasted_iota(jnp.int32, shape, 1) + j * bv
+  dz = dlogits_capped(zc, cols, y_ref[...], lse_ref[...], coef_ref[...], a_ref[...], c_ref[...], opts)
+  dz = jnp.where(cols < v, dz, 0.0)
+  o_ref[...] = dz.astype(o_ref.dtype)
+  if db_ref:
+    db_ref[0][0, :] = dz.sum(axis=0)
+
+
+def _dz_pass(zb, mt, lse, yp, coef, a, c, d: _Dims, p: Plan, opts):
+  """dz from the stored tiles, written over them (``input_output_aliases``: no second B×V buffer), and the
+  column sums for dbias. An elementwise Pallas kernel, so that XLA can neither keep both buffers nor fuse this
+  pass into the two matmuls that read dz (which it does at some shapes, then holding zb and dz at once)."""
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+  bt, bv = p.block_t, p.block_v
+  grid = (d.b // bt, d.vp // bv)
+  vec = pl.BlockSpec((bt,), lambda i, j: (i,))
+  out_shape = [jax.ShapeDtypeStruct(zb.shape, zb.dtype)]
+  out_specs = [pl.BlockSpec((bt, bv), lambda i, j: (i, j))]
+  if d.has_bias:
+    out_shape.append(jax.ShapeDtypeStruct((grid[0], d.vp), F32))
+    out_specs.append(pl.BlockSpec((1, bv), lambda i, j: (i, j)))
+  out = pl.pallas_call(
+      functools.partial(_dz_pass_body, opts=opts, v=opts.vocab_size), grid=grid,
+      in_specs=[pl.BlockSpec((bt, bv), lambda i, j: (i, j)), pl.BlockSpec((1, bt), lambda i, j: (j, i)),
+                vec, vec, vec, vec, vec],
+      out_specs=out_specs, out_shape=out_shape, input_output_aliases={0: 0}, interpret=d.interpret,
+      compiler_params=None if d.interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
+      name="lce_mosaic_dz_pass",
+  )(zb, mt, lse, yp, coef, a, c)
+  return out[0], (out[1].sum(axis=0) if d.has_bias else None)
+
+
 def _stored_dz(xp, wp, bp, yp, wts, d: _Dims, p: Plan, opts):
   """Forward kernel with stores + the dz pass over rows ``xp``: (TokenOut, dz [rows, vp] in x's dtype, dbias)."""
   out, (zb, mt) = (_forward_ws if p.warp_specialized else _forward)(xp, wp, bp, yp, d, p, opts)
   coef, a, c = row_coefficients(out.lse, yp, wts, jnp.zeros_like(wts), opts)
-  nt = d.vp // p.block_v
-  zc = (zb.astype(F32).reshape(d.b, nt, p.block_v) + mt.T[:, :, None]).reshape(d.b, d.vp)
-  cols = lax.broadcasted_iota(jnp.int32, zc.shape, 1)
-  dz = dlogits_capped(zc, cols, yp, out.lse, coef, a, c, opts)
-  if d.vp != opts.vocab_size:
-    dz = jnp.where(cols < opts.vocab_size, dz, 0.0)
-  db = None if bp is None else jnp.sum(dz, axis=0)
-  # The barrier keeps XLA from fusing this pass into the dx/dw matmuls: fused, the buffer of shifted logits
-  # stays alive next to dz (two B×V buffers, 4.2 GB at llama3-8b on the H100); materialised here, dz takes
-  # over the buffer it was computed from.
-  return out, lax.optimization_barrier(dz.astype(xp.dtype)), db
+  dz, db = _dz_pass(zb, mt, out.lse, yp, coef, a, c, d, p, opts)
+  return out, dz, db
 
 
 def _fast_forward(x, w, bias, labels, weights, spec: _base.Spec, p: Plan, chunk: int | None):
