@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/lce_bench/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 LOG="$OUT/run.log"
-IMPLS=${IMPLS:-chunked,pallas_mosaic,pallas_triton,xla,tokamax_xla,tokamax_chunked_xla}
+IMPLS=${IMPLS:-chunked,pallas_mosaic,pallas_triton,triton,xla,tokamax_xla,tokamax_chunked_xla}
 BENCH_BUDGET_S=${BENCH_BUDGET_S:-300}
 PEERS_BUDGET_S=${PEERS_BUDGET_S:-160}
 SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-0}
