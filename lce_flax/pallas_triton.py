@@ -198,7 +198,9 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: Config | None 
   if splits < 1:
     raise ValueError(f"num_splits={splits} must be >= 1")
   splits = min(splits, nvt)
-  chunk = c.chunk_size or min(max(_pow2_floor(DZ_CHUNK_BYTES // (itemsize * max(num_tokens, 1))), 256), 16384)
+  # low_memory: half the dz budget, so the dw pass (dz chunk) and the dx pass (two 16 MB blocks) stay ≤ 64 MB
+  dz_bytes = DZ_CHUNK_BYTES // 2 if c.low_memory else DZ_CHUNK_BYTES
+  chunk = c.chunk_size or min(max(_pow2_floor(dz_bytes // (itemsize * max(num_tokens, 1))), 256), 16384)
   if chunk < 1:
     raise ValueError(f"chunk_size={chunk} must be >= 1")
   chunk = _cdiv(chunk, bv) * bv  # whole tiles per chunk; the last chunk of V is ragged instead

@@ -225,6 +225,34 @@ def test_gpu_llama3_against_xla(w_layout):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_sm90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("w_layout", ["vh", "hv"])
+def test_gpu_llama3_fast_against_xla(w_layout):
+  """The fast mode's stored-logits design (the default at this shape) against xla on float32-upcast inputs."""
+  b, h, v = 8192, 4096, 128256
+  k = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(k[0], (b, h), jnp.bfloat16)
+  w = (0.02 * jax.random.normal(k[1], (v, h) if w_layout == "vh" else (h, v))).astype(jnp.bfloat16)
+  y = jax.random.randint(k[2], (b,), 0, v)
+  f = lambda impl: jax.jit(jax.value_and_grad(
+      lambda x, w: linear_cross_entropy(x, w, y, w_layout=w_layout, impl=impl, mode="fast", reduction="mean"), (0, 1)))
+  l1, (dx1, dw1) = f("pallas_mosaic")(x, w)
+  with jax.default_matmul_precision("highest"):
+    l0, (dx0, dw0) = f("xla")(x.astype(jnp.float32), w.astype(jnp.float32))
+  assert abs(float(l1 - l0)) / abs(float(l0)) < 1e-4
+  assert rel_err(dx1, dx0) < 1e-2 and rel_err(dw1, dw0) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_sm90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("design", ["logits", "tokens"])
+def test_gpu_fast_designs_compiled(design):
+  cfg = Config(fast_design=design, chunk_size=256 if design == "tokens" else None)
+  check(config=cfg, mode="fast", h=512, v=5003, batch_shape=(1000,), options=OPTIONS["all"], bias=True,
+        interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_sm90, reason="needs an SM90 GPU")
 def test_gpu_options_compiled():
   check(config=None, h=512, v=5003, batch_shape=(1000,), options=OPTIONS["all"], bias=True, interpret=False)
 
