@@ -41,9 +41,10 @@ Backward (recompute; no B×V array)
   logits pass, which ``Config(low_memory=True)`` does: the chunk loop above forms dw (and dbias) only, then
   a second loop over blocks of ``token_block`` tokens recomputes each block's logits in chunks of ``dx_chunk``
   columns and accumulates that block's dx in a float32 [token_block, H] buffer (the in-place dx kernel),
-  complete before the next block. FLOPs 10·B·H·V. Measured on H100: 58 MB / 74.4 ms at llama3-8b (default:
-  286 MB / 58.8 ms), 41 MB at gemma2-2b, but 70 MB at gpt2-small and 76 MB at qwen3-8b (its dz chunk and dw
-  chunk buffers are sized for 32 MB each; a smaller ``chunk_size`` lowers that, untested on GPU).
+  complete before the next block; its dw pass takes half the default dz budget. FLOPs 10·B·H·V. Measured on
+  the H100 (``benchmarks/results/pallas_triton_low_memory_h100_2026-11-22.json``, fwd+bwd / temp): gpt2-small
+  15.9 ms / 53 MB, llama3-8b 73.7 / 42 MB, qwen3-8b 43.7 / 42 MB, gemma2-2b 95.5 / 31 MB (default: 11.5 / 118,
+  59.2 / 300, 34.7 / 141, 69.0 / 128 MB).
 
 Measured timings and the block-size sweep: ``benchmarks/NOTES_triton.md``.
 
