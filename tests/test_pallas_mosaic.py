@@ -174,7 +174,8 @@ def test_fast_design_choice_and_fp32():
   assert pallas_mosaic.fast_design(4096, 4096, 151936) == "logits"  # qwen3-8b: 1.24 vs 3.11 GB
   assert pallas_mosaic.fast_design(8192, 2304, 256000) == "logits"  # gemma2-2b: 4.19 vs 4.46 GB
   assert pallas_mosaic.fast_design(16384, 768, 50304) == "tokens"  # gpt2-small: 1.65 vs 0.26 GB
-  assert pallas_mosaic.token_chunk(16384, 768) == 1024
+  assert pallas_mosaic.token_chunk(16384, 768) == 4096
+  assert pallas_mosaic.token_chunk(1000, 768) == 256  # at most half the tokens
   with pytest.raises(ValueError, match="fast_design='big'"):
     linear_cross_entropy(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int),
                          impl="pallas_mosaic", mode="fast", config=Config(fast_design="big"))
@@ -184,6 +185,18 @@ def test_fast_design_choice_and_fp32():
                          config=dataclasses.replace(SMALL, fast_design="tokens", chunk_size=100))
   # float32 inputs keep the package's float32 contract in fast mode too (chunked's exact path)
   check(mode="fast", config=FAST, dtype=jnp.float32, seed=33)
+
+
+def test_bias_pads_vocab_to_aligned_chunks():
+  """With a bias, V is padded to 64 columns in both layouts: every chunk's bias slice then starts 256-byte aligned
+  (Mosaic GPU refused the clamped last chunk's slice at V=5003 and 5008 with w_layout="vh" on the H100)."""
+  p = pallas_mosaic.plan(1000, 512, 5003)
+  for v in (5003, 5008):
+    spec = _base.Spec(_math.LossOptions(v), "vh")
+    x, w, y = jnp.zeros((1000, 512), jnp.bfloat16), jnp.zeros((v, 512), jnp.bfloat16), jnp.zeros(1000, jnp.int32)
+    assert pallas_mosaic._prepare(x, w, None, y, spec, p)[-1].vp == 5008  # no bias: w is not copied for V=5008
+    d = pallas_mosaic._prepare(x, w, jnp.zeros(v), y, spec, p)[-1]
+    assert d.vp == 5056 and (d.vp - p.chunk_size) * 4 % 256 == 0
 
 
 def test_supported_and_plan():
