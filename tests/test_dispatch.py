@@ -35,9 +35,13 @@ def test_auto_on_cpu_and_fast_mode_fallback(fake_gpu):
   fake_gpu((8, 0))
   lean_name, _ = api._resolve("auto", _spec(), "gpu", "lean")
   fast_name, mod = api._resolve("auto", _spec(), "gpu", "fast")
-  # a kernel backend is chosen for lean; for fast, a backend that has a fast design
-  assert lean_name in ("pallas_triton", "chunked")
-  assert mod.fast is not None or fast_name == "chunked"
+  # SM80: the Triton kernels for lean; for fast, a backend that has a fast design (pallas_triton has none)
+  assert lean_name == "pallas_triton"
+  assert fast_name == "chunked" and mod.fast is not None
+  fake_gpu((9, 0))
+  # SM90: the Mosaic kernels in both modes (fast: stored logits or token chunks, see pallas_mosaic.fast_design)
+  assert api._resolve("auto", _spec(), "gpu", "lean")[0] == "pallas_mosaic"
+  assert api._resolve("auto", _spec(), "gpu", "fast")[0] == "pallas_mosaic"
 
 
 def test_explicit_impl_that_cannot_run_names_reason_and_alternatives():
