@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from reference_np import linear_cross_entropy_np, rel_err  # noqa: E402
 
 from lce_flax import _base, _math, linear_cross_entropy, pallas_triton, triton_kernels  # noqa: E402
+from benchmarks.gpu_check_triton import inputs, loss_fn, median_ms, temp_bytes  # noqa: E402  (shared helpers)
 
 SHAPES = {"llama3-8b": (8192, 4096, 128256), "gpt2-small": (16384, 768, 50304)}
 SMALL = (333, 200, 5003)
@@ -51,38 +52,6 @@ BUDGET = 300.0
 
 def left() -> float:
   return BUDGET - (time.time() - T0)
-
-
-def median_ms(fn, *args, iters: int = 10, warmup: int = 2) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(iters):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t)
-  return float(np.median(ts) * 1e3)
-
-
-def temp_bytes(fn, *args) -> int | None:
-  try:
-    return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
-  except Exception:  # memory_analysis is best effort
-    return None
-
-
-def inputs(b, h, v, dtype, key=0):
-  k1, k2, k3 = jax.random.split(jax.random.key(key), 3)
-  x = jax.random.normal(k1, (b, h), jnp.float32).astype(dtype)
-  w = (0.02 * jax.random.normal(k2, (h, v), jnp.float32)).astype(dtype)
-  y = jax.random.randint(k3, (b,), 0, v, jnp.int32)
-  return x, w, y
-
-
-def loss_fn(impl, config=None):
-  def f(x, w, y):
-    return linear_cross_entropy(x, w, y, reduction="sum", impl=impl, config=config)
-  return f
 
 
 def section_small(res):
