@@ -258,9 +258,12 @@ def summary(rows):
       print("section", r["section"], "failed:", r.get("error"))
   for r in rows:
     if r["section"] == "vocab_parallel" and "kind" in r:
+      # one-device rows are the references of the ratios
+      ratio = (f"ratio {r['head_bytes_ratio_vs_1dev']:.3f} (ideal {r['ideal_ratio']:.3f})"
+               if "head_bytes_ratio_vs_1dev" in r else "(one-device reference)")
       print(f"{r['kind']:15} k={r['devices']} head {r.get('head_bytes', 0) / 1e9:7.3f} GB  temp "
-            f"{r.get('temp_size_in_bytes', 0) / 1e9:7.3f} GB  ratio {r.get('head_bytes_ratio_vs_1dev', float('nan')):.3f}"
-            f" (ideal {r.get('ideal_ratio', 1):.3f})  {r.get('fwdbwd_ms', float('nan')):8.2f} ms  {r.get('error', '')}")
+            f"{r.get('temp_size_in_bytes', 0) / 1e9:7.3f} GB  {ratio}  {r.get('fwdbwd_ms', float('nan')):8.2f} ms  "
+            f"{r.get('error', '')}")
   print("\n== equality (fp32, all options) ==")
   for r in rows:
     if r["section"] == "equality" and "mesh" in r:
