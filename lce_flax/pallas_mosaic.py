@@ -840,7 +840,8 @@ def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> 
 
 # ------------------------------------------------------------------------------------------------ fast mode
 # 6·B·H·V: the forward kernel also stores every logit tile (shifted by its row max, in the input dtype) and its
-# row maxima; once lse is known, one elementwise XLA pass turns the stored tiles into dz in place. Two designs:
+# row maxima; once lse is known, one elementwise kernel (:func:`_dz_pass`) turns the stored tiles into dz in place.
+# Two designs:
 #
 # * "logits": all B tokens at once. The buffer is B×V in the input dtype (+ B·V/bv float32 maxima); the backward
 #   forms dx = dz wᵀ and dw = xᵀ dz as two whole matmuls (the largest, most efficient shapes the problem has; no
