@@ -149,7 +149,6 @@ def vocab_parallel(devs, b, h, v, dtype, rows):
 
 
 def equality(devs, b, h, v, rows):
-  n = len(devs)
   key = jax.random.key(2)
   opts = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=30.0)
   one = jax.sharding.SingleDeviceSharding(devs[0])
