@@ -363,12 +363,19 @@ def _fetch(pairs, bars, first: int = 0):
     plgpu.barrier_wait(bars.at[first + k])
 
 
-def _fwd_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
-  refs = list(refs)
+def _fwd_gmem_refs(refs: list, d: _Dims):
+  """Pops the forward kernels' GMEM refs off ``refs``: x, w, bias (or None), labels, stats, and the fast
+  forward's stored tiles and maxima (or None, None); what is left in ``refs`` is scratch."""
   x_ref, w_ref = refs.pop(0), refs.pop(0)
   b_ref = refs.pop(0) if d.has_bias else None
   y_ref, st_ref = refs.pop(0), refs.pop(0)
   zb_ref, mt_ref = (refs.pop(0), refs.pop(0)) if d.store else (None, None)
+  return x_ref, w_ref, b_ref, y_ref, st_ref, zb_ref, mt_ref
+
+
+def _fwd_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
+  refs = list(refs)
+  x_ref, w_ref, b_ref, y_ref, st_ref, zb_ref, mt_ref = _fwd_gmem_refs(refs, d)
   y_smem = refs.pop(0)
   b_smem = refs.pop(0) if d.has_bias else None
   st_smem = refs.pop(0)
@@ -566,11 +573,7 @@ def _w_window_ws(w_ref, c0, d: _Dims, p: Plan):
 
 
 def _fwd_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
-  refs = list(refs)
-  x_ref, w_ref = refs.pop(0), refs.pop(0)
-  b_ref = refs.pop(0) if d.has_bias else None
-  y_ref, st_ref = refs.pop(0), refs.pop(0)
-  zb_ref, mt_ref = (refs.pop(0), refs.pop(0)) if d.store else (None, None)
+  x_ref, w_ref, b_ref, y_ref, st_ref, zb_ref, mt_ref = _fwd_gmem_refs(list(refs), d)
   bt, bv, ns = p.block_t, p.block_v, p.num_splits
   cv = 2 * bv
   nvt = _cdiv(d.vp, cv)
