@@ -96,6 +96,8 @@ class Config:
     fast_design: the buffer ``mode="fast"`` spends (see :func:`fast`): ``"logits"`` (the B×V shifted logits in
       the input dtype), ``"tokens"`` (a chunk of them and an H×V float32 dw), ``"chunked"`` (the chunked
       implementation's fast design), or None: the smaller of the first two.
+    persistent: the warp-specialised dz kernel of the lean backward as one CTA per SM looping over the chunk's
+      tiles (True, the default) or one CTA per tile pair (False).
   """
 
   block_t: int | None = None
@@ -108,6 +110,7 @@ class Config:
   warp_specialized: bool | None = None
   fp32_inputs: str | None = None
   fast_design: str | None = None
+  persistent: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +123,7 @@ class Plan:
   chunk_size: int
   semantics: str
   warp_specialized: bool
+  persistent: bool = True
 
 
 DZ_CHUNK_BYTES = 32 * 2**20
@@ -185,7 +189,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
       chunk = _cdiv(chunk, 2 * bv) * 2 * bv  # whole CTA tiles (2 warpgroups × block_v) per chunk
     chunk = min(chunk, (max(vp, 2 * bv) // (2 * bv)) * 2 * bv)
     splits = min(splits, _cdiv(vp, 2 * bv))
-  return Plan(bt, bv, bk, stages, splits, chunk, sem, ws)
+  return Plan(bt, bv, bk, stages, splits, chunk, sem, ws, True if c.persistent is None else bool(c.persistent))
 
 
 def supported(spec: _base.Spec, platform: str) -> None:
@@ -661,19 +665,20 @@ def _forward_ws(x, w, bias, labels, d: _Dims, p: Plan, opts):
   return _merge_parts(st, labels, opts), (tuple(stored) if d.store else None)
 
 
-def _dz_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
+def _dz_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions, width: int):
+  """The logit gradient of the chunk handed in as ``w_ref`` ([d.b, width]), tile pair by tile pair.
+
+  Persistent (``p.persistent``): one CTA per SM walks the (row block, tile pair) grid with ``plgpu.nd_loop``, tile
+  pairs fastest, so the CTAs in flight share a few row blocks of x and the chunk of w stays in L2; each tile's
+  dz store (SMEM → TMA) drains while the next tile's MMAs run (the SMEM buffer is only rewritten once the previous
+  copy has read it). Otherwise one CTA per tile pair (grid ``(tile, row)``).
+  """
   if d.has_bias:
     x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref = refs
   else:
     x_ref, w_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref = refs
     b_ref = None
   bt, bv = p.block_t, p.block_v
-  t = lax.axis_index("tile")
-  i = lax.axis_index("row")
-  r0 = i * bt
-  rows = pl.ds(r0, bt)
-  c0 = t * 2 * bv
-  x_rows = x_ref.at[rows]
   # the two dz output tiles take 2·bt·bv·2 bytes of SMEM: one pipeline stage fewer than the forward
   make, mma = _ws_pipeline(d, p, max(2, p.num_stages - 1))
   ignore = lambda *_, **__: None
@@ -681,37 +686,49 @@ def _dz_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
   nvec = 5 + d.has_bias
 
   def scope(allocs, vec_smem, y_smem, b_smem, o_smem, bars):
-    def ctx(eval_pipeline):
-      g = lax.axis_index("wg")
-      c0g = c0 + g * bv
-      pairs = [(y_ref.at[rows], y_smem.at[g])] + [
-          (ref.at[rows], vec_smem.at[g, k]) for k, ref in enumerate((lse_ref, coef_ref, a_ref, c_ref))]
-      if d.has_bias:
-        pairs.append((b_ref.at[pl.ds(c0g, bv)], b_smem.at[g]))
-      for k, (src, dst) in enumerate(pairs):  # lands while the MMAs run
-        plgpu.copy_gmem_to_smem(src, dst, bars.at[g * nvec + k])
+    def one_tile(i, t):
+      rows = pl.ds(i * bt, bt)
+      c0 = t * 2 * bv
 
-      def acc_scope(acc_ref):
-        eval_pipeline(acc_ref)
-        z = acc_ref[...]
-        for k in range(len(pairs)):
-          plgpu.barrier_wait(bars.at[g * nvec + k])
+      def ctx(eval_pipeline):
+        g = lax.axis_index("wg")
+        c0g = c0 + g * bv
+        pairs = [(y_ref.at[rows], y_smem.at[g])] + [
+            (ref.at[rows], vec_smem.at[g, k]) for k, ref in enumerate((lse_ref, coef_ref, a_ref, c_ref))]
         if d.has_bias:
-          z = z + _cols(b_smem[g], shape)
-        cols = lax.broadcasted_iota(jnp.int32, shape, 1) + c0g
-        lse, coef, a, c = (vec_smem[g, k] for k in range(4))
-        dz = epilogue_dlogits(z, cols, y_smem[g], lse, coef, a, c, opts)
-        o_smem[g] = dz.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[g], dz_ref.at[rows, pl.ds(c0g, bv)])
-        plgpu.wait_smem_to_gmem(0)
+          pairs.append((b_ref.at[pl.ds(c0g, bv)], b_smem.at[g]))
+        for k, (src, dst) in enumerate(pairs):  # lands while the MMAs run
+          plgpu.copy_gmem_to_smem(src, dst, bars.at[g * nvec + k])
 
-      pl.run_scoped(acc_scope, plgpu.ACC(shape, F32))
+        def acc_scope(acc_ref):
+          eval_pipeline(acc_ref)
+          z = acc_ref[...]
+          for k in range(len(pairs)):
+            plgpu.barrier_wait(bars.at[g * nvec + k])
+          if d.has_bias:
+            z = z + _cols(b_smem[g], shape)
+          cols = lax.broadcasted_iota(jnp.int32, shape, 1) + c0g
+          lse, coef, a, c = (vec_smem[g, k] for k in range(4))
+          dz = epilogue_dlogits(z, cols, y_smem[g], lse, coef, a, c, opts)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's copy has read o_smem[g]
+          o_smem[g] = dz.astype(o_smem.dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem.at[g], dz_ref.at[rows, pl.ds(c0g, bv)])
 
-    make(mma, ctx)(x_rows, _w_window_ws(w_ref, c0, d, p), allocations=allocs)
+        pl.run_scoped(acc_scope, plgpu.ACC(shape, F32))
+
+      make(mma, ctx)(x_ref.at[rows], _w_window_ws(w_ref, c0, d, p), allocations=allocs)
+
+    if p.persistent:
+      @plgpu.nd_loop((d.b // bt, width // (2 * bv)), collective_axes="sm")
+      def _(info):
+        one_tile(*info.index)
+    else:
+      one_tile(lax.axis_index("row"), lax.axis_index("tile"))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM stays allocated until the last copy has read it
 
   _, otr = _transforms(bv * 2)
-  pl.run_scoped(scope, make(ignore, ignore).get_allocations(x_rows, _w_window_ws(w_ref, 0, d, p)),
+  pl.run_scoped(scope, make(ignore, ignore).get_allocations(x_ref.at[pl.ds(0, bt)], _w_window_ws(w_ref, 0, d, p)),
                 plgpu.SMEM((2, 4, bt), F32), plgpu.SMEM((2, bt), jnp.int32),
                 plgpu.SMEM((2, bv), F32) if d.has_bias else None,
                 plgpu.SMEM((2, bt, bv), dz_ref.dtype, transforms=otr),
@@ -720,9 +737,12 @@ def _dz_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
 
 def _dz_chunk_ws(x, w_c, b_c, labels_local, lse, coef, a, c, d: _Dims, p: Plan, opts):
   width = w_c.shape[0] if d.w_layout == "vh" else w_c.shape[1]
+  tiles = (d.b // p.block_t) * (width // (2 * p.block_v))
+  grid, names = (((min(_num_sms(), tiles),), ("sm",)) if p.persistent
+                 else ((width // (2 * p.block_v), d.b // p.block_t), ("tile", "row")))
   kern = plgpu.kernel(
-      functools.partial(_dz_ws_body, d=d, p=p, opts=opts), out_type=jax.ShapeDtypeStruct((d.b, width), x.dtype),
-      grid=(width // (2 * p.block_v), d.b // p.block_t), grid_names=("tile", "row"), num_threads=3,
+      functools.partial(_dz_ws_body, d=d, p=p, opts=opts, width=width),
+      out_type=jax.ShapeDtypeStruct((d.b, width), x.dtype), grid=grid, grid_names=names, num_threads=3,
       thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kern(*([x, w_c] + ([b_c] if d.has_bias else []) + [labels_local, lse, coef, a, c]))
 
