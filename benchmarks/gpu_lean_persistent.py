@@ -9,7 +9,6 @@ against one CTA per tile pair, in one lease. ``PYTHONPATH=. python3 benchmarks/g
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
