@@ -16,8 +16,9 @@ Backward (``_dz_kernel`` inside :func:`lce_flax.pallas_triton.lean_with`)
   The recompute ``jax.custom_vjp`` of ``pallas_triton`` with this module's launchers: per vocabulary chunk the
   dz kernel recomputes the chunk's logits tile by tile (grouped tile order for L2 reuse) and writes the logit
   gradient of :func:`lce_flax._math.dlogits` in the input dtype (and per row block column sums for dbias); XLA
-  matmuls then write the chunk's dw columns and add into a float32 dx. (``pallas_triton``'s ``dx_kernel`` and
-  ``low_memory`` variants use its Pallas dx kernel and are not offered here.)
+  matmuls then write the chunk's dw columns and add into a float32 dx. ``Config(dx_kernel=True)`` and
+  ``Config(low_memory=True)`` are ``pallas_triton``'s variants with this module's dz kernel (their in-place dx
+  accumulation is ``pallas_triton``'s Pallas kernel).
 
 The tile math is the ``_math`` formulas written out in ``triton.language`` (Triton kernels cannot call ``jnp``);
 the GPU tests (``tests/test_triton_kernels.py``) check every option against the float64 oracle.
@@ -59,48 +60,23 @@ else:
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """Kernel configuration; ``None`` fields come from :func:`lce_flax.pallas_triton.plan`'s heuristic.
+class Config(pallas_triton.Config):
+  """``pallas_triton``'s configuration (same fields and heuristic: :func:`lce_flax.pallas_triton.plan`, including
+  ``dx_kernel`` and ``low_memory``, whose backward is shared), plus:
 
   Attributes:
-    block_t: tokens per tile (power of two ≥ 16).
-    block_v: vocabulary columns per tile (power of two ≥ 16).
-    block_k: hidden units per ``tl.dot`` step (power of two ≥ 16).
-    num_splits: vocabulary splits of the forward grid.
-    chunk_size: vocabulary columns per backward chunk (the dz buffer is B × chunk_size).
-    num_warps: Triton warps per program.
-    num_stages: software-pipelining stages of the H loop (forward and backward; default 3).
-    group_t: row blocks per group in the backward's tile order.
-    bwd_num_stages: pipelining stages of the backward dz kernel (default: ``num_stages``).
+    bwd_num_stages: pipelining stages of the backward dz kernel (default: ``num_stages``, itself 3 here).
   """
 
-  block_t: int | None = None
-  block_v: int | None = None
-  block_k: int | None = None
-  num_splits: int | None = None
-  chunk_size: int | None = None
-  num_warps: int | None = None
-  num_stages: int | None = None
-  group_t: int | None = None
   bwd_num_stages: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-  """A resolved :class:`Config` (hashable). ``dx_kernel``/``low_memory`` are read by the shared backward."""
+class Plan(pallas_triton.Plan):
+  """A resolved :class:`Config` (hashable): ``pallas_triton``'s plan plus the raw kernels' own fields."""
 
-  block_t: int
-  block_v: int
-  block_k: int
-  num_splits: int
-  chunk_size: int
-  num_warps: int
-  num_stages: int
-  group_t: int
-  bwd_num_stages: int
-  input_precision: str  # tl.dot's for float32 inputs: "tf32" or "ieee"
-  dx_kernel: bool = False
-  low_memory: bool = False
+  bwd_num_stages: int = 3
+  input_precision: str = "tf32"  # tl.dot's for float32 inputs: "tf32" or "ieee"
 
 
 def _input_precision() -> str:
@@ -112,14 +88,13 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: Config | None 
   """Block sizes for one shape: ``pallas_triton``'s heuristic (the same tiles) but 3 pipeline stages, any
   ``config`` field first."""
   c = config or Config()
-  base = pallas_triton.plan(num_tokens, hidden, vocab, dtype, pallas_triton.Config(
-      block_t=c.block_t, block_v=c.block_v, block_k=c.block_k, num_splits=c.num_splits, chunk_size=c.chunk_size,
-      num_warps=c.num_warps, num_stages=c.num_stages, group_t=c.group_t))
+  base = pallas_triton.plan(num_tokens, hidden, vocab, dtype, c)
   # 3 stages on every GPU: on the H100 (llama3-8b, run 1) 3 stages beat pallas_triton's SM90 default of 4 by
   # 0.9 ms in the forward and 0.5 ms in the dz kernels (benchmarks/NOTES_triton_raw.md).
   stages = c.num_stages or 3
-  return Plan(base.block_t, base.block_v, base.block_k, base.num_splits, base.chunk_size, base.num_warps,
-              stages, base.group_t, c.bwd_num_stages or stages, _input_precision())
+  fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+  return Plan(**dict(fields, num_stages=stages), bwd_num_stages=c.bwd_num_stages or stages,
+              input_precision=_input_precision())
 
 
 def _jax_triton():

@@ -85,6 +85,9 @@ def test_plan_uses_pallas_triton_tiles(monkeypatch):
     assert triton_kernels.plan(37, 24, 301, jnp.float32, SMALL).input_precision == "ieee"
   s = triton_kernels.plan(37, 24, 301, jnp.float32, Config(block_v=32, chunk_size=50, bwd_num_stages=2))
   assert (s.block_v, s.chunk_size, s.bwd_num_stages) == (32, 64, 2)
+  low = triton_kernels.plan(8192, 4096, 128256, jnp.bfloat16, Config(low_memory=True))
+  assert low == triton_kernels.Plan(**{**vars(pallas_triton.plan(8192, 4096, 128256, jnp.bfloat16, Config(
+      low_memory=True))), "num_stages": 3}, bwd_num_stages=3, input_precision="tf32")
   with pytest.raises(ValueError, match="block_v=48"):
     triton_kernels.plan(37, 24, 301, jnp.float32, Config(block_v=48))
 
@@ -120,8 +123,10 @@ def test_dtypes_and_layouts(dtype, w_layout):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("config", [None, Config(block_t=16, block_v=16, block_k=16, num_splits=64, chunk_size=1000)],
-                         ids=["heuristic", "many-splits"])
+@pytest.mark.parametrize("config", [
+    None, Config(block_t=16, block_v=16, block_k=16, num_splits=64, chunk_size=1000),
+    Config(block_t=16, block_v=32, block_k=16, chunk_size=64, low_memory=True, token_block=48, dx_chunk=128)],
+    ids=["heuristic", "many-splits", "low-memory"])
 def test_configs_ragged(config):
   check(config=config, batch_shape=(1037,), h=200, v=5003, dtype=jnp.bfloat16, options=OPTIONS["smoothing"],
         bias=True, seed=5)
