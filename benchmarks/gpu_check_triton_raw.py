@@ -24,7 +24,6 @@ Writes ``triton_raw_<date>.json`` into ``--out`` (default ``$OUT`` or ``.``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -39,13 +38,12 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from reference_np import linear_cross_entropy_np, rel_err  # noqa: E402
+from reference_np import linear_cross_entropy_np  # noqa: E402
 
 from lce_flax import _base, _math, linear_cross_entropy, pallas_triton, triton_kernels  # noqa: E402
-from benchmarks.gpu_check_triton import inputs, loss_fn, median_ms, temp_bytes  # noqa: E402  (shared helpers)
+from benchmarks.gpu_check_triton import inputs, loss_fn, median_ms, ragged_case, temp_bytes  # noqa: E402  (shared helpers)
 
 SHAPES = {"llama3-8b": (8192, 4096, 128256), "gpt2-small": (16384, 768, 50304)}
-SMALL = (333, 200, 5003)
 T0 = time.time()
 BUDGET = 300.0
 
@@ -56,39 +54,13 @@ def left() -> float:
 
 def section_small(res):
   rng = np.random.default_rng(1)
-  rows = []
-  b, h, v = SMALL
   cases = [(jnp.bfloat16, "hv", False), (jnp.bfloat16, "vh", False), (jnp.bfloat16, "hv", True),
            (jnp.bfloat16, "vh", True), (jnp.float16, "hv", True), (jnp.float32, "vh", True)]
+  rows = []
   for dtype, layout, all_opts in cases:
     opts = dict(label_smoothing=0.05, z_loss=1e-4, logit_softcap=5.0) if all_opts else {}
-    x = rng.standard_normal((b, h)).astype(np.float32)
-    wf = (0.3 * rng.standard_normal((h, v))).astype(np.float32)
-    wl = wf if layout == "hv" else wf.T.copy()
-    bias = rng.standard_normal(v).astype(np.float32) if all_opts else None
-    y = rng.integers(0, v, b)
-    y[::17] = -100
-    g = rng.standard_normal(b).astype(np.float32)
-    xd, wd = jnp.asarray(x, dtype), jnp.asarray(wl, dtype)
-    bd = None if bias is None else jnp.asarray(bias, dtype)
-
-    def f(x_, w_, b_):
-      out = linear_cross_entropy(x_, w_, jnp.asarray(y), bias=b_, reduction="none", w_layout=layout,
-                                 impl="triton", **opts)
-      return jnp.sum(out * g), out
-    ctx = jax.default_matmul_precision("highest") if dtype == jnp.float32 else contextlib.nullcontext()
-    with ctx:
-      (_, tok), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(xd, wd, bd)
-    ref = linear_cross_entropy_np(np.asarray(xd, np.float64), np.asarray(wd, np.float64), y,
-                                  bias=None if bd is None else np.asarray(bd, np.float64), reduction="none",
-                                  w_layout=layout, cotangent=g, **opts)
-    tok = np.asarray(tok, np.float64)
-    row = dict(dtype=jnp.dtype(dtype).name, layout=layout, options=opts, bias=bias is not None,
-               token_loss_max_rel=float(np.max(np.abs(tok - ref["loss"]) / np.maximum(np.abs(ref["loss"]), 1e-6))),
-               dx=rel_err(grads[0], ref["dx"]), dw=rel_err(grads[1], ref["dw"]),
-               dbias=None if bias is None else rel_err(grads[2], ref["dbias"]))
-    print("small", row, flush=True)
-    rows.append(row)
+    rows.append(ragged_case(rng, "triton", dtype, layout, opts, all_opts))
+    print("small", rows[-1], flush=True)
   res["small"] = rows
 
 
