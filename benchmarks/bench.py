@@ -147,6 +147,22 @@ def _lce_variants(name: str, modes: tuple[str, ...], interpret: bool = False) ->
   return out
 
 
+# Configurations measured as variants of their own: name -> (impl, its Config fields, FLOPs of fwd+bwd in B·H·V).
+# ``low_memory``: a third logits pass instead of the B×H float32 dx accumulator (≤ 64 MB at the LLM shapes).
+CONFIG_VARIANTS = {"pallas_triton:low_memory": ("pallas_triton", {"low_memory": True}, 10),
+                   "triton:low_memory": ("triton", {"low_memory": True}, 10)}
+
+
+def _config_variant(name: str, interpret: bool = False) -> Variant:
+  impl, fields, factor = CONFIG_VARIANTS[name]
+  tag = name.split(":", 1)[1]
+  base = _lce_variants(impl, (None,), interpret)[0]
+  if base.unavailable:
+    return dataclasses.replace(base, mode=tag, flops_factor=factor)
+  config = importlib.import_module(lce_flax.IMPLEMENTATIONS[impl]).Config(**fields)
+  return Variant(impl, tag, functools.partial(base.loss, config=config), factor)
+
+
 def _tokamax_variant(name: str, tokamax, reason: str | None) -> Variant:
   impl = name.removeprefix("tokamax_")
   # tokamax's xla path autodiffs the stored logits; chunked_xla keeps the [B] lse and recomputes.
@@ -172,7 +188,7 @@ def make_variants(impls: list[str] | None, modes: tuple[str, ...],
   if impls is None:
     spec = _base.Spec(_math.LossOptions(vocab_size=2), interpret=interpret)
     impls = lce_flax.available_implementations(spec) + (list(TOKAMAX_IMPLS) if tokamax is not None else [])
-  known = [*lce_flax.IMPLEMENTATIONS, *TOKAMAX_IMPLS]
+  known = [*lce_flax.IMPLEMENTATIONS, *TOKAMAX_IMPLS, *CONFIG_VARIANTS]
   for name in impls:
     if name not in known:
       raise ValueError(f"--impls: {name!r} is not one of {known}")
@@ -180,6 +196,8 @@ def make_variants(impls: list[str] | None, modes: tuple[str, ...],
   for name in impls:
     if name in TOKAMAX_IMPLS:
       variants.append(_tokamax_variant(name, tokamax, reason))
+    elif name in CONFIG_VARIANTS:
+      variants.append(_config_variant(name, interpret))
     else:
       variants.extend(_lce_variants(name, modes, interpret))
   return variants, reason
