@@ -426,24 +426,17 @@ def _store_tile(zc, m, o_smem, m_smem, zb_ref, mt_ref, r0, c0, nominal, bt: int,
   ``c0`` is the tile's first column, ``nominal`` the first column its CTA tile counts. With V a multiple of
   ``block_v`` (see :func:`_prepare`) a tile is either all new (stored) or all overlap of the clamped last window
   (skipped), so every column is stored once, by a tile aligned to ``block_v``: column ``q``'s max is row
-  ``q // block_v`` of ``mt``. ``o_smem`` may be narrower than the tile (``[bt, sw]``, sw dividing bv): the tile
-  then leaves in column slices, each written once the previous slice's copy has read the buffer.
+  ``q // block_v`` of ``mt``. The SMEM buffers are reused by the next tile: wait until the previous tile's
+  copies have read them.
   """
-  sw = o_smem.shape[-1]
-
   @pl.when(c0 >= nominal)
   def _():
-    zs = shifted_logits(zc, m).astype(o_smem.dtype)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_smem[...] = shifted_logits(zc, m).astype(o_smem.dtype)
     m_smem[...] = jnp.where(m == -jnp.inf, 0.0, m)
-    for s in range(bv // sw):
-      if s:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      o_smem[...] = zs[:, s * sw:(s + 1) * sw] if sw < bv else zs
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, zb_ref.at[pl.ds(r0, bt), pl.ds(c0 + s * sw, sw)])
-      if not s:
-        plgpu.copy_smem_to_gmem(m_smem, mt_ref.at[c0 // bv, pl.ds(r0, bt)])
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, zb_ref.at[pl.ds(r0, bt), pl.ds(c0, bv)])
+    plgpu.copy_smem_to_gmem(m_smem, mt_ref.at[c0 // bv, pl.ds(r0, bt)])
 
 
 def _kernel(body, out_type, scratch, grid, names, d: _Dims, p: Plan, name: str):
@@ -579,9 +572,6 @@ def _w_window_ws(w_ref, c0, d: _Dims, p: Plan):
   return _w_window(w_ref, c0, 2 * p.block_v, d)
 
 
-STORE_SLICE = 32  # columns per SMEM → GMEM store of the warp-specialised fast forward
-
-
 def _fwd_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
   x_ref, w_ref, b_ref, y_ref, st_ref, zb_ref, mt_ref = _fwd_gmem_refs(list(refs), d)
   bt, bv, ns = p.block_t, p.block_v, p.num_splits
@@ -592,11 +582,8 @@ def _fwd_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
   i = lax.axis_index("row")
   r0 = i * bt
   x_rows = x_ref.at[pl.ds(r0, bt)]
-  # the stored tiles leave through [bt, sw] SMEM buffers: with sw = STORE_SLICE (16 KB for both warpgroups) the
-  # pipeline keeps all its stages (4 × 48 KB + 16 KB + the per-row state fit the 227 KB of SMEM); whole-tile
-  # buffers (sw = bv, 64 KB) cost a stage
-  sw = min(STORE_SLICE, bv)
-  make, mma = _ws_pipeline(d, p, p.num_stages if sw < bv or not d.store else max(2, p.num_stages - 1))
+  # the stored tiles take 2·bt·bv·itemsize bytes of SMEM: one pipeline stage fewer (as in the dz kernel)
+  make, mma = _ws_pipeline(d, p, max(2, p.num_stages - 1) if d.store else p.num_stages)
   ignore = lambda *_, **__: None
   shape = (bt, bv)
 
@@ -656,7 +643,7 @@ def _fwd_ws_body(*refs, d: _Dims, p: Plan, opts: _math.LossOptions):
   pl.run_scoped(scope, make(ignore, ignore).get_allocations(x_rows, w_tmpl),
                 plgpu.SMEM((2, 4, bt), F32), plgpu.SMEM((2, bt), jnp.int32),
                 plgpu.SMEM((2, bv), F32) if d.has_bias else None,
-                plgpu.SMEM((2, bt, sw), x_ref.dtype, transforms=_transforms(sw * 2)[1]) if d.store else None,
+                plgpu.SMEM((2, bt, bv), x_ref.dtype, transforms=_transforms(bv * 2)[1]) if d.store else None,
                 plgpu.SMEM((2, bt), F32) if d.store else None,
                 plgpu.Barrier(num_barriers=4), collective_axes="wg")
 
