@@ -25,7 +25,6 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from lce_flax import _base, _device, _math, linear_cross_entropy
 from lce_flax import pallas_mosaic as pm

@@ -19,6 +19,7 @@ Example (the two-line change)::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -65,7 +66,27 @@ def _partitioned(init: Initializer, axes: tuple[str | None, ...] | None) -> Init
   return init if axes is None else nn.with_logical_partitioning(init, axes)
 
 
-class LMHead(nn.Module):
+def _option(default: Any) -> Any:
+  return dataclasses.field(default=default, kw_only=True)
+
+
+class _LossOptionFields(nn.Module):
+  """The op's options as keyword-only fields of a head (defaults of :func:`lce_flax.linear_cross_entropy`; a call
+  may override each, see :func:`loss_kwargs`). Keyword-only, so each head's own fields keep their positions."""
+
+  reduction: str = _option("mean")
+  ignore_index: int = _option(-100)
+  label_smoothing: float = _option(0.0)
+  z_loss: float = _option(0.0)
+  logit_softcap: float | None = _option(None)
+  impl: str = _option("auto")
+  mode: str | None = _option(None)
+  chunk_size: int | None = _option(None)
+  interpret: bool | None = _option(None)
+  config: Any = _option(None)
+
+
+class LMHead(_LossOptionFields):
   """A language-model head with the parameters of ``nn.Dense(vocab_size)`` that returns the cross-entropy loss.
 
   ``LMHead(V)(x, labels)`` equals
@@ -87,7 +108,8 @@ class LMHead(nn.Module):
     kernel_axes: logical axis names of ``kernel`` for ``nn.with_logical_partitioning`` (None: no metadata).
     bias_axes: logical axis names of ``bias``.
     reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size, interpret, config:
-      defaults of the options of :func:`lce_flax.linear_cross_entropy`; each may be overridden per call.
+      keyword-only defaults of the options of :func:`lce_flax.linear_cross_entropy`; each may be overridden
+      per call.
   """
 
   vocab_size: int
@@ -99,16 +121,6 @@ class LMHead(nn.Module):
   bias_init: Initializer = nn.initializers.zeros_init()
   kernel_axes: tuple[str | None, ...] | None = KERNEL_AXES
   bias_axes: tuple[str | None, ...] | None = BIAS_AXES
-  reduction: str = "mean"
-  ignore_index: int = -100
-  label_smoothing: float = 0.0
-  z_loss: float = 0.0
-  logit_softcap: float | None = None
-  impl: str = "auto"
-  mode: str | None = None
-  chunk_size: int | None = None
-  interpret: bool | None = None
-  config: Any = None
 
   @nn.compact
   def _params(self, x: jax.Array):
@@ -183,7 +195,7 @@ def tied_linear_cross_entropy(embed: nn.Embed | jax.Array, x: jax.Array, labels:
   return api.linear_cross_entropy(x, table, labels, w_layout="vh", **kwargs)
 
 
-class TiedLMHead(nn.Module):
+class TiedLMHead(_LossOptionFields):
   """The loss of a head tied to the input embedding: ``Embed.attend`` + cross-entropy, fused; no parameters.
 
   Call it with the model's ``nn.Embed`` (or its [V, H] table): ``TiedLMHead()(self.embed, h, labels)``. The table
@@ -193,20 +205,11 @@ class TiedLMHead(nn.Module):
     dtype: dtype of the matmul (None: the ``nn.Embed``'s ``dtype``, as ``Embed.attend``; for a bare table the
       promoted type).
     reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size, interpret, config:
-      defaults of the options of :func:`lce_flax.linear_cross_entropy`; each may be overridden per call.
+      keyword-only defaults of the options of :func:`lce_flax.linear_cross_entropy`; each may be overridden
+      per call.
   """
 
   dtype: Dtype | None = None
-  reduction: str = "mean"
-  ignore_index: int = -100
-  label_smoothing: float = 0.0
-  z_loss: float = 0.0
-  logit_softcap: float | None = None
-  impl: str = "auto"
-  mode: str | None = None
-  chunk_size: int | None = None
-  interpret: bool | None = None
-  config: Any = None
 
   def __call__(self, embed: nn.Embed | jax.Array, x: jax.Array, labels: jax.Array, *,
                where: jax.Array | None = None, return_aux: bool = False, **options: Any):

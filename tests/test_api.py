@@ -15,8 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from lce_flax import Aux, linear_cross_entropy
-from lce_flax import chunked
+from lce_flax import linear_cross_entropy
 from tests.reference_np import linear_cross_entropy_np, rel_err
 
 OPTIONS = {

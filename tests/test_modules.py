@@ -5,6 +5,7 @@ between them; options and dtypes reach the op (checked against the float64 oracl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -499,3 +500,12 @@ def test_nnx_orbax_linear_checkpoint_into_fused(tmp_path):
   nnx.update(fused, params)
   assert_trees_equal(pure_params(fused), pure_params(ref))
   np.testing.assert_allclose(loss(fused), want, rtol=1e-6)
+
+
+def test_linen_loss_options_are_keyword_only_fields():
+  """Both linen heads take the op's options as keyword-only fields, the ones ``LOSS_OPTIONS`` names."""
+  for cls in (lce_linen.LMHead, lce_linen.TiedLMHead):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    assert all(fields[k].kw_only for k in lce_linen.LOSS_OPTIONS), cls
+  head = lce_linen.LMHead(VOCAB, True, z_loss=1e-3)  # the head's own fields keep their positions
+  assert (head.vocab_size, head.use_bias, head.z_loss, head.reduction) == (VOCAB, True, 1e-3, "mean")
