@@ -23,9 +23,9 @@ Forward (O(B) output)
 Backward (recompute, bounded memory)
   ``jax.custom_vjp`` keeps x, w, bias, labels and the [B] lse. The vocabulary is walked in chunks of
   ``chunk_size`` columns; per chunk one persistent Mosaic kernel (a CTA per SM looping over the chunk's tiles)
-  recomputes the chunk's logit tiles and writes the logit
-  gradient ``dz`` [B, chunk] in the input dtype (its epilogue is the factored form of
-  :func:`lce_flax._math.dlogits`, see :func:`row_coefficients`), then two XLA matmuls give ``dw[chunk] = xᵀ dz``
+  recomputes the chunk's logit tiles and writes the logit gradient ``dz`` [B, chunk] in the input dtype (its
+  epilogue is the factored form of :func:`lce_flax._math.dlogits`, see :func:`row_coefficients`), then two XLA
+  matmuls give ``dw[chunk] = xᵀ dz``
   (complete, written once) and ``dx += dz wᵀ[chunk]`` (float32 accumulator).
   FLOPs 2·B·H·V (forward) + 2·B·H·V (recompute) + 4·B·H·V (gradients) = 8·B·H·V.
   Extra memory: dz (B·chunk·2 bytes: 32 MiB at B=8192, chunk 2048), the float32 dx (B·H·4), one chunk of w.
