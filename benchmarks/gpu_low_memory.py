@@ -36,8 +36,9 @@ TUNE = [
 ]
 
 
-def tune(res):
-  for name, label, impl, cfg in TUNE:
+def measure(res, key, cases):
+  """Times fwd+bwd and reads the compiled temp of each ``(shape, label, impl, config)``; appends to ``res[key]``."""
+  for name, label, impl, cfg in cases:
     b, h, v = SHAPES[name]
     x, w, y, _ = inputs(b, h, v, "hv")
     y = jnp.maximum(y, 0)
@@ -48,7 +49,7 @@ def tune(res):
       row = dict(shape=name, variant=label, impl=impl, ms=ms, temp_bytes=temp_bytes(f, x, w))
     except Exception as e:  # pylint: disable=broad-except
       row = dict(shape=name, variant=label, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
-    res["tune"].append(row)
+    res[key].append(row)
     print(row, flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "low_memory.json"), "w") as fh:
       json.dump(res, fh, indent=1)
@@ -58,20 +59,10 @@ def main():
   res = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "jax": jax.__version__,
          "device": str(jax.devices()[0].device_kind), "rows": [], "tune": []}
   if "--tune" in sys.argv:
-    tune(res)
-    return
-  for name, (b, h, v) in SHAPES.items():
-    x, w, y, _ = inputs(b, h, v, "hv")
-    y = jnp.maximum(y, 0)
-    for label, cfg in (("low_memory", Config(low_memory=True)), ("default", None)):
-      f = jax.jit(jax.value_and_grad(lambda x, w, cfg=cfg: linear_cross_entropy(
-          x, w, y, impl="pallas_triton", mode="lean", reduction="sum", config=cfg), (0, 1)))
-      _, ms = bench(f, x, w)
-      row = dict(shape=name, variant=label, ms=ms, temp_bytes=temp_bytes(f, x, w))
-      res["rows"].append(row)
-      print(row, flush=True)
-      with open(os.path.join(os.environ.get("OUT", "."), "low_memory.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
+    measure(res, "tune", TUNE)
+  else:
+    measure(res, "rows", [(name, label, "pallas_triton", cfg) for name in SHAPES
+                          for label, cfg in (("low_memory", Config(low_memory=True)), ("default", None))])
 
 
 if __name__ == "__main__":

@@ -25,8 +25,7 @@ Backward (recompute, bounded memory)
   ``chunk_size`` columns; per chunk one persistent Mosaic kernel (a CTA per SM looping over the chunk's tiles)
   recomputes the chunk's logit tiles and writes the logit gradient ``dz`` [B, chunk] in the input dtype (its
   epilogue is the factored form of :func:`lce_flax._math.dlogits`, see :func:`row_coefficients`), then two XLA
-  matmuls give ``dw[chunk] = xᵀ dz``
-  (complete, written once) and ``dx += dz wᵀ[chunk]`` (float32 accumulator).
+  matmuls give ``dw[chunk] = xᵀ dz`` (complete, written once) and ``dx += dz wᵀ[chunk]`` (float32 accumulator).
   FLOPs 2·B·H·V (forward) + 2·B·H·V (recompute) + 4·B·H·V (gradients) = 8·B·H·V.
   Extra memory: dz (B·chunk·2 bytes: 32 MiB at B=8192, chunk 2048), the float32 dx (B·H·4), one chunk of w.
 
@@ -735,7 +734,8 @@ def _dz_chunk_ws(x, w_c, b_c, labels_local, lse, coef, a, c, d: _Dims, p: Plan, 
   kern = plgpu.kernel(
       functools.partial(_dz_ws_body, d=d, p=p, opts=opts, width=width),
       out_type=jax.ShapeDtypeStruct((d.b, width), x.dtype), grid=(min(_num_sms(), tiles),), grid_names=("sm",),
-      num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kern(*([x, w_c] + ([b_c] if d.has_bias else []) + [labels_local, lse, coef, a, c]))
 
 
