@@ -270,6 +270,26 @@ def section_shapes(res):
   res["shapes"] = out
 
 
+def run_sections(res: dict, sections: dict, names, path: str, left_s, min_left_s: float) -> None:
+  """Runs ``sections[name](res)`` for each name while ``left_s()`` (the caller's remaining budget) exceeds
+  ``min_left_s``, recording each section's traceback (under ``res["errors"]``) and seconds, and rewriting ``path``
+  after every section."""
+  errors = res.setdefault("errors", {})
+  for name in names:
+    if left_s() < min_left_s:
+      errors[name] = "skipped: time budget spent"
+      continue
+    t = time.time()
+    try:
+      sections[name](res)
+    except Exception as e:  # noqa: BLE001  (keep going: later sections are independent)
+      errors[name] = traceback.format_exc()[-3000:]
+      print(f"section {name} failed: {e!r}"[:1000], flush=True)
+    res.setdefault("section_s", {})[name] = round(time.time() - t, 1)
+    with open(path, "w") as fh:
+      json.dump(res, fh, indent=1, default=str)
+
+
 def main():
   global BUDGET
   ap = argparse.ArgumentParser()
@@ -289,21 +309,8 @@ def main():
              if hasattr(jax.lib, "__version__") else None, triton=triton_version, errors={})
   sections = dict(small=section_small, llama=section_llama_correctness, breakdown=section_breakdown,
                   sweep=section_sweep, shapes=section_shapes)
-  for name in args.sections.split(","):
-    if left() < 20:
-      res["errors"][name] = "skipped: time budget spent"
-      continue
-    t = time.time()
-    try:
-      sections[name](res)
-    except Exception as e:
-      res["errors"][name] = traceback.format_exc()[-3000:]
-      print(f"section {name} failed: {e}")
-      traceback.print_exc()
-    res.setdefault("section_s", {})[name] = round(time.time() - t, 1)
-    path = os.path.join(args.out, f"pallas_triton_{res['date'][:10]}.json")
-    with open(path, "w") as fh:
-      json.dump(res, fh, indent=1, default=str)
+  path = os.path.join(args.out, f"pallas_triton_{res['date'][:10]}.json")
+  run_sections(res, sections, args.sections.split(","), path, left, min_left_s=20)
   print("\n| shape | impl | fwd ms | fwd+bwd ms | fwd+bwd temp MB |")
   print("|---|---|---|---|---|")
   for r in res.get("shapes", []):

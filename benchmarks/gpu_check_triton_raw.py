@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 
@@ -41,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from reference_np import linear_cross_entropy_np  # noqa: E402
 
 from lce_flax import _base, _math, linear_cross_entropy, pallas_triton, triton_kernels  # noqa: E402
-from benchmarks.gpu_check_triton import inputs, loss_fn, median_ms, ragged_case, temp_bytes  # noqa: E402  (shared helpers)
+from benchmarks.gpu_check_triton import inputs, loss_fn, median_ms, ragged_case, run_sections, temp_bytes  # noqa: E402  (shared helpers)
 
 SHAPES = {"llama3-8b": (8192, 4096, 128256), "gpt2-small": (16384, 768, 50304)}
 T0 = time.time()
@@ -218,19 +216,7 @@ def main():
   path = os.path.join(args.out, f"triton_raw_{datetime.date.today().isoformat()}{args.tag}.json")
   sections = dict(small=section_small, llama=section_llama, timings=section_timings, dz_split=section_dz_split,
                   sweep=section_sweep, ab=section_ab, ab_more=section_ab_more)
-  for name in args.sections.split(","):
-    if left() < 15:
-      res.setdefault("skipped", []).append(name)
-      continue
-    t = time.time()
-    try:
-      sections[name](res)
-    except Exception as e:  # noqa: BLE001
-      res.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
-      print("section error", name, repr(e)[:1000], flush=True)
-    res.setdefault("section_s", {})[name] = round(time.time() - t, 1)
-    with open(path, "w") as f:
-      json.dump(res, f, indent=1)
+  run_sections(res, sections, args.sections.split(","), path, left, min_left_s=15)
   print("wrote", path, "total", round(time.time() - T0, 1), "s", flush=True)
 
 
