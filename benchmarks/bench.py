@@ -45,7 +45,8 @@ import jax
 import jax.numpy as jnp
 
 import lce_flax
-from lce_flax import _base, _math
+from lce_flax import _math
+from lce_flax._impl import common
 from benchmarks import shapes as shapes_lib
 from benchmarks.shapes import PEAK_TFLOPS, Preset, Shape
 
@@ -132,7 +133,7 @@ def _lce_variants(name: str, modes: tuple[str, ...], interpret: bool = False) ->
     mod = importlib.import_module(lce_flax.IMPLEMENTATIONS[name])
   except ImportError as e:
     return [Variant(name, None, None, 6, f"{type(e).__name__}: {e}")]
-  spec = _base.Spec(_math.LossOptions(vocab_size=2), interpret=interpret)
+  spec = common.Spec(_math.LossOptions(vocab_size=2), interpret=interpret)
   if name not in lce_flax.available_implementations(spec):
     return [Variant(name, None, None, 6, f"not available on {jax.default_backend()} (interpret={interpret})")]
   if getattr(mod, "fast", None) is None:
@@ -186,7 +187,7 @@ def make_variants(impls: list[str] | None, modes: tuple[str, ...],
   if impls is None or any(n in TOKAMAX_IMPLS for n in impls):
     tokamax, reason = import_tokamax()
   if impls is None:
-    spec = _base.Spec(_math.LossOptions(vocab_size=2), interpret=interpret)
+    spec = common.Spec(_math.LossOptions(vocab_size=2), interpret=interpret)
     impls = lce_flax.available_implementations(spec) + (list(TOKAMAX_IMPLS) if tokamax is not None else [])
   known = [*lce_flax.IMPLEMENTATIONS, *TOKAMAX_IMPLS, *CONFIG_VARIANTS]
   for name in impls:

@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lce_flax import _base, _device, _math
+from lce_flax import _device, _math
+from lce_flax._impl import common
 
 REDUCTIONS = ("mean", "sum", "none")
 MODES = ("fast", "lean")
@@ -21,11 +22,11 @@ MODES = ("fast", "lean")
 # name -> module path. Modules are imported on first use, so a missing optional dependency (jax-triton) only
 # matters to the implementation that needs it.
 IMPLEMENTATIONS = {
-    "xla": "lce_flax.reference",
-    "chunked": "lce_flax.chunked",
-    "pallas_triton": "lce_flax.pallas_triton",
-    "triton": "lce_flax.triton_kernels",
-    "pallas_mosaic": "lce_flax.pallas_mosaic",
+    "xla": "lce_flax._impl.reference",
+    "chunked": "lce_flax._impl.chunked",
+    "pallas_triton": "lce_flax._impl.pallas_triton",
+    "triton": "lce_flax._impl.triton",
+    "pallas_mosaic": "lce_flax._impl.pallas_mosaic",
 }
 
 
@@ -54,10 +55,10 @@ def _auto_order() -> tuple[str, ...]:
   return ("chunked",)
 
 
-def available_implementations(spec: _base.Spec | None = None, platform: str | None = None) -> list[str]:
+def available_implementations(spec: common.Spec | None = None, platform: str | None = None) -> list[str]:
   """Names of the implementations that can run ``spec`` (default: plain options) on ``platform``."""
   platform = platform or _device.platform()
-  spec = spec or _base.Spec(_math.LossOptions(vocab_size=2))
+  spec = spec or common.Spec(_math.LossOptions(vocab_size=2))
   names = []
   for name in IMPLEMENTATIONS:
     try:
@@ -68,7 +69,7 @@ def available_implementations(spec: _base.Spec | None = None, platform: str | No
   return names
 
 
-def _resolve(impl: str, spec: _base.Spec, platform: str, mode: str):
+def _resolve(impl: str, spec: common.Spec, platform: str, mode: str):
   """Returns (name, module) of the implementation to run; raises with the alternatives if ``impl`` can't.
 
   ``"auto"`` walks :func:`_auto_order` and takes the first backend that supports the call *in the requested
@@ -114,7 +115,7 @@ def _check(x, w, labels, bias, where, reduction, w_layout, impl, mode, label_smo
     raise TypeError(f"labels must be integers, got labels.dtype={labels.dtype}")
   if labels.shape != x.shape[:-1]:
     raise ValueError(f"labels.shape={labels.shape} must equal x.shape[:-1]={x.shape[:-1]} (x.shape={x.shape})")
-  v = _base.vocab_size(w, w_layout)
+  v = common.vocab_size(w, w_layout)
   if bias is not None and (bias.shape != (v,) or not jnp.issubdtype(bias.dtype, jnp.floating)):
     raise ValueError(f"bias must be floating [V]=[{v}], got bias.shape={bias.shape}, bias.dtype={bias.dtype}")
   if where is not None and (where.shape != labels.shape or where.dtype != jnp.bool_):
@@ -230,10 +231,10 @@ def linear_cross_entropy(
   if reduction == "none" and mode == "fast":
     raise ValueError("reduction='none' needs per-token cotangents, which mode='fast' cannot take; use mode='lean'")
 
-  vocab = _base.vocab_size(w, w_layout)
+  vocab = common.vocab_size(w, w_layout)
   opts = _math.LossOptions(vocab, float(label_smoothing), float(z_loss),
                            None if logit_softcap is None else float(logit_softcap))
-  spec = _base.Spec(opts, w_layout, _device.default_interpret() if interpret is None else bool(interpret))
+  spec = common.Spec(opts, w_layout, _device.default_interpret() if interpret is None else bool(interpret))
   name, mod = _resolve(impl, spec, _device.platform(), mode)
   if config is None and chunk_size is not None:
     config = getattr(mod, "Config")(chunk_size=chunk_size) if hasattr(mod, "Config") else None

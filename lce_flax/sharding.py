@@ -41,8 +41,8 @@ What each device does:
     combined stats (one pmax + one psum of [3, c] per chunk), then the logit gradient, this shard's dw columns
     (float32 accumulator, H·V/t) and its part of dx, psum'd over the vocab axis in float32 once at the end.
   - ``"lean"`` (8·B·H·V FLOPs, O(B) residuals; also ``reduction="none"``): the loop of
-    :func:`lce_flax.chunked.vocab_stats` over vocabulary chunks, one combine per call; the backward recomputes the
-    chunk logits (:func:`lce_flax.chunked.vocab_grads`): dw and dbias exact per shard, dx partial sums psum'd
+    :func:`lce_flax._impl.chunked.vocab_stats` over vocabulary chunks, one combine per call; the backward recomputes the
+    chunk logits (:func:`lce_flax._impl.chunked.vocab_grads`): dw and dbias exact per shard, dx partial sums psum'd
     over the vocab axis in float32.
 
   This path runs with ``check_vma=True``: ``w`` is cast to varying over the batch axes
@@ -64,7 +64,8 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lce_flax import _base, _math, api, chunked
+from lce_flax import _math, api
+from lce_flax._impl import chunked, common
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 MESH_AXES = (DATA, FSDP, TENSOR)
@@ -200,7 +201,7 @@ def sharded_linear_cross_entropy(
   vaxis = vocab_axis if vocab_axis is not None and mesh.shape[vocab_axis] > 1 else None
   faxis = fsdp_axis if fsdp_axis is not None and mesh.shape[fsdp_axis] > 1 else None
   nb, nv, nf = _axes_size(mesh, batch), _axes_size(mesh, vaxis), _axes_size(mesh, faxis)
-  vocab = _base.vocab_size(w, w_layout)
+  vocab = common.vocab_size(w, w_layout)
   hidden = x.shape[-1]
   if x.ndim < 2:
     raise ValueError(f"x must be [B, ..., H] with a batch dim to split, got x.shape={x.shape}")
@@ -230,7 +231,7 @@ def sharded_linear_cross_entropy(
     if vaxis is not None:
       # w (and bias) replicated over the batch axes: the transpose of this cast psums dw over them. x and labels
       # stay invariant over the vocab axis, so the loss and lse built from the combined stats are too.
-      w, bias = _base.vary(w, batch), _base.vary(bias, batch)
+      w, bias = common.vary(w, batch), common.vary(bias, batch)
     norm = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1), ignore_index,
                                   vocab)
     count = lax.psum((norm != _math.IGNORED).sum(dtype=jnp.int32), batch) if batch else (
@@ -245,7 +246,7 @@ def sharded_linear_cross_entropy(
       tok_loss, lse, correct = aux.token_loss, aux.lse, aux.num_correct
     else:
       x2 = x.reshape(-1, hidden)
-      spec = _base.Spec(opts, w_layout)
+      spec = common.Spec(opts, w_layout)
       dtype = jnp.promote_types(x.dtype, w.dtype)
       x2, w = x2.astype(dtype), w.astype(dtype)
       if mode == "fast":

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from lce_flax import _base, _device, _math, api
+from lce_flax import _device, _math, api
+from lce_flax._impl import common
 from tests.test_api import check_impl
 
 
@@ -19,7 +20,7 @@ def fake_gpu(monkeypatch):
 
 
 def _spec(**kw):
-  return _base.Spec(_math.LossOptions(vocab_size=1000, **kw))
+  return common.Spec(_math.LossOptions(vocab_size=1000, **kw))
 
 
 @pytest.mark.parametrize("cc,first", [((9, 0), "pallas_mosaic"), ((8, 0), "pallas_triton"), ((7, 5), "chunked")])
@@ -60,7 +61,7 @@ def test_every_gpu_path_against_reference(impl, dtype, mode):
   """Forces each implementation this GPU can run and checks it against the float64 oracle."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
-  spec = _base.Spec(_math.LossOptions(vocab_size=1000), interpret=False)
+  spec = common.Spec(_math.LossOptions(vocab_size=1000), interpret=False)
   try:
     api._module(impl).supported(spec, "gpu")
   except NotImplementedError as e:

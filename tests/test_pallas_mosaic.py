@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lce_flax import _base, _device, _math, linear_cross_entropy, pallas_mosaic
-from lce_flax.pallas_mosaic import Config
+from lce_flax import _device, _math, linear_cross_entropy
+from lce_flax._impl import common, pallas_mosaic
+from lce_flax._impl.pallas_mosaic import Config
 from tests.reference_np import linear_cross_entropy_np, rel_err
 from tests.test_api import OPTIONS, check_bad_and_ignored_labels, check_impl, check_lse_cotangent, make_inputs
 
@@ -192,7 +193,7 @@ def test_bias_pads_vocab_to_aligned_chunks():
   (Mosaic GPU refused the clamped last chunk's slice at V=5003 and 5008 with w_layout="vh" on the H100)."""
   p = pallas_mosaic.plan(1000, 512, 5003)
   for v in (5003, 5008):
-    spec = _base.Spec(_math.LossOptions(v), "vh")
+    spec = common.Spec(_math.LossOptions(v), "vh")
     x, w, y = jnp.zeros((1000, 512), jnp.bfloat16), jnp.zeros((v, 512), jnp.bfloat16), jnp.zeros(1000, jnp.int32)
     assert pallas_mosaic._prepare(x, w, None, y, spec, p)[-1].vp == 5008  # no bias: w is not copied for V=5008
     d = pallas_mosaic._prepare(x, w, jnp.zeros(v), y, spec, p)[-1]
@@ -200,9 +201,9 @@ def test_bias_pads_vocab_to_aligned_chunks():
 
 
 def test_supported_and_plan():
-  pallas_mosaic.supported(_base.Spec(_math.LossOptions(10), interpret=True), "cpu")
+  pallas_mosaic.supported(common.Spec(_math.LossOptions(10), interpret=True), "cpu")
   with pytest.raises(NotImplementedError, match="platform='cpu'"):
-    pallas_mosaic.supported(_base.Spec(_math.LossOptions(10)), "cpu")
+    pallas_mosaic.supported(common.Spec(_math.LossOptions(10)), "cpu")
   if not on_sm90:
     with pytest.raises(ValueError, match="pallas_mosaic"):
       linear_cross_entropy(jnp.ones((4, 64)), jnp.ones((64, 10)), jnp.zeros(4, int), impl="pallas_mosaic",
@@ -261,7 +262,7 @@ def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
   lowering runs on CPU: layout inference and the shared-memory budget are checked here."""
   b, h, v = 200, 128, 1000
   opts = _math.LossOptions(v, label_smoothing=0.1, z_loss=1e-3, logit_softcap=30.0)
-  spec = _base.Spec(opts, w_layout, interpret=False)
+  spec = common.Spec(opts, w_layout, interpret=False)
   sds = jax.ShapeDtypeStruct
   args = (sds((b, h), jnp.bfloat16), sds((v, h) if w_layout == "vh" else (h, v), jnp.bfloat16),
           sds((v,), jnp.float32) if bias else None, sds((b,), jnp.int32))

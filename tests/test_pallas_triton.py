@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lce_flax import _base, _math, linear_cross_entropy, pallas_triton
-from lce_flax.pallas_triton import Config
+from lce_flax import _math, linear_cross_entropy
+from lce_flax._impl import common, pallas_triton
+from lce_flax._impl.pallas_triton import Config
 from tests.test_api import (OPTIONS, check_bad_and_ignored_labels, check_impl, check_llama3_8b,
                             check_lse_cotangent, make_inputs)
 
@@ -88,8 +89,8 @@ def test_jit_and_checkpoint_agree():
 
 
 def test_supported():
-  spec = _base.Spec(_math.LossOptions(10))
-  pallas_triton.supported(_base.Spec(_math.LossOptions(10), interpret=True), "cpu")
+  spec = common.Spec(_math.LossOptions(10))
+  pallas_triton.supported(common.Spec(_math.LossOptions(10), interpret=True), "cpu")
   with pytest.raises(NotImplementedError, match="platform='cpu'"):
     pallas_triton.supported(spec, "cpu")
   if not on_gpu:

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lce_flax import _base, _device, _math, api, linear_cross_entropy, pallas_triton, triton_kernels
-from lce_flax.triton_kernels import Config
+from lce_flax import _device, _math, api, linear_cross_entropy
+from lce_flax._impl import common, pallas_triton
+from lce_flax._impl import triton as triton_kernels
+from lce_flax._impl.triton import Config
 from tests.test_api import (OPTIONS, check_bad_and_ignored_labels, check_impl, check_llama3_8b,
                             check_lse_cotangent)
 
@@ -25,7 +27,7 @@ on_gpu = jax.default_backend() == "gpu"
 
 def _can_run() -> bool:
   try:
-    triton_kernels.supported(_base.Spec(_math.LossOptions(10)), _device.platform())
+    triton_kernels.supported(common.Spec(_math.LossOptions(10)), _device.platform())
     return True
   except NotImplementedError:
     return False
@@ -42,18 +44,18 @@ SMALL = Config(block_t=16, block_v=32, block_k=16, num_splits=3, chunk_size=64)
 
 
 def test_supported_says_why_not_on_cpu():
-  spec = _base.Spec(_math.LossOptions(10))
+  spec = common.Spec(_math.LossOptions(10))
   with pytest.raises(NotImplementedError, match=r"impl='triton' .*NVIDIA GPU \(platform='cpu'"):
     triton_kernels.supported(spec, "cpu")
   with pytest.raises(NotImplementedError, match="no interpret mode"):
-    triton_kernels.supported(_base.Spec(_math.LossOptions(10), interpret=True), "gpu")
+    triton_kernels.supported(common.Spec(_math.LossOptions(10), interpret=True), "gpu")
 
 
 def test_supported_without_jax_triton_names_the_package(monkeypatch):
   monkeypatch.setitem(sys.modules, "jax_triton", None)  # `import jax_triton` raises ImportError
   monkeypatch.setattr(triton_kernels, "triton", object())  # as if triton itself were installed
   with pytest.raises(NotImplementedError, match=r"jax-triton package .*lce_flax\[gpu\]"):
-    triton_kernels.supported(_base.Spec(_math.LossOptions(10), interpret=False), "gpu")
+    triton_kernels.supported(common.Spec(_math.LossOptions(10), interpret=False), "gpu")
 
 
 @pytest.mark.skipif(on_gpu, reason="checks the CPU error path")

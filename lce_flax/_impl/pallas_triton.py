@@ -69,8 +69,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lce_flax import _base, _device, _math
-from lce_flax._base import F32
+from lce_flax import _device, _math
+from lce_flax._impl import common
+from lce_flax._impl.common import F32
 
 fast = None  # api.py runs ``lean`` and reduces; the gradient comes from the recompute backward
 
@@ -221,7 +222,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: Config | None 
   return Plan(bt, bv, bk, splits, chunk, warps, stages, group, dx_kernel or low, low, tb, dx_chunk)
 
 
-def supported(spec: _base.Spec, platform: str) -> None:
+def supported(spec: common.Spec, platform: str) -> None:
   if spec.interpret:
     return  # interpret mode runs anywhere
   if platform != "gpu":
@@ -315,7 +316,7 @@ def _fwd_kernel(x_ref, w_ref, b_ref, y_ref, m_ref, s_ref, t_ref, zs_ref, *, d: _
   zs_ref[pl.ds(o, bt)] = st.zsum
 
 
-def _forward(x, w, bias, labels, spec: _base.Spec, p: Plan) -> _math.TokenOut:
+def _forward(x, w, bias, labels, spec: common.Spec, p: Plan) -> _math.TokenOut:
   b, h = x.shape
   opts = spec.opts
   d = _Dims(b, h, opts.vocab_size, spec.w_layout, bias is not None)
@@ -394,7 +395,7 @@ def _dz_kernel(k_ref, x_ref, w_ref, b_ref, y_ref, lse_ref, gl_ref, gs_ref, dz_re
     db_ref[0][pl.ds((i * nct + t) * bv, bv)] = col_sum
 
 
-def _dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: _base.Spec, p: Plan):
+def _dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p: Plan):
   """(dz [B, width] in x.dtype, dbias [width] float32 or None) of the columns [k·chunk, k·chunk + width)."""
   b, h = x.shape
   d = _Dims(b, h, spec.opts.vocab_size, spec.w_layout, bias is not None)
@@ -456,7 +457,7 @@ def _dx_kernel(k_ref, dz_ref, w_ref, dx_in_ref, dx_ref, *, d: _Dims, p: Plan, wi
   plgpu.store(dx_ref.at[pl.ds(r0, bt), pl.ds(h0, bh)], acc, mask=tmask)
 
 
-def _dx_accumulate(dx, dz, w, k, spec: _base.Spec, p: Plan):
+def _dx_accumulate(dx, dz, w, k, spec: common.Spec, p: Plan):
   """``dx + dz @ w[:, k·chunk : k·chunk + width]ᵀ`` (float32 [B, H]) without a second B×H buffer."""
   b, h = dx.shape
   width = dz.shape[1]
@@ -519,8 +520,8 @@ def _lean_bwd(spec, p, kernels, res, g):
     if p.dx_kernel:
       dx = _dx_accumulate(dx, dz, w, k, spec, p)
     else:
-      wc = _base.slice_vocab(w, k * p.chunk_size, width, spec.w_layout)
-      dx = dx + _base.grad_x(dz, wc, spec.w_layout)
+      wc = common.slice_vocab(w, k * p.chunk_size, width, spec.w_layout)
+      dx = dx + common.grad_x(dz, wc, spec.w_layout)
     return dx, dw, db
 
   carry = (jnp.zeros(x.shape, F32), jnp.zeros_like(w), None if bias is None else jnp.zeros(bias.shape, F32))
@@ -587,13 +588,13 @@ _lean.defvjp(_lean_fwd, _lean_bwd)
 PALLAS_KERNELS = Kernels(_forward, _dz_chunk)
 
 
-def lean_with(kernels: Kernels, x, w, bias, labels, spec: _base.Spec, p) -> _math.TokenOut:
+def lean_with(kernels: Kernels, x, w, bias, labels, spec: common.Spec, p) -> _math.TokenOut:
   """The recompute custom_vjp with the given kernel launchers and a resolved plan (``p`` needs ``chunk_size``,
   ``dx_kernel`` and ``low_memory``, plus whatever the launchers read)."""
   return _lean(x, w, bias, labels, spec, p, kernels)
 
 
-def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> _math.TokenOut:
+def lean(x, w, bias, labels, spec: common.Spec, config: Config | None = None) -> _math.TokenOut:
   """Per-token loss, lse and correctness; differentiable in x, w and bias with any cotangent on loss and lse."""
   p = plan(x.shape[0], x.shape[1], spec.opts.vocab_size, x.dtype, config)
   return lean_with(PALLAS_KERNELS, x, w, bias, labels, spec, p)

@@ -1,6 +1,6 @@
 """``impl="triton"``: the op as raw Triton kernels (``triton.jit``) called through jax-triton, NVIDIA SM80+.
 
-The same design as ``impl="pallas_triton"`` (:mod:`lce_flax.pallas_triton`), written directly in Triton instead of
+The same design as ``impl="pallas_triton"`` (:mod:`lce_flax._impl.pallas_triton`), written directly in Triton instead of
 being lowered from Pallas; only the two kernels differ, everything around them is shared:
 
 Forward (``_fwd_kernel``)
@@ -10,9 +10,9 @@ Forward (``_fwd_kernel``)
   (``tl.dot``: WGMMA on Hopper, its operands brought into shared memory by the software pipeline), gets its bias
   and soft cap, and is reduced on chip to the row statistics of :func:`lce_flax._math.tile_stats`, merged into the
   running ones as :func:`lce_flax._math.merge_stats` does (online logsumexp). 4 float32 per token and split leave
-  the chip; JAX merges the splits and finalises with ``_math`` (:func:`lce_flax.pallas_triton.merge_splits`).
+  the chip; JAX merges the splits and finalises with ``_math`` (:func:`lce_flax._impl.pallas_triton.merge_splits`).
 
-Backward (``_dz_kernel`` inside :func:`lce_flax.pallas_triton.lean_with`)
+Backward (``_dz_kernel`` inside :func:`lce_flax._impl.pallas_triton.lean_with`)
   The recompute ``jax.custom_vjp`` of ``pallas_triton`` with this module's launchers: per vocabulary chunk the
   dz kernel recomputes the chunk's logits tile by tile (grouped tile order for L2 reuse) and writes the logit
   gradient of :func:`lce_flax._math.dlogits` in the input dtype (and per row block column sums for dbias); XLA
@@ -43,8 +43,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from lce_flax import _base, _device, _math, pallas_triton
-from lce_flax._base import F32
+from lce_flax import _device, _math
+from lce_flax._impl import common, pallas_triton
+from lce_flax._impl.common import F32
 
 fast = None  # api.py runs ``lean`` and reduces; the gradient comes from the recompute backward
 
@@ -61,7 +62,7 @@ else:
 
 @dataclasses.dataclass(frozen=True)
 class Config(pallas_triton.Config):
-  """``pallas_triton``'s configuration (same fields and heuristic: :func:`lce_flax.pallas_triton.plan`, including
+  """``pallas_triton``'s configuration (same fields and heuristic: :func:`lce_flax._impl.pallas_triton.plan`, including
   ``dx_kernel`` and ``low_memory``, whose backward is shared), plus:
 
   Attributes:
@@ -107,7 +108,7 @@ def _jax_triton():
   return jax_triton
 
 
-def supported(spec: _base.Spec, platform: str) -> None:
+def supported(spec: common.Spec, platform: str) -> None:
   """Raises ``NotImplementedError`` unless raw Triton kernels can run here (CUDA GPU, SM80+, jax-triton)."""
   if platform != "gpu" or spec.interpret:
     raise NotImplementedError(
@@ -310,7 +311,7 @@ if triton is not None:
       tl.store(db_ptr + (i * NCT + t) * BV + tl.arange(0, BV), col_sum)
 
 
-def _kernel_options(spec: _base.Spec, has_bias: bool, b: int, h: int) -> dict:
+def _kernel_options(spec: common.Spec, has_bias: bool, b: int, h: int) -> dict:
   opts = spec.opts
   return dict(B=b, H=h, V=opts.vocab_size, HV=spec.w_layout == "hv", HAS_BIAS=has_bias,
               HAS_CAP=opts.logit_softcap is not None,
@@ -322,7 +323,7 @@ def _bias_or_dummy(bias):
   return jnp.zeros((1,), F32) if bias is None else bias
 
 
-def _forward(x, w, bias, labels, spec: _base.Spec, p: Plan) -> _math.TokenOut:
+def _forward(x, w, bias, labels, spec: common.Spec, p: Plan) -> _math.TokenOut:
   jt = _jax_triton()
   b, h = x.shape
   nb = pallas_triton._cdiv(b, p.block_t)  # pylint: disable=protected-access
@@ -342,7 +343,7 @@ def _forward(x, w, bias, labels, spec: _base.Spec, p: Plan) -> _math.TokenOut:
   return pallas_triton.merge_splits(outs, b, p, labels, spec.opts)
 
 
-def _dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: _base.Spec, p: Plan):
+def _dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p: Plan):
   """(dz [B, width] in x.dtype, dbias [width] float32 or None) of the columns [k·chunk, k·chunk + width)."""
   jt = _jax_triton()
   b, h = x.shape
@@ -372,7 +373,7 @@ def _dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: _base
 KERNELS = pallas_triton.Kernels(_forward, _dz_chunk) if triton is not None else None
 
 
-def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> _math.TokenOut:
+def lean(x, w, bias, labels, spec: common.Spec, config: Config | None = None) -> _math.TokenOut:
   """Per-token loss, lse and correctness; differentiable in x, w and bias with any cotangent on loss and lse."""
   supported(spec, _device.platform())
   p = plan(x.shape[0], x.shape[1], spec.opts.vocab_size, x.dtype, config)

@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lce_flax import _base, _math
-from lce_flax._base import F32
+from lce_flax import _math
+from lce_flax._impl import common
+from lce_flax._impl.common import F32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ def fast_chunk(num_tokens: int, hidden: int, vocab: int, requested: int | None =
   return max(1, min(c, num_tokens))
 
 
-def supported(spec: _base.Spec, platform: str) -> None:
+def supported(spec: common.Spec, platform: str) -> None:
   del spec, platform
 
 
@@ -79,7 +80,7 @@ def _window(i, c: int, vocab: int):
 
 
 def _chunk_logits(x, w, bias, start, c, spec):
-  z = _base.logits(x, _base.slice_vocab(w, start, c, spec.w_layout), spec.w_layout)
+  z = common.logits(x, common.slice_vocab(w, start, c, spec.w_layout), spec.w_layout)
   if bias is not None:
     z = z + lax.dynamic_slice_in_dim(bias, start, c).astype(F32)
   return z
@@ -97,7 +98,7 @@ def vocab_stats(x, w, bias, labels, spec, c: int, col_offset=0) -> _math.RowStat
   slices' stats across devices; with ``col_offset=0`` and the whole ``w`` this is the lean forward.
   """
   opts = spec.opts
-  v = _base.vocab_size(w, spec.w_layout)
+  v = common.vocab_size(w, spec.w_layout)
   n = -(-v // c)
 
   def body(i, st):
@@ -118,7 +119,7 @@ def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int, col_offset
   backward.
   """
   opts = spec.opts
-  v = _base.vocab_size(w, spec.w_layout)
+  v = common.vocab_size(w, spec.w_layout)
   n = -(-v // c)
   vaxis = spec.vocab_axis
 
@@ -127,11 +128,11 @@ def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int, col_offset
     start, cols, valid = _window(i, c, v)
     z = _chunk_logits(x, w, bias, start, c, spec)
     dz = _math.dlogits(z, lse, labels, cols + col_offset, valid, g_loss, g_lse, opts)
-    dzm = dz.astype(_base.mxu_dtype(x))
-    dx = dx + _base.grad_x(dzm, _base.slice_vocab(w, start, c, spec.w_layout), spec.w_layout)
+    dzm = dz.astype(common.mxu_dtype(x))
+    dx = dx + common.grad_x(dzm, common.slice_vocab(w, start, c, spec.w_layout), spec.w_layout)
     # Columns masked as overlap carry an exact 0, so adding into the window never double-counts.
     old = lax.dynamic_slice_in_dim(dw, start, c, axis=vaxis).astype(F32)
-    dw = lax.dynamic_update_slice_in_dim(dw, (old + _base.grad_w(x, dzm, spec.w_layout)).astype(dw.dtype), start, vaxis)
+    dw = lax.dynamic_update_slice_in_dim(dw, (old + common.grad_w(x, dzm, spec.w_layout)).astype(dw.dtype), start, vaxis)
     if db is not None:
       db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, c) + dz.sum(0), start, 0)
     return dx, dw, db
@@ -151,7 +152,7 @@ def _shard_view(x, w, spec, axis):
   """(x as seen by this shard, global index of this shard's first column)."""
   if axis is None:
     return x, 0
-  return _base.vary(x, (axis,)), lax.axis_index(axis).astype(jnp.int32) * _base.vocab_size(w, spec.w_layout)
+  return common.vary(x, (axis,)), lax.axis_index(axis).astype(jnp.int32) * common.vocab_size(w, spec.w_layout)
 
 
 def _finish_dx(dx, x, axis):
@@ -182,7 +183,7 @@ def _lean_bwd(spec, c, axis, res, g):
 _lean.defvjp(_lean_fwd, _lean_bwd)
 
 
-def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> _math.TokenOut:
+def lean(x, w, bias, labels, spec: common.Spec, config: Config | None = None) -> _math.TokenOut:
   c = lean_chunk(x.shape[0], spec.opts.vocab_size, (config or Config()).chunk_size)
   return _lean(x, w, bias, labels, spec, c, None)
 
@@ -195,7 +196,7 @@ def _fast_forward(x, w, bias, labels, weights, spec, c, axis=None):
   opts = spec.opts
   x_in = x
   x, col0 = _shard_view(x, w, spec, axis)
-  v = _base.vocab_size(w, spec.w_layout)
+  v = common.vocab_size(w, spec.w_layout)
   b = x.shape[0]
   n = -(-b // c)
   pad = n * c - b
@@ -214,11 +215,11 @@ def _fast_forward(x, w, bias, labels, weights, spec, c, axis=None):
       st = _math.all_reduce_stats(st, axis, opts)
     out = _math.finalize(st, lc, opts)
     dz = _math.dlogits(z, out.lse, lc, cols, all_cols, wc, None, opts)
-    dzm = dz.astype(_base.mxu_dtype(x))
-    dxc = _base.grad_x(dzm, w, spec.w_layout)
+    dzm = dz.astype(common.mxu_dtype(x))
+    dxc = common.grad_x(dzm, w, spec.w_layout)
     # one device: round each chunk's (complete) dx rows now; vocab-parallel: keep float32 for the psum
     dxc = dxc.astype(x.dtype) if axis is None else dxc
-    dw = dw + _base.grad_w(xc, dzm, spec.w_layout)
+    dw = dw + common.grad_w(xc, dzm, spec.w_layout)
     if db is not None:
       db = db + dz.sum(0)
     return (dw, db), (dxc, out)
@@ -248,7 +249,7 @@ def _fast_fwd(x, w, bias, labels, weights, spec, c, axis):
 
 def _fast_bwd(spec, c, axis, grads, g):
   g_total, g_out = g
-  _base.check_fast_cotangents(g_out)
+  common.check_fast_cotangents(g_out)
   dx, dw, db = grads
   scale = lambda a: None if a is None else (g_total * a.astype(F32)).astype(a.dtype)
   return scale(dx), scale(dw), scale(db), None, None
@@ -257,6 +258,6 @@ def _fast_bwd(spec, c, axis, grads, g):
 _fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
 
 
-def fast(x, w, bias, labels, weights, spec: _base.Spec, config: Config | None = None):
+def fast(x, w, bias, labels, weights, spec: common.Spec, config: Config | None = None):
   c = fast_chunk(x.shape[0], x.shape[1], spec.opts.vocab_size, (config or Config()).chunk_size)
   return _fast(x, w, bias, labels, weights, spec, c, None)

@@ -7,17 +7,18 @@ check the hand-written backward passes of every other backend. Memory: O(B·V).
 from __future__ import annotations
 
 import jax.numpy as jnp
-from lce_flax import _base, _math
+from lce_flax import _math
+from lce_flax._impl import common
 
 
-def supported(spec: _base.Spec, platform: str) -> None:
+def supported(spec: common.Spec, platform: str) -> None:
   del spec, platform  # runs everywhere
 
 
-def lean(x, w, bias, labels, spec: _base.Spec, config=None) -> _math.TokenOut:
+def lean(x, w, bias, labels, spec: common.Spec, config=None) -> _math.TokenOut:
   del config
   opts = spec.opts
-  z = _base.logits(x, w, spec.w_layout)
+  z = common.logits(x, w, spec.w_layout)
   if bias is not None:
     z = z + bias.astype(jnp.float32)
   zc = _math.softcap(z, opts.logit_softcap)

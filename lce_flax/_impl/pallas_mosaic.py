@@ -66,8 +66,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from lce_flax import _base, _device, _math
-from lce_flax._base import F32
+from lce_flax import _device, _math
+from lce_flax._impl import common
+from lce_flax._impl.common import F32
 
 _L = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per tile row (token)
@@ -88,7 +89,7 @@ class Config:
       tokens per chunk (a multiple of ``block_t``).
     semantics: ``"lane"`` (explicit register layouts) or ``"warpgroup"`` (layouts inferred by Mosaic).
     fp32_inputs: what float32 (or mixed) inputs do: ``"chunked"`` (default) runs them exactly through
-      :mod:`lce_flax.chunked` (XLA float32 matmuls: WGMMA has no float32 operands); ``"bf16"`` rounds x and w to
+      :mod:`lce_flax._impl.chunked` (XLA float32 matmuls: WGMMA has no float32 operands); ``"bf16"`` rounds x and w to
       bf16 and runs the kernels (the loss of the rounded inputs; gradients returned in float32).
     warp_specialized: two compute warpgroups (each a ``block_t × block_v`` accumulator, a CTA tile of
       ``block_t × 2·block_v``) fed by a third, TMA-only warpgroup (``plgpu.emit_pipeline_warp_specialized``);
@@ -188,7 +189,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   return Plan(bt, bv, bk, stages, splits, chunk, sem, ws)
 
 
-def supported(spec: _base.Spec, platform: str) -> None:
+def supported(spec: common.Spec, platform: str) -> None:
   if spec.interpret:
     return  # Mosaic GPU's interpreter runs these kernels on any platform (see module docstring)
   if platform != "gpu":
@@ -742,7 +743,7 @@ def _dz_chunk_ws(x, w_c, b_c, labels_local, lse, coef, a, c, d: _Dims, p: Plan, 
 # ------------------------------------------------------------------------------------------------ custom_vjp
 
 
-def _prepare(x, w, bias, labels, spec: _base.Spec, p: Plan, store: bool = False):
+def _prepare(x, w, bias, labels, spec: common.Spec, p: Plan, store: bool = False):
   """Pads tokens to whole row blocks (and, only where unavoidable, H and V); bias to float32.
 
   TMA tiles the whole GMEM array: V must be a multiple of 8 rows ("vh") or of the 64-column swizzle ("hv"). The
@@ -806,18 +807,18 @@ def _lean_bwd(spec, p, res, g):
   def step(start, lo, carry):
     """Chunk of columns [start, start + cw); its first ``lo`` columns were done by the previous chunk."""
     dx, dw, db = carry
-    w_c = _base.slice_vocab(wp, start, cw, spec.w_layout)
+    w_c = common.slice_vocab(wp, start, cw, spec.w_layout)
     b_c = None if bp is None else lax.dynamic_slice_in_dim(bp, start, cw)
     local = jnp.where(yp >= 0, yp - start, -1)  # chunk-local target column (-1: none)
     dz = (_dz_chunk_ws if p.warp_specialized else _dz_chunk)(xp, w_c, b_c, local, lse_p, coef, a, c, d, p, opts)
     # dw's columns are complete after this one matmul (overlap columns get the same values again).
-    dw = lax.dynamic_update_slice_in_dim(dw, _base.grad_w(xp, dz, spec.w_layout).astype(dw.dtype), start, vaxis)
+    dw = lax.dynamic_update_slice_in_dim(dw, common.grad_w(xp, dz, spec.w_layout).astype(dw.dtype), start, vaxis)
     if db is not None:
       db = lax.dynamic_update_slice_in_dim(db, jnp.sum(dz.astype(F32), axis=0), start, 0)
     if lo:  # overlap columns must not reach dx twice
       keep = jnp.arange(cw) >= lo
       w_c = jnp.where(keep[None, :] if spec.w_layout == "hv" else keep[:, None], w_c, 0)
-    dx = dx + _base.grad_x(dz, w_c, spec.w_layout)
+    dx = dx + common.grad_x(dz, w_c, spec.w_layout)
     return dx, dw, db
 
   carry = (jnp.zeros(xp.shape, F32), jnp.zeros_like(wp), None if bp is None else jnp.zeros(bp.shape, F32))
@@ -834,7 +835,7 @@ def _lean_bwd(spec, p, res, g):
 _lean.defvjp(_lean_fwd, _lean_bwd)
 
 
-def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> _math.TokenOut:
+def lean(x, w, bias, labels, spec: common.Spec, config: Config | None = None) -> _math.TokenOut:
   """Per-token loss, lse and correctness; differentiable in x, w and bias with any cotangent on loss and lse.
 
   bf16/fp16 inputs run the kernels. Other inputs (fp32) follow ``config.fp32_inputs``: by default the exact
@@ -847,7 +848,7 @@ def lean(x, w, bias, labels, spec: _base.Spec, config: Config | None = None) -> 
   p = plan(x.shape[0], x.shape[1], spec.opts.vocab_size, config, spec.interpret)
   if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
     if fp32 == "chunked":
-      from lce_flax import chunked  # pylint: disable=g-import-not-at-top
+      from lce_flax._impl import chunked  # pylint: disable=g-import-not-at-top
       return chunked.lean(x, w, bias, labels, spec, chunked.Config())
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
   return _lean(x, w, bias, labels, spec, p)
@@ -911,7 +912,7 @@ def _stored_dz(xp, wp, bp, yp, wts, d: _Dims, p: Plan, opts):
   return out, dz, db
 
 
-def _fast_forward(x, w, bias, labels, weights, spec: _base.Spec, p: Plan, chunk: int | None):
+def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: Plan, chunk: int | None):
   """(Σ weights·loss, TokenOut, residuals): ``chunk`` None is the "logits" design, else "tokens" with that many
   tokens per chunk (a multiple of block_t)."""
   opts = spec.opts
@@ -933,8 +934,8 @@ def _fast_forward(x, w, bias, labels, weights, spec: _base.Spec, p: Plan, chunk:
       dw, db = carry
       xc, yc, wc = rows
       out, dz, dbc = _stored_dz(xc, wp, bp, yc, wc, dc, p, opts)
-      dw = dw + _base.grad_w(xc, dz, spec.w_layout)
-      return (dw, None if db is None else db + dbc), (_base.grad_x(dz, wp, spec.w_layout, out_dtype=xp.dtype), out)
+      dw = dw + common.grad_w(xc, dz, spec.w_layout)
+      return (dw, None if db is None else db + dbc), (common.grad_x(dz, wp, spec.w_layout, out_dtype=xp.dtype), out)
 
     init = (jnp.zeros(wp.shape, F32), None if bp is None else jnp.zeros(bp.shape, F32))
     (dw, db), (dx, out) = lax.scan(body, init, (xs, ys, ws))
@@ -964,15 +965,15 @@ def _fast_bwd(spec, p, chunk, meta, residuals, g):
   del p, chunk
   (dz, xp, wp, dx, dw, db), labels = residuals
   g_total, g_out = g
-  _base.check_fast_cotangents(g_out)
+  common.check_fast_cotangents(g_out)
   gt = g_total.astype(F32)
   (h, bias_dtype), b, v = meta, labels.shape[0], spec.opts.vocab_size
   scale = lambda t, dtype: (t.astype(F32) * gt).astype(dtype)
   if dz is not None:  # "logits": the two matmuls now
     # The cotangent enters dw through x (exact when it is 1, as for a loss): the matmul writes dw in its final
     # dtype, with no H×V float32 product.
-    dw = _base.grad_w(scale(xp, xp.dtype), dz, spec.w_layout, out_dtype=wp.dtype)
-    dx = scale(_base.grad_x(dz, wp, spec.w_layout), xp.dtype)
+    dw = common.grad_w(scale(xp, xp.dtype), dz, spec.w_layout, out_dtype=wp.dtype)
+    dx = scale(common.grad_x(dz, wp, spec.w_layout), xp.dtype)
   else:  # "tokens": formed in the forward (x and w share the kernels' dtype)
     dx, dw = scale(dx, dx.dtype), scale(dw, dx.dtype)
   dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
@@ -1007,14 +1008,14 @@ def fast_design(num_tokens: int, hidden: int, vocab: int, itemsize: int = 2) -> 
 FAST_DESIGNS = ("logits", "tokens", "chunked")
 
 
-def fast(x, w, bias, labels, weights, spec: _base.Spec, config: Config | None = None):
+def fast(x, w, bias, labels, weights, spec: common.Spec, config: Config | None = None):
   """``(Σ weights·loss, TokenOut)``, differentiable in x, w, bias through the scalar only (6·B·H·V FLOPs).
 
   ``config.fast_design``: ``"logits"`` or ``"tokens"`` (this module's kernels, see above), ``"chunked"`` (the
   pure-JAX chunked implementation's fast design), or None: the smaller buffer (:func:`fast_design`). float32
   inputs follow ``config.fp32_inputs`` as in :func:`lean`.
   """
-  from lce_flax import chunked  # pylint: disable=g-import-not-at-top
+  from lce_flax._impl import chunked  # pylint: disable=g-import-not-at-top
   config = config or Config()
   fp32 = config.fp32_inputs or "chunked"
   if fp32 not in ("chunked", "bf16"):
