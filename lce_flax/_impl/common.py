@@ -1,20 +1,31 @@
-"""What every implementation shares: the static call description and the three matmuls of the head.
+"""What every backend shares: the backend protocol, the static call description, the head's three matmuls and
+small integer helpers.
 
-An implementation module exposes, for a 2-D problem (``x`` [B, H], ``w`` [H, V] or [V, H], ``bias`` [V] or
-None, normalised ``labels`` [B] int32, see :func:`lce_flax._math.normalize_labels`):
+A backend module (``reference``, ``chunked``, ``pallas_triton``, ``triton``, ``pallas_mosaic``) exposes, for a
+2-D problem (``x`` [B, H], ``w`` [H, V] or [V, H], ``bias`` [V] or None, normalised ``labels`` [B] int32, see
+:func:`lce_flax._math.normalize_labels`):
 
-* ``supported(spec, platform) -> None``: raises ``NotImplementedError`` naming what it cannot do;
+* ``Config``: a frozen dataclass of the backend's knobs (None fields: chosen by the heuristic), with a
+  ``chunk_size`` field where the backend has a chunk loop;
+* ``supported(spec, platform, dtype) -> None``: raises ``NotImplementedError`` naming what it cannot do
+  (``dtype`` is the computation dtype of x and w);
+* ``design(num_tokens, hidden, spec, dtype, mode, config) -> Design``: the design that runs for ``mode``
+  (``"fast"`` or ``"lean"``) with every field of ``config`` resolved; raises ``ValueError`` naming a bad field
+  and ``NotImplementedError`` when the backend has no design for ``mode``;
 * ``lean(x, w, bias, labels, spec, config) -> TokenOut``: differentiable with *any* per-token cotangent on
   ``loss`` and ``lse``; keeps O(B) residuals and recomputes logits in the backward (8·B·H·V FLOPs);
-* ``fast(x, w, bias, labels, weights, spec, config) -> (Σ_t weights_t·loss_t, TokenOut)``: forms the
-  gradients while the logits are on hand (6·B·H·V FLOPs); only the scalar is differentiable.
+* ``fast(x, w, bias, labels, weights, spec, config) -> (Σ_t weights_t·loss_t, TokenOut)`` (or ``fast = None``):
+  forms the gradients while the logits are on hand (6·B·H·V FLOPs); only the scalar is differentiable.
 
-``api.py`` owns validation, flattening, label normalisation and reductions, so no backend repeats them.
+``lean`` and ``fast`` receive ``Design.config``: dispatch (``lce_flax/api.py``) resolves it once and decides
+every fallback; a backend never switches to another design or backend by itself. ``api.py`` also owns
+validation, flattening, label normalisation and reductions, so no backend repeats them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +34,33 @@ from jax import lax
 from lce_flax._math import LossOptions
 
 F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Design:
+  """What one call runs: returned by a backend's ``design`` and shown to users by :func:`lce_flax.explain`."""
+
+  impl: str  # the backend that runs
+  mode: str  # "fast" or "lean"
+  name: str  # the design inside the backend (e.g. "recompute", "logits", "token_chunks")
+  config: Any  # the backend's Config with every field resolved: what ``lean``/``fast`` receive
+  chunking: str  # how the problem is walked, in words (e.g. "vocabulary chunks of 2048 columns")
+  memory_bytes: int  # bound on the extra memory of forward + backward (beyond inputs, outputs and gradients)
+  notes: tuple[str, ...] = ()  # decisions dispatch took (fallbacks, casts), in words
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def pow2_floor(n: int) -> int:
+  """The largest power of two <= n (1 for n < 2)."""
+  return 1 << max(int(n).bit_length() - 1, 0)
+
+
+def pow2_ceil(n: int) -> int:
+  """The smallest power of two >= n (1 for n < 2)."""
+  return 1 << max(int(n) - 1, 0).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
