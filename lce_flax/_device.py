@@ -28,3 +28,12 @@ def compute_capability() -> tuple[int, int] | None:
 def default_interpret() -> bool:
   """Kernels run in Pallas interpret mode when there is no GPU to compile them for."""
   return platform() != "gpu"
+
+
+@functools.cache
+def num_sms() -> int:
+  """Streaming multiprocessors of the first device (its ``core_count``); 132 (an H100 SXM) when it is unknown."""
+  try:
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+  except Exception:  # noqa: BLE001  (no backend details: assume an H100)
+    return 132

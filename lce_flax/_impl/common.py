@@ -129,3 +129,41 @@ def vary(a, axes: tuple[str, ...]):
   vma = aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying
   missing = tuple(ax for ax in axes if ax not in vma)
   return lax.pcast(a, missing, to="varying") if missing else a
+
+
+# ------------------------------------------------------------------------------------------------ kernel helpers
+# Written once for the kernel backends (pallas_triton, triton, pallas_mosaic).
+
+
+def merge_splits(parts, labels, opts):
+  """Finalises a forward whose kernel leaves per-split row statistics: ``parts`` holds the four [S, B] arrays
+  (running max, sum of exponentials, target logit, logit sum) of S vocabulary splits (or is one [4, S, B]
+  array); the splits are merged with :func:`lce_flax._math.merge_stats` and finalised to a ``TokenOut``."""
+  from lce_flax import _math  # (common.py imports only LossOptions from it at the top)
+
+  m, s, target, zsum = parts
+  st = _math.RowStats(m[0], s[0], target[0], zsum[0])
+  for k in range(1, m.shape[0]):
+    st = _math.merge_stats(st, _math.RowStats(m[k], s[k], target[k], zsum[k]))
+  return _math.finalize(st, labels, opts)
+
+
+def present(*arrays) -> list:
+  """The operands of a kernel call with optional inputs (a bias): the arrays that are not None, in order."""
+  return [a for a in arrays if a is not None]
+
+
+def absent_refs(kernel, *positions: int):
+  """A kernel written with one fixed ref signature, adapted to a call that lacks the refs at ``positions``
+  (optional inputs, outputs or scratch, e.g. a bias, its gradient and their buffers): they arrive as None.
+  ``positions`` index the full signature."""
+  if not positions:
+    return kernel
+
+  def wrapped(*refs, **kwargs):
+    refs = list(refs)
+    for p in sorted(positions):
+      refs.insert(p, None)
+    return kernel(*refs, **kwargs)
+
+  return wrapped
