@@ -1,8 +1,8 @@
 """Multi-GPU check for issue 7: equality on meshes, data-parallel weak scaling, vocab-parallel per-device memory.
 
-Usage on a multi-GPU device: ``python3 -m benchmarks.gpu_multi`` (all visible GPUs; writes
+Usage on a multi-GPU device: ``python3 -m benchmarks.multi_gpu`` (all visible GPUs; writes
 ``$OUT/multi_gpu_<n>gpu.json`` and prints a summary). ``--small`` runs tiny shapes (a CPU smoke test:
-``XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.gpu_multi --small``).
+``XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.multi_gpu --small``).
 
 Sections (each row records its error instead of stopping the run):
 
