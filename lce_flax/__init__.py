@@ -1,21 +1,30 @@
-"""lce_flax: a fused linear + cross-entropy head for JAX/Flax that never holds the [tokens, vocab] logits.
+"""lce_flax: a fused linear + cross-entropy head for JAX/Flax whose memory stays bounded.
 
-``lce_flax.linear_cross_entropy`` is the op; the submodules ``linen``, ``nnx`` (Flax heads), ``sharding`` (the op
-under ``shard_map``) and ``train`` (a sharded train step) load on first access.
+``lce_flax.linear_cross_entropy`` is the op, ``lce_flax.LossOptions`` its options and ``lce_flax.explain`` says
+what it will run. The submodules ``linen``, ``nnx`` (Flax heads), ``adapters`` (the loss from heads models already
+have), ``sharding`` (meshes and the explicit sharded form) and ``train`` (a sharded train step) load on first
+access, as do the implementations' configs (``ChunkedConfig``, ``PallasTritonConfig``, ``TritonConfig``,
+``PallasMosaicConfig``).
 """
 
 import importlib
 
-from lce_flax.api import IMPLEMENTATIONS, Aux, available_implementations, linear_cross_entropy
+from lce_flax.api import IMPLEMENTATIONS, Aux, available_implementations, explain, linear_cross_entropy
+from lce_flax.options import LossOptions
 
-__all__ = ["Aux", "IMPLEMENTATIONS", "available_implementations", "linear_cross_entropy", "linen", "nnx",
-           "sharding", "train"]
-__version__ = "0.1.0"
+__all__ = ["Aux", "ChunkedConfig", "IMPLEMENTATIONS", "LossOptions", "PallasMosaicConfig", "PallasTritonConfig",
+           "TritonConfig", "adapters", "available_implementations", "explain", "linear_cross_entropy", "linen",
+           "nnx", "sharding", "train"]
+__version__ = "0.2.0"
 
-_LAZY = ("linen", "nnx", "sharding", "train")
+_LAZY_MODULES = ("adapters", "linen", "nnx", "sharding", "train")
+_CONFIGS = {"ChunkedConfig": "chunked", "PallasTritonConfig": "pallas_triton", "TritonConfig": "triton",
+            "PallasMosaicConfig": "pallas_mosaic"}
 
 
 def __getattr__(name):
-  if name in _LAZY:
+  if name in _LAZY_MODULES:
     return importlib.import_module(f"lce_flax.{name}")
+  if name in _CONFIGS:
+    return importlib.import_module(f"lce_flax._impl.{_CONFIGS[name]}").Config
   raise AttributeError(f"module 'lce_flax' has no attribute {name!r}")

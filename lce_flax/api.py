@@ -1,13 +1,16 @@
-"""``linear_cross_entropy``: validation, option handling and dispatch to an implementation.
+"""``linear_cross_entropy`` and ``explain``: validation, the options built once, and one dispatch.
 
-dispatch (this file) → implementation (``reference.py``, ``chunked.py``, ``pallas_triton.py``, ``triton_kernels.py``,
-``pallas_mosaic.py``) → kernel. Every implementation computes the math of ``_math.py`` on a 2-D problem with
-normalised labels; everything users see — leading dims, masks, reductions, errors — is handled here, once.
+dispatch (:func:`_dispatch`, this file) → implementation (``lce_flax/_impl/``: ``reference``, ``chunked``,
+``pallas_triton/``, ``triton/``, ``pallas_mosaic/``) → kernel. Every implementation computes the math of
+``_math.py`` on a 2-D problem with normalised labels, following the protocol of ``lce_flax/_impl/common.py``.
+Everything users see — leading dims, masks, dtypes, reductions, errors, and every fallback — is decided here,
+once, and :func:`explain` reports it before anything runs.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -15,12 +18,10 @@ import jax.numpy as jnp
 
 from lce_flax import _device, _math
 from lce_flax._impl import common
+from lce_flax.options import LossOptions, resolve
 
-REDUCTIONS = ("mean", "sum", "none")
-MODES = ("fast", "lean")
-
-# name -> module path. Modules are imported on first use, so a missing optional dependency (jax-triton) only
-# matters to the implementation that needs it.
+# name -> module. Imported on first use, so a missing optional dependency (jax-triton) only matters to the
+# implementation that needs it.
 IMPLEMENTATIONS = {
     "xla": "lce_flax._impl.reference",
     "chunked": "lce_flax._impl.chunked",
@@ -28,6 +29,7 @@ IMPLEMENTATIONS = {
     "triton": "lce_flax._impl.triton",
     "pallas_mosaic": "lce_flax._impl.pallas_mosaic",
 }
+KERNEL_IMPLS = ("pallas_triton", "triton", "pallas_mosaic")  # the ones ``interpret`` applies to
 
 
 class Aux(NamedTuple):
@@ -55,51 +57,39 @@ def _auto_order() -> tuple[str, ...]:
   return ("chunked",)
 
 
-def available_implementations(spec: common.Spec | None = None, platform: str | None = None) -> list[str]:
-  """Names of the implementations that can run ``spec`` (default: plain options) on ``platform``."""
+def available_implementations(dtype=jnp.bfloat16, platform: str | None = None) -> list[str]:
+  """Names of the implementations that can run ``dtype`` inputs on ``platform`` (default: this device)."""
   platform = platform or _device.platform()
-  spec = spec or common.Spec(_math.LossOptions(vocab_size=2))
+  spec = common.Spec(_math.LossOptions(vocab_size=2), interpret=False)
   names = []
   for name in IMPLEMENTATIONS:
     try:
-      _module(name).supported(spec, platform)
+      _module(name).supported(spec, platform, jnp.dtype(dtype))
       names.append(name)
     except NotImplementedError:
       pass
   return names
 
 
-def _resolve(impl: str, spec: common.Spec, platform: str, mode: str):
-  """Returns (name, module) of the implementation to run; raises with the alternatives if ``impl`` can't.
+# ------------------------------------------------------------------------------------------------ validation
 
-  ``"auto"`` walks :func:`_auto_order` and takes the first backend that supports the call *in the requested
-  mode*: a backend without a fast design is skipped when ``mode="fast"``, since its lean design would be
-  slower than the chunked fast one (see README, "Implementations and modes").
-  """
-  names = _auto_order() if impl == "auto" else (impl,)
-  reasons = []
-  for name in names:
+
+def _shape_dtype(a, name: str):
+  if a is None:
+    return None
+  if not hasattr(a, "shape") or not hasattr(a, "dtype"):
     try:
-      mod = _module(name)
-      mod.supported(spec, platform)
-      if impl == "auto" and mode == "fast" and mod.fast is None and name != names[-1]:
-        raise NotImplementedError("no fast mode")
-      return name, mod
-    except NotImplementedError as e:
-      reasons.append(f"{name}: {e}")
-  raise ValueError(f"impl={impl!r} cannot run here ({'; '.join(reasons)}); implementations that can: "
-                   f"{available_implementations(spec, platform)}")
+      a = jnp.asarray(a)
+    except TypeError:
+      raise TypeError(f"{name} must be an array, got a {type(a).__name__}") from None
+  return a
 
 
-def _check(x, w, labels, bias, where, reduction, w_layout, impl, mode, label_smoothing, z_loss, logit_softcap):
-  if impl != "auto" and impl not in IMPLEMENTATIONS:
-    raise ValueError(f"impl={impl!r} is not one of {['auto', *IMPLEMENTATIONS]}")
-  if reduction not in REDUCTIONS:
-    raise ValueError(f"reduction={reduction!r} is not one of {REDUCTIONS}")
-  if mode is not None and mode not in MODES:
-    raise ValueError(f"mode={mode!r} is not one of {MODES} (or None)")
+def _check(x, w, labels, bias, where, w_layout: str) -> None:
+  """Trace-time checks of shapes and dtypes; each error names the argument and what it got."""
   if w_layout not in ("hv", "vh"):
-    raise ValueError(f"w_layout={w_layout!r} must be 'hv' (w is [H, V], a Dense kernel) or 'vh' ([V, H], an Embed table)")
+    raise ValueError(f"w_layout={w_layout!r} must be 'hv' (w is [H, V], a Dense kernel) or 'vh' ([V, H], an "
+                     "Embed table)")
   for name, a in (("x", x), ("w", w)):
     if not jnp.issubdtype(a.dtype, jnp.floating):
       raise TypeError(f"{name} must be floating point, got {name}.dtype={a.dtype}")
@@ -111,51 +101,132 @@ def _check(x, w, labels, bias, where, reduction, w_layout, impl, mode, label_smo
   if x.shape[-1] != h:
     raise ValueError(f"x.shape={x.shape} and w.shape={w.shape} (w_layout={w_layout!r}) disagree on H: "
                      f"{x.shape[-1]} vs {h}")
+  if h == 0:
+    raise ValueError(f"H must be > 0: x.shape={x.shape}, w.shape={w.shape}")
+  v = common.vocab_size(w, w_layout)
+  if v == 0:
+    raise ValueError(f"V must be > 0: w.shape={w.shape} (w_layout={w_layout!r})")
   if not jnp.issubdtype(labels.dtype, jnp.integer):
     raise TypeError(f"labels must be integers, got labels.dtype={labels.dtype}")
   if labels.shape != x.shape[:-1]:
     raise ValueError(f"labels.shape={labels.shape} must equal x.shape[:-1]={x.shape[:-1]} (x.shape={x.shape})")
-  v = common.vocab_size(w, w_layout)
   if bias is not None and (bias.shape != (v,) or not jnp.issubdtype(bias.dtype, jnp.floating)):
     raise ValueError(f"bias must be floating [V]=[{v}], got bias.shape={bias.shape}, bias.dtype={bias.dtype}")
-  if where is not None and (where.shape != labels.shape or where.dtype != jnp.bool_):
-    raise ValueError(f"where must be bool with labels.shape={labels.shape}, got where.shape={where.shape}, "
-                     f"where.dtype={where.dtype}")
-  if not 0.0 <= label_smoothing < 1.0:
-    raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-  if z_loss < 0:
-    raise ValueError(f"z_loss={z_loss} must be >= 0")
-  if logit_softcap is not None and not logit_softcap > 0:
-    raise ValueError(f"logit_softcap={logit_softcap} must be > 0 (or None)")
+  if where is not None:
+    if where.shape != labels.shape:
+      raise ValueError(f"where.shape={where.shape} must equal labels.shape={labels.shape}")
+    if not (where.dtype == jnp.bool_ or jnp.issubdtype(where.dtype, jnp.number)):
+      raise TypeError(f"where must be bool or a numeric 0/1 mask, got where.dtype={where.dtype}")
 
 
-def _explicitly_sharded_axes(a) -> tuple[str, ...]:
-  """Mesh axes with ``AxisType.Explicit`` over which ``a`` is sharded (empty outside explicit-sharding mode)."""
+def _explicit_axes(a) -> tuple[str, ...]:
+  """Mesh axes of size > 1 with ``AxisType.Explicit`` over which ``a`` is sharded (empty outside that mode)."""
   sharding = getattr(jax.typeof(a), "sharding", None)
   mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
   if mesh is None or spec is None or not getattr(mesh, "axis_types", ()):
     return ()
   explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
-  used = []
-  for entry in spec:
-    for name in (entry if isinstance(entry, tuple) else (entry,)):
-      if name in explicit:
-        used.append(name)
-  return tuple(used)
+  return tuple(n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,))
+               if n in explicit and mesh.shape[n] > 1)
 
 
-def _check_sharding(impl, **arrays):
-  """The chunk loops contract over dimensions that explicit sharding would split without saying how to combine
-  them; say so clearly instead of failing deep inside with a ShardingTypeError."""
-  if impl == "xla":
-    return
-  for name, a in arrays.items():
-    axes = _explicitly_sharded_axes(a) if a is not None else ()
-    if axes:
-      raise ValueError(
-          f"{name} is sharded over the explicit mesh axes {axes} ({name}.sharding={jax.typeof(a).sharding}); "
-          "call lce_flax.sharding.sharded_linear_cross_entropy(..., mesh=mesh) for the sharded computation, "
-          "or reshard the inputs to replicated (or use impl='xla').")
+# ------------------------------------------------------------------------------------------------ dispatch
+
+_WARNED: set[tuple] = set()
+
+
+def _compute_dtype(x_dtype, w_dtype, opts: LossOptions, platform: str):
+  if opts.dtype is not None:
+    return jnp.dtype(opts.dtype)
+  dtype = jnp.promote_types(x_dtype, w_dtype)
+  low = (jnp.bfloat16, jnp.float16)
+  if platform == "gpu" and dtype == jnp.float32 and (x_dtype in low or w_dtype in low):
+    key = (str(x_dtype), str(w_dtype))
+    if key not in _WARNED:
+      _WARNED.add(key)
+      warnings.warn(
+          f"lce_flax: x is {x_dtype} and w is {w_dtype}; JAX promotion makes the head's matmuls float32, which "
+          "runs the exact float32 path, not the bf16 kernels. Pass dtype=jnp.bfloat16 (LossOptions.dtype or a "
+          "head's dtype=) for mixed precision, or dtype=jnp.float32 to keep float32 and silence this warning.",
+          stacklevel=4)
+  return dtype
+
+
+def _dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opts: LossOptions, platform: str
+              ) -> tuple[Any, common.Spec, common.Design]:
+  """(module, spec, design) of the implementation that runs; every fallback is decided and noted here."""
+  interpret = _device.default_interpret() if opts.interpret is None else bool(opts.interpret)
+  spec = common.Spec(_math.LossOptions(vocab, *opts.math_key), w_layout, interpret)
+  want = opts.mode or ("lean" if opts.reduction == "none" else "fast")
+  names = _auto_order() if opts.impl == "auto" else (opts.impl,)
+  notes, reasons = [], []
+  for i, name in enumerate(names):
+    last = i == len(names) - 1
+    try:
+      mod = _module(name)
+      mod.supported(spec, platform, dtype)
+      config = opts.config
+      if opts.chunk_size is not None:
+        if getattr(mod, "Config", None) is None or "chunk_size" not in mod.Config.__dataclass_fields__:
+          raise ValueError(f"chunk_size={opts.chunk_size} would be ignored: impl={name!r} has no chunk loop")
+        config = mod.Config(chunk_size=opts.chunk_size)
+      mode = want
+      if mod.fast is None and want == "fast":
+        if opts.mode == "fast" and opts.impl != "auto":
+          raise ValueError(f"mode='fast': impl={name!r} has no fast design; use mode='lean' (or mode=None)")
+        if opts.impl == "auto" and not last:
+          raise NotImplementedError("no fast design")
+        mode = "lean"
+        notes.append(f"{name} has no fast design: runs lean (recomputes the logits in the backward)")
+      design = mod.design(num_tokens, hidden, spec, dtype, mode, config)
+    except NotImplementedError as e:
+      reasons.append(f"{name}: {e}")
+      continue
+    if opts.interpret is not None and name not in KERNEL_IMPLS:
+      raise ValueError(f"interpret={opts.interpret} would be ignored: impl={name!r} runs no Pallas kernel")
+    if reasons:
+      notes.insert(0, "skipped " + "; ".join(reasons))
+    if interpret and name in KERNEL_IMPLS:
+      notes.append("kernels run in Pallas interpret mode (slow; for testing)")
+    return mod, spec, common.Design(*[getattr(design, f) for f in ("impl", "mode", "name", "config", "chunking",
+                                                                   "memory_bytes")],
+                                    notes=tuple(design.notes) + tuple(notes))
+  raise ValueError(f"impl={opts.impl!r} cannot run here ({'; '.join(reasons)}); implementations that can run "
+                   f"{jnp.dtype(dtype).name} inputs: {available_implementations(dtype, platform)}")
+
+
+def explain(x, w, labels=None, *, bias=None, w_layout: str = "hv", options: LossOptions | None = None,
+            **overrides: Any) -> common.Design:
+  """What :func:`linear_cross_entropy` would run for these arguments, without running it.
+
+  Arrays may be ``jax.ShapeDtypeStruct``; ``labels`` defaults to ``x.shape[:-1]``. Returns a
+  :class:`~lce_flax._impl.common.Design`: the implementation, the mode, the design inside it, its fully resolved
+  config, the chunking in words, a bound on the extra memory in bytes, and notes on every decision dispatch took
+  (a backend skipped and why, lean instead of fast, a dtype cast).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, lce_flax
+    >>> x = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16); w = jax.ShapeDtypeStruct((4096, 128256), jnp.bfloat16)
+    >>> d = lce_flax.explain(x, w, impl="chunked")
+    >>> d.impl, d.mode, d.name, d.chunking
+    ('chunked', 'fast', 'token_chunks', 'token chunks of 2048 tokens')
+  """
+  opts = resolve(options, overrides)
+  x, w, bias = _shape_dtype(x, "x"), _shape_dtype(w, "w"), _shape_dtype(bias, "bias")
+  labels = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32) if labels is None else _shape_dtype(labels, "labels")
+  _check(x, w, labels, bias, None, w_layout)
+  platform = _device.platform()
+  dtype = _compute_dtype(x.dtype, w.dtype, opts, platform)
+  num_tokens = int(jnp.size(labels)) if labels.shape else 1
+  _, _, design = _dispatch(num_tokens, x.shape[-1], common.vocab_size(w, w_layout), dtype, w_layout, opts, platform)
+  if dtype != jnp.promote_types(x.dtype, w.dtype) or x.dtype != w.dtype:
+    design = common.Design(*[getattr(design, f) for f in ("impl", "mode", "name", "config", "chunking",
+                                                          "memory_bytes")],
+                           notes=(f"x ({x.dtype}) and w ({w.dtype}) are cast to {dtype.name}", *design.notes))
+  return design
+
+
+# ------------------------------------------------------------------------------------------------ the op
 
 
 def linear_cross_entropy(
@@ -164,21 +235,13 @@ def linear_cross_entropy(
     labels: jax.Array,
     *,
     bias: jax.Array | None = None,
-    reduction: str = "mean",
-    ignore_index: int = -100,
     where: jax.Array | None = None,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    logit_softcap: float | None = None,
     w_layout: str = "hv",
-    impl: str = "auto",
     return_aux: bool = False,
-    mode: str | None = None,
-    chunk_size: int | None = None,
-    interpret: bool | None = None,
-    config: Any = None,
+    options: LossOptions | None = None,
+    **overrides: Any,
 ):
-  r"""Cross-entropy of a linear head, without materialising the ``[..., V]`` logits.
+  r"""Cross-entropy of a linear head, without materialising the ``[..., V]`` float32 logits.
 
   Computes, per token, ``optax.softmax_cross_entropy_with_integer_labels(softcap(x @ w + bias), labels)`` with
   optax-style label smoothing, plus ``z_loss · lse²``:
@@ -194,27 +257,23 @@ def linear_cross_entropy(
       is for tied heads: no transposed copy).
     labels: ``[...]`` integer targets in ``[0, V)``.
     bias: optional ``[V]``.
-    reduction: ``"mean"`` (over counted tokens; 0 if none is counted), ``"sum"`` or ``"none"`` (``[...]``).
-    ignore_index: label value of tokens that are not counted (loss 0, no gradient).
-    where: optional bool ``[...]``; False tokens are not counted (as in optax's ``where=``).
-    label_smoothing: ε of optax's ``smooth_labels``: targets ``(1-ε)·onehot + ε/V``.
-    z_loss: coefficient of the ``lse²`` auxiliary loss (PaLM).
-    logit_softcap: ``c`` of ``c·tanh(z/c)`` applied to the logits (Gemma 2), or None.
+    where: optional ``[...]`` mask, bool or numeric (nonzero counts); masked tokens are not counted (as
+      optax's ``where=``).
     w_layout: ``"hv"`` or ``"vh"``, see ``w``.
-    impl: ``"auto"``, ``"xla"``, ``"chunked"``, ``"pallas_triton"``, ``"triton"`` or ``"pallas_mosaic"``.
     return_aux: also return an :class:`Aux` (per-token loss and lse, accuracy counts).
-    mode: ``"fast"`` forms the gradients while logits are on hand (6·B·H·V FLOPs, a bounded buffer);
-      ``"lean"`` recomputes them in the backward (8·B·H·V FLOPs, O(B) residuals). None: fast, except for
-      ``reduction="none"``, which needs per-token cotangents and so runs lean.
-    chunk_size: chunk of the ``chunked`` implementation (vocab columns when lean, tokens when fast).
-    interpret: run Pallas kernels in interpret mode (default: when the default backend is not a GPU).
-    config: implementation-specific configuration (e.g. block sizes), or None for the heuristic.
+    options: a :class:`lce_flax.LossOptions` (default ``LossOptions()``).
+    **overrides: fields of :class:`lce_flax.LossOptions` by name (``reduction=``, ``ignore_index=``,
+      ``label_smoothing=``, ``z_loss=``, ``logit_softcap=``, ``dtype=``, ``impl=``, ``mode=``, ``chunk_size=``,
+      ``interpret=``, ``config=``), applied on top of ``options``.
 
   Returns:
     The float32 loss (scalar, or ``[...]`` for ``reduction="none"``), and an :class:`Aux` if ``return_aux``.
+    Gradients flow to x, w and bias in their own dtypes.
 
-  Labels outside ``[0, V)`` that are not ``ignore_index`` give that token a NaN loss (and NaN gradients), so the
-  reduced loss is NaN: a bad label never yields a plausible number.
+  Run-time values: labels outside ``[0, V)`` that are not ``ignore_index`` give that token a NaN loss (and NaN
+  gradients), so the reduced loss is NaN: a bad label never yields a plausible number. NaN or inf in x or w
+  propagate to the loss as in the unfused head. An empty batch gives loss 0 (``"mean"``, ``"sum"``) or an
+  empty array (``"none"``), and zero gradients. :func:`explain` says what runs for given arguments.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -223,45 +282,57 @@ def linear_cross_entropy(
     >>> print(f"{linear_cross_entropy(x, w, y):.4f}")  # uniform logits: log(10) per counted token
     2.3026
   """
+  opts = resolve(options, overrides)
+  x, w, labels = _shape_dtype(x, "x"), _shape_dtype(w, "w"), _shape_dtype(labels, "labels")
+  bias, where = _shape_dtype(bias, "bias"), _shape_dtype(where, "where")
   x, w, labels = jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels)
-  _check(x, w, labels, bias, where, reduction, w_layout, impl, mode, label_smoothing, z_loss, logit_softcap)
-  _check_sharding(impl, x=x, w=w, labels=labels, bias=bias)
-  if mode is None:
-    mode = "lean" if reduction == "none" else "fast"
-  if reduction == "none" and mode == "fast":
-    raise ValueError("reduction='none' needs per-token cotangents, which mode='fast' cannot take; use mode='lean'")
+  _check(x, w, labels, bias, where, w_layout)
+  sharded = {n: _explicit_axes(a) for n, a in (("x", x), ("w", w), ("labels", labels), ("bias", bias),
+                                                  ("where", where)) if a is not None}
+  if any(sharded.values()):
+    from lce_flax import sharding  # pylint: disable=g-import-not-at-top
+    return sharding.from_types(x, w, labels, bias=bias, where=where, w_layout=w_layout, return_aux=return_aux,
+                               options=opts)
+  return local_linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=w_layout,
+                                    return_aux=return_aux, options=opts)
 
-  vocab = common.vocab_size(w, w_layout)
-  opts = _math.LossOptions(vocab, float(label_smoothing), float(z_loss),
-                           None if logit_softcap is None else float(logit_softcap))
-  spec = common.Spec(opts, w_layout, _device.default_interpret() if interpret is None else bool(interpret))
-  name, mod = _resolve(impl, spec, _device.platform(), mode)
-  if config is None and chunk_size is not None:
-    config = getattr(mod, "Config")(chunk_size=chunk_size) if hasattr(mod, "Config") else None
 
+def local_linear_cross_entropy(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux=False,
+                               options: LossOptions, count=None):
+  """The op on one device's arrays (no sharding logic); ``count`` replaces the counted-token total of ``mean``
+  (the sharded form passes the global count)."""
+  opts = options
   batch_shape = labels.shape
-  dtype = jnp.promote_types(x.dtype, w.dtype)
+  platform = _device.platform()
+  dtype = _compute_dtype(x.dtype, w.dtype, opts, platform)
+  vocab = common.vocab_size(w, w_layout)
+  norm = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1) != 0,
+                                opts.ignore_index, vocab)
+  counted = norm != _math.IGNORED
+  local_count = counted.sum(dtype=jnp.int32)
+  total = local_count if count is None else count
+  if labels.size == 0:  # the documented all-ignored result; no implementation runs on zero tokens
+    loss = jnp.zeros(batch_shape if opts.reduction == "none" else (), jnp.float32)
+    aux = Aux(jnp.zeros(batch_shape, jnp.float32), jnp.zeros(batch_shape, jnp.float32), jnp.int32(0),
+              jnp.int32(0))
+    return (loss, aux) if return_aux else loss
+  mod, spec, design = _dispatch(norm.shape[0], x.shape[-1], vocab, dtype, w_layout, opts, platform)
   x2 = x.reshape(-1, x.shape[-1]).astype(dtype)
   w = w.astype(dtype)
-  labels2 = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1),
-                                   ignore_index, vocab)
-  counted = labels2 != _math.IGNORED
-  count = counted.sum(dtype=jnp.int32)
-
-  if mode == "fast" and mod.fast is not None:
+  if design.mode == "fast":
     weights = counted.astype(jnp.float32)
-    if reduction == "mean":
-      weights = weights / jnp.maximum(count, 1).astype(jnp.float32)
-    loss, out = mod.fast(x2, w, bias, labels2, weights, spec, config)
+    if opts.reduction == "mean":
+      weights = weights / jnp.maximum(total, 1).astype(jnp.float32)
+    loss, out = mod.fast(x2, w, bias, norm, weights, spec, design.config)
   else:
-    out = mod.lean(x2, w, bias, labels2, spec, config)
-    if reduction == "none":
+    out = mod.lean(x2, w, bias, norm, spec, design.config)
+    if opts.reduction == "none":
       loss = out.loss.reshape(batch_shape)
     else:
       loss = out.loss.sum()
-      if reduction == "mean":
-        loss = loss / jnp.maximum(count, 1).astype(jnp.float32)
+      if opts.reduction == "mean":
+        loss = loss / jnp.maximum(total, 1).astype(jnp.float32)
   if not return_aux:
     return loss
   return loss, Aux(out.loss.reshape(batch_shape), out.lse.reshape(batch_shape),
-                   out.correct.sum(dtype=jnp.int32), count)
+                   out.correct.sum(dtype=jnp.int32), local_count)

@@ -29,23 +29,11 @@ from flax.linen import dtypes as linen_dtypes
 from flax.typing import Dtype, Initializer
 
 from lce_flax import api
+from lce_flax.options import LossOptions, for_head, resolve
 
 # Logical axis names of the head's parameters, as used by MaxText-style sharding rules.
 KERNEL_AXES = ("embed", "vocab")
 BIAS_AXES = ("vocab",)
-
-# Options of :func:`lce_flax.linear_cross_entropy` a head holds as fields and a call may override.
-LOSS_OPTIONS = ("reduction", "ignore_index", "label_smoothing", "z_loss", "logit_softcap", "impl", "mode",
-                "chunk_size", "interpret", "config")
-
-
-def loss_kwargs(module: Any, overrides: dict[str, Any]) -> dict[str, Any]:
-  """The op's keyword arguments: each option from ``overrides`` unless it is None, else the module's field."""
-  unknown = set(overrides) - set(LOSS_OPTIONS)
-  if unknown:
-    raise TypeError(f"unknown loss option(s) {sorted(unknown)}; options are {LOSS_OPTIONS}")
-  return {k: getattr(module, k) if overrides.get(k) is None else overrides[k] for k in LOSS_OPTIONS}
-
 
 def check_input(x: jax.Array, hidden: int | None, what: str) -> None:
   if x.ndim < 1:
@@ -66,27 +54,14 @@ def _partitioned(init: Initializer, axes: tuple[str | None, ...] | None) -> Init
   return init if axes is None else nn.with_logical_partitioning(init, axes)
 
 
-def _option(default: Any) -> Any:
-  return dataclasses.field(default=default, kw_only=True)
+class _HeadOptions(nn.Module):
+  """The loss options a head holds (one :class:`lce_flax.LossOptions`, keyword-only so each head's own fields
+  keep their positions); a call may override each option, ``None`` included."""
+
+  options: LossOptions = dataclasses.field(default=LossOptions(), kw_only=True)
 
 
-class _LossOptionFields(nn.Module):
-  """The op's options as keyword-only fields of a head (defaults of :func:`lce_flax.linear_cross_entropy`; a call
-  may override each, see :func:`loss_kwargs`). Keyword-only, so each head's own fields keep their positions."""
-
-  reduction: str = _option("mean")
-  ignore_index: int = _option(-100)
-  label_smoothing: float = _option(0.0)
-  z_loss: float = _option(0.0)
-  logit_softcap: float | None = _option(None)
-  impl: str = _option("auto")
-  mode: str | None = _option(None)
-  chunk_size: int | None = _option(None)
-  interpret: bool | None = _option(None)
-  config: Any = _option(None)
-
-
-class LMHead(_LossOptionFields):
+class LMHead(_HeadOptions):
   """A language-model head with the parameters of ``nn.Dense(vocab_size)`` that returns the cross-entropy loss.
 
   ``LMHead(V)(x, labels)`` equals
@@ -100,16 +75,16 @@ class LMHead(_LossOptionFields):
   Attributes:
     vocab_size: V, the number of output classes.
     use_bias: whether the head has a ``bias`` [V] (``nn.Dense``'s default is True, an LM head's usually False).
-    dtype: dtype of the matmul (None: promote ``x`` and the parameters, as ``nn.Dense``).
+    dtype: dtype of the matmul (None: promote ``x`` and the parameters, as ``nn.Dense``; bf16 activations with
+      float32 parameters then compute in float32: set ``dtype=jnp.bfloat16`` for mixed precision).
     param_dtype: dtype of the parameters.
     precision: ``lax.Precision`` of :meth:`logits` (the fused loss always accumulates in float32).
     kernel_init: initialiser of ``kernel`` [H, V] (``nn.Dense``'s default: LeCun normal).
     bias_init: initialiser of ``bias`` [V].
     kernel_axes: logical axis names of ``kernel`` for ``nn.with_logical_partitioning`` (None: no metadata).
     bias_axes: logical axis names of ``bias``.
-    reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size, interpret, config:
-      keyword-only defaults of the options of :func:`lce_flax.linear_cross_entropy`; each may be overridden
-      per call.
+    options: the loss options (:class:`lce_flax.LossOptions`, keyword-only); a call's keyword overrides replace
+      its fields, ``None`` included.
   """
 
   vocab_size: int
@@ -124,7 +99,7 @@ class LMHead(_LossOptionFields):
 
   @nn.compact
   def _params(self, x: jax.Array):
-    """Creates (or reads) ``kernel`` and ``bias`` as ``nn.Dense`` does, and promotes them with ``x``."""
+    """Creates (or reads) ``kernel`` and ``bias`` as ``nn.Dense`` does (the op casts them, see ``dtype``)."""
     x = jnp.asarray(x)
     check_input(x, None, type(self).__name__)
     kernel = self.param("kernel", _partitioned(self.kernel_init, self.kernel_axes),
@@ -132,31 +107,29 @@ class LMHead(_LossOptionFields):
     bias = None
     if self.use_bias:
       bias = self.param("bias", _partitioned(self.bias_init, self.bias_axes), (self.vocab_size,), self.param_dtype)
-    x, kernel, bias = linen_dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
     return x, kernel, bias
 
   def __call__(self, x: jax.Array, labels: jax.Array, *, where: jax.Array | None = None, return_aux: bool = False,
-               **options: Any):
+               **overrides: Any):
     """The cross-entropy of ``x @ kernel + bias`` against ``labels``, without the logits.
 
     Args:
       x: ``[..., H]`` hidden states.
       labels: ``[...]`` integer targets; ``ignore_index`` (default -100) marks tokens that are not counted.
-      where: optional bool ``[...]``; False tokens are not counted.
+      where: optional ``[...]`` mask (bool or 0/1); masked tokens are not counted.
       return_aux: also return the op's :class:`lce_flax.Aux` (per-token loss, lse, accuracy counts).
-      **options: per-call values of the loss options (``reduction=``, ``z_loss=``, ``impl=``, ...); None keeps
-        the module's field.
+      **overrides: per-call values of fields of ``options`` (``reduction=``, ``z_loss=``, ``impl=``, ...).
 
     Returns:
       The float32 loss (and the :class:`lce_flax.Aux` if ``return_aux``), as :func:`lce_flax.linear_cross_entropy`.
     """
     x, kernel, bias = self._params(x)
     return api.linear_cross_entropy(x, kernel, labels, bias=bias, where=where, return_aux=return_aux,
-                                    w_layout="hv", **loss_kwargs(self, options))
+                                    w_layout="hv", options=for_head(self.options, self.dtype, overrides))
 
   def logits(self, x: jax.Array) -> jax.Array:
     """``[..., V]`` logits ``x @ kernel + bias``: exactly ``nn.Dense(vocab_size)(x)`` on the same parameters."""
-    x, kernel, bias = self._params(x)
+    x, kernel, bias = linen_dtypes.promote_dtype(*self._params(x), dtype=self.dtype)
     return dense_logits(x, kernel, bias, self.precision)
 
 
@@ -171,7 +144,8 @@ def _table(embed: nn.Embed | jax.Array, dtype: Dtype | None) -> tuple[jax.Array,
 
 
 def tied_linear_cross_entropy(embed: nn.Embed | jax.Array, x: jax.Array, labels: jax.Array, *,
-                              dtype: Dtype | None = None, **kwargs: Any):
+                              where: jax.Array | None = None, return_aux: bool = False, dtype: Dtype | None = None,
+                              options: LossOptions | None = None, **overrides: Any):
   """Cross-entropy of the tied head ``x @ table.T`` without a transposed copy of the [V, H] ``table``.
 
   Equals ``optax.softmax_cross_entropy_with_integer_labels(embed.attend(x), labels)`` reduced over counted
@@ -181,9 +155,10 @@ def tied_linear_cross_entropy(embed: nn.Embed | jax.Array, x: jax.Array, labels:
     embed: the model's (bound) ``nn.Embed``, or its ``[V, H]`` embedding table.
     x: ``[..., H]`` hidden states.
     labels: ``[...]`` integer targets.
+    where, return_aux: as in :func:`lce_flax.linear_cross_entropy`.
     dtype: dtype of the matmul (None: ``embed.dtype`` for an ``nn.Embed``, else the promoted type, like
       ``Embed.attend``).
-    **kwargs: options of :func:`lce_flax.linear_cross_entropy` (``reduction``, ``where``, ``impl``, ...).
+    options, **overrides: the loss options, as in :func:`lce_flax.linear_cross_entropy`.
 
   Returns:
     As :func:`lce_flax.linear_cross_entropy`.
@@ -191,11 +166,11 @@ def tied_linear_cross_entropy(embed: nn.Embed | jax.Array, x: jax.Array, labels:
   table, dtype = _table(embed, dtype)
   x = jnp.asarray(x)
   check_input(x, table.shape[1], "tied_linear_cross_entropy")
-  x, table = linen_dtypes.promote_dtype(x, table, dtype=dtype)
-  return api.linear_cross_entropy(x, table, labels, w_layout="vh", **kwargs)
+  return api.linear_cross_entropy(x, table, labels, where=where, return_aux=return_aux, w_layout="vh",
+                                  options=for_head(options or LossOptions(), dtype, overrides))
 
 
-class TiedLMHead(_LossOptionFields):
+class TiedLMHead(_HeadOptions):
   """The loss of a head tied to the input embedding: ``Embed.attend`` + cross-entropy, fused; no parameters.
 
   Call it with the model's ``nn.Embed`` (or its [V, H] table): ``TiedLMHead()(self.embed, h, labels)``. The table
@@ -204,18 +179,17 @@ class TiedLMHead(_LossOptionFields):
   Attributes:
     dtype: dtype of the matmul (None: the ``nn.Embed``'s ``dtype``, as ``Embed.attend``; for a bare table the
       promoted type).
-    reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size, interpret, config:
-      keyword-only defaults of the options of :func:`lce_flax.linear_cross_entropy`; each may be overridden
-      per call.
+    options: the loss options (:class:`lce_flax.LossOptions`, keyword-only); a call's keyword overrides replace
+      its fields, ``None`` included.
   """
 
   dtype: Dtype | None = None
 
   def __call__(self, embed: nn.Embed | jax.Array, x: jax.Array, labels: jax.Array, *,
-               where: jax.Array | None = None, return_aux: bool = False, **options: Any):
+               where: jax.Array | None = None, return_aux: bool = False, **overrides: Any):
     """The loss of ``embed.attend(x)`` against ``labels``; arguments as :meth:`LMHead.__call__`."""
     return tied_linear_cross_entropy(embed, x, labels, dtype=self.dtype, where=where, return_aux=return_aux,
-                                     **loss_kwargs(self, options))
+                                     options=resolve(self.options, overrides))
 
   def logits(self, embed: nn.Embed | jax.Array, x: jax.Array) -> jax.Array:
     """``[..., V]`` logits ``x @ table.T``, as ``Embed.attend(x)``."""
@@ -226,4 +200,4 @@ class TiedLMHead(_LossOptionFields):
     return jnp.dot(x, table.T)
 
 
-__all__ = ["LMHead", "TiedLMHead", "tied_linear_cross_entropy", "LOSS_OPTIONS", "KERNEL_AXES", "BIAS_AXES"]
+__all__ = ["LMHead", "TiedLMHead", "tied_linear_cross_entropy", "KERNEL_AXES", "BIAS_AXES"]

@@ -35,7 +35,8 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.typing import Dtype, Initializer
 
 from lce_flax import api
-from lce_flax.linen import BIAS_AXES, KERNEL_AXES, LOSS_OPTIONS, check_input, dense_logits, loss_kwargs
+from lce_flax.linen import BIAS_AXES, KERNEL_AXES, check_input, dense_logits
+from lce_flax.options import LossOptions, for_head
 
 _SHARDING_KEYS = ("out_sharding", "sharding", "sharding_names")  # the last two: flax's deprecated spellings
 
@@ -71,24 +72,13 @@ def _metadata(axes: tuple[str | None, ...] | None, user: Mapping[str, Any]) -> d
   return md
 
 
-class _LossOptions:
-  """The loss options shared by the heads, held as static attributes."""
-
-  def _set_loss_options(self, reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode,
-                        chunk_size, interpret, config) -> None:
-    self.reduction = reduction
-    self.ignore_index = ignore_index
-    self.label_smoothing = label_smoothing
-    self.z_loss = z_loss
-    self.logit_softcap = logit_softcap
-    self.impl = impl
-    self.mode = mode
-    self.chunk_size = chunk_size
-    self.interpret = interpret
-    self.config = config
+def _check_options(options: LossOptions) -> LossOptions:
+  if not isinstance(options, LossOptions):
+    raise TypeError(f"options must be a lce_flax.LossOptions, got a {type(options).__name__}")
+  return options
 
 
-class LMHead(nnx.Module, _LossOptions):
+class LMHead(nnx.Module):
   """A language-model head with the variables of ``nnx.Linear(in_features, vocab_size)`` that returns the loss.
 
   ``head(x, labels)`` equals ``optax.softmax_cross_entropy_with_integer_labels(linear(x), labels)`` reduced over
@@ -109,8 +99,8 @@ class LMHead(nnx.Module, _LossOptions):
     bias_axes: logical sharding names of ``bias``.
     kernel_metadata: further metadata of the ``kernel`` variable (a sharding given here replaces ``kernel_axes``).
     bias_metadata: further metadata of the ``bias`` variable.
-    reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size, interpret, config:
-      defaults of the options of :func:`lce_flax.linear_cross_entropy`; each may be overridden per call.
+    options: the loss options (:class:`lce_flax.LossOptions`); a call's keyword overrides replace its fields,
+      ``None`` included.
     rngs: the ``nnx.Rngs`` the parameters are drawn from (``params`` stream, kernel then bias, as Linear).
   """
 
@@ -129,16 +119,7 @@ class LMHead(nnx.Module, _LossOptions):
       bias_axes: tuple[str | None, ...] | None = BIAS_AXES,
       kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
       bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-      reduction: str = "mean",
-      ignore_index: int = -100,
-      label_smoothing: float = 0.0,
-      z_loss: float = 0.0,
-      logit_softcap: float | None = None,
-      impl: str = "auto",
-      mode: str | None = None,
-      chunk_size: int | None = None,
-      interpret: bool | None = None,
-      config: Any = None,
+      options: LossOptions = LossOptions(),
       rngs: nnx.Rngs,
   ):
     if in_features < 1 or vocab_size < 1:
@@ -156,40 +137,37 @@ class LMHead(nnx.Module, _LossOptions):
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.precision = precision
-    self._set_loss_options(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size,
-                           interpret, config)
+    self.options = _check_options(options)
 
-  def _promoted(self, x: jax.Array):
+  def _arrays(self, x: jax.Array):
     x = jnp.asarray(x)
     check_input(x, self.in_features, type(self).__name__)
-    bias = self.bias[...] if self.bias is not None else None
-    return nnx_dtypes.promote_dtype((x, self.kernel[...], bias), dtype=self.dtype)
+    return x, self.kernel[...], self.bias[...] if self.bias is not None else None
 
   def __call__(self, x: jax.Array, labels: jax.Array, *, where: jax.Array | None = None, return_aux: bool = False,
-               **options: Any):
+               **overrides: Any):
     """The cross-entropy of ``x @ kernel + bias`` against ``labels``, without the logits.
 
     Args:
       x: ``[..., H]`` hidden states.
       labels: ``[...]`` integer targets; ``ignore_index`` (default -100) marks tokens that are not counted.
-      where: optional bool ``[...]``; False tokens are not counted.
+      where: optional ``[...]`` mask (bool or 0/1); masked tokens are not counted.
       return_aux: also return the op's :class:`lce_flax.Aux`.
-      **options: per-call values of the loss options (``reduction=``, ``z_loss=``, ``impl=``, ...); None keeps
-        the head's setting.
+      **overrides: per-call values of fields of ``options`` (``reduction=``, ``z_loss=``, ``impl=``, ...).
 
     Returns:
       The float32 loss (and the :class:`lce_flax.Aux` if ``return_aux``), as :func:`lce_flax.linear_cross_entropy`.
     """
-    x, kernel, bias = self._promoted(x)
+    x, kernel, bias = self._arrays(x)
     return api.linear_cross_entropy(x, kernel, labels, bias=bias, where=where, return_aux=return_aux,
-                                    w_layout="hv", **loss_kwargs(self, options))
+                                    w_layout="hv", options=for_head(self.options, self.dtype, overrides))
 
   def logits(self, x: jax.Array) -> jax.Array:
     """``[..., V]`` logits ``x @ kernel + bias``: ``nnx.Linear``'s output on the same variables."""
-    return dense_logits(*self._promoted(x), self.precision)
+    return dense_logits(*nnx_dtypes.promote_dtype(self._arrays(x), dtype=self.dtype), self.precision)
 
 
-class TiedLMHead(nnx.Module, _LossOptions):
+class TiedLMHead(nnx.Module):
   """The loss of a head tied to an ``nnx.Embed``: ``Embed.attend`` + cross-entropy, fused; no variables.
 
   Call it with the model's embedding: ``self.head(self.embed, h, labels)``. The [V, H] table is read in its own
@@ -199,19 +177,14 @@ class TiedLMHead(nnx.Module, _LossOptions):
   Args:
     dtype: dtype of the matmul (None: the ``nnx.Embed``'s ``dtype``, as ``Embed.attend``; for a bare [V, H] table
       the promoted type).
-    reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size, interpret, config:
-      defaults of the options of :func:`lce_flax.linear_cross_entropy`; each may be overridden per call.
+    options: the loss options (:class:`lce_flax.LossOptions`); a call's keyword overrides replace its fields.
   """
 
-  def __init__(self, *, dtype: Dtype | None = None, reduction: str = "mean", ignore_index: int = -100,
-               label_smoothing: float = 0.0, z_loss: float = 0.0, logit_softcap: float | None = None,
-               impl: str = "auto", mode: str | None = None, chunk_size: int | None = None,
-               interpret: bool | None = None, config: Any = None):
+  def __init__(self, *, dtype: Dtype | None = None, options: LossOptions = LossOptions()):
     self.dtype = dtype
-    self._set_loss_options(reduction, ignore_index, label_smoothing, z_loss, logit_softcap, impl, mode, chunk_size,
-                           interpret, config)
+    self.options = _check_options(options)
 
-  def _promoted(self, embed: nnx.Embed | jax.Array, x: jax.Array):
+  def _table(self, embed: nnx.Embed | jax.Array, x: jax.Array):
     if isinstance(embed, nnx.Embed):
       table, dtype = embed.embedding[...], self.dtype if self.dtype is not None else embed.dtype
     else:
@@ -220,19 +193,20 @@ class TiedLMHead(nnx.Module, _LossOptions):
         raise ValueError(f"embed must be an nnx.Embed or its [V, H] table, got an array of shape {table.shape}")
     x = jnp.asarray(x)
     check_input(x, table.shape[1], type(self).__name__)
-    return nnx_dtypes.promote_dtype((x, table), dtype=dtype)
+    return x, table, dtype
 
   def __call__(self, embed: nnx.Embed | jax.Array, x: jax.Array, labels: jax.Array, *,
-               where: jax.Array | None = None, return_aux: bool = False, **options: Any):
+               where: jax.Array | None = None, return_aux: bool = False, **overrides: Any):
     """The loss of ``embed.attend(x)`` against ``labels``; arguments as :meth:`LMHead.__call__`."""
-    x, table = self._promoted(embed, x)
+    x, table, dtype = self._table(embed, x)
     return api.linear_cross_entropy(x, table, labels, w_layout="vh", where=where, return_aux=return_aux,
-                                    **loss_kwargs(self, options))
+                                    options=for_head(self.options, dtype, overrides))
 
   def logits(self, embed: nnx.Embed | jax.Array, x: jax.Array) -> jax.Array:
     """``[..., V]`` logits ``x @ table.T``, as ``Embed.attend(x)``."""
-    x, table = self._promoted(embed, x)
+    x, table, dtype = self._table(embed, x)
+    x, table = nnx_dtypes.promote_dtype((x, table), dtype=dtype)
     return jnp.dot(x, table.T)
 
 
-__all__ = ["LMHead", "TiedLMHead", "LOSS_OPTIONS"]
+__all__ = ["LMHead", "TiedLMHead"]

@@ -115,3 +115,12 @@ def resolve(options: LossOptions | None, overrides: dict[str, Any]) -> LossOptio
   if options is not None and not isinstance(options, LossOptions):
     raise TypeError(f"options must be a lce_flax.LossOptions, got {type(options).__name__}")
   return (options or LossOptions()).replace(**overrides)
+
+
+def for_head(options: LossOptions, dtype: Any, overrides: dict[str, Any]) -> LossOptions:
+  """A head's options for one call: its ``options`` with the call's ``overrides``; the head's Flax ``dtype``
+  (None: none) fills ``dtype`` unless the options or the call set it."""
+  opts = resolve(options, overrides)
+  if dtype is not None and opts.dtype is None:
+    opts = opts.replace(dtype=dtype)
+  return opts

@@ -65,6 +65,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lce_flax import _math, api
+from lce_flax.options import LossOptions, resolve
 from lce_flax._impl import chunked, common
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
@@ -144,15 +145,11 @@ def sharded_linear_cross_entropy(
     vocab_axis: str | None = TENSOR,
     fsdp_axis: str | None = FSDP,
     bias: jax.Array | None = None,
-    reduction: str = "mean",
-    ignore_index: int = -100,
     where: jax.Array | None = None,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    logit_softcap: float | None = None,
     w_layout: str = "hv",
     return_aux: bool = False,
-    **op_kwargs,
+    options: LossOptions | None = None,
+    **overrides: Any,
 ):
   """:func:`lce_flax.linear_cross_entropy` on a mesh: tokens over ``batch_axes``, ``w`` over vocab and FSDP axes.
 
@@ -167,10 +164,9 @@ def sharded_linear_cross_entropy(
     batch_axes: mesh axes the tokens are split over (data parallel, FSDP).
     vocab_axis: mesh axis the vocabulary is split over (vocab-parallel head), or None.
     fsdp_axis: mesh axis ``w``'s H dim is split over (gathered once per call), or None.
-    bias, reduction, ignore_index, where, label_smoothing, z_loss, logit_softcap, w_layout, return_aux: as in
-      :func:`lce_flax.linear_cross_entropy`.
-    **op_kwargs: ``impl``, ``mode``, ``chunk_size``, ``interpret``, ``config`` of the op. With a vocab axis of
-      size > 1 only ``mode`` and ``chunk_size`` (tokens per chunk when fast, vocabulary columns when lean) apply.
+    bias, where, w_layout, return_aux, options, **overrides: as in :func:`lce_flax.linear_cross_entropy`. With a
+      vocab axis of size > 1 the chunked designs run (``chunk_size``: tokens per chunk when fast, vocabulary
+      columns when lean); ``impl`` must then be ``"auto"`` or ``"chunked"``.
 
   Returns:
     The float32 loss (replicated scalar, or ``[B, ...]`` split like ``labels`` for ``reduction="none"``), and an
@@ -185,10 +181,9 @@ def sharded_linear_cross_entropy(
     >>> print(f"{sharded_linear_cross_entropy(x, w, y, mesh=mesh):.4f}")  # log(10)
     2.3026
   """
+  opts = resolve(options, overrides)
   x, w, labels = jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels)
-  impl = op_kwargs.get("impl", "auto")
-  api._check(x, w, labels, bias, where, reduction, w_layout, impl, op_kwargs.get("mode"), label_smoothing, z_loss,
-             logit_softcap)
+  api._check(x, w, labels, bias, where, w_layout)
   batch = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
   for a in (*batch, vocab_axis, fsdp_axis):
     if a is not None and a not in mesh.shape:
@@ -218,12 +213,13 @@ def sharded_linear_cross_entropy(
   tok_spec = P(bspec)
   w_spec = P(faxis, vaxis) if w_layout == "hv" else P(vaxis, faxis)
   h_dim = 0 if w_layout == "hv" else 1
-  opts = _math.LossOptions(vocab, float(label_smoothing), float(z_loss),
-                           None if logit_softcap is None else float(logit_softcap))
-  chunk_size = op_kwargs.get("chunk_size")
-  mode = op_kwargs.get("mode") or ("lean" if reduction == "none" else "fast")
-  if reduction == "none" and mode == "fast":
-    raise ValueError("reduction='none' needs per-token cotangents, which mode='fast' cannot take; use mode='lean'")
+  reduction = opts.reduction
+  math_opts = _math.LossOptions(vocab, *opts.math_key)
+  chunk_size = opts.chunk_size
+  mode = opts.mode or ("lean" if reduction == "none" else "fast")
+  if vaxis is not None and opts.impl not in ("auto", "chunked"):
+    raise ValueError(f"impl={opts.impl!r}: the vocab-parallel head (vocab_axis={vocab_axis!r} of size {nv}) runs "
+                     "the chunked designs; use impl='auto' or 'chunked'")
 
   def local(x, w, bias, labels, where):
     if faxis is not None:  # FSDP: the whole H for this device's columns, once per call
@@ -232,22 +228,20 @@ def sharded_linear_cross_entropy(
       # w (and bias) replicated over the batch axes: the transpose of this cast psums dw over them. x and labels
       # stay invariant over the vocab axis, so the loss and lse built from the combined stats are too.
       w, bias = common.vary(w, batch), common.vary(bias, batch)
-    norm = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1), ignore_index,
-                                  vocab)
+    norm = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1) != 0,
+                                  opts.ignore_index, vocab)
     count = lax.psum((norm != _math.IGNORED).sum(dtype=jnp.int32), batch) if batch else (
         (norm != _math.IGNORED).sum(dtype=jnp.int32))
     if vaxis is None:
       # local sum; divided by the global count below (a mean of local means would weight devices, not tokens)
       red = "none" if reduction == "none" else "sum"
-      loss, aux = api.linear_cross_entropy(
-          x, w, labels, bias=bias, reduction=red, ignore_index=ignore_index, where=where,
-          label_smoothing=label_smoothing, z_loss=z_loss, logit_softcap=logit_softcap, w_layout=w_layout,
-          return_aux=True, **op_kwargs)
+      loss, aux = api.local_linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=w_layout,
+                                                 return_aux=True, options=opts.replace(reduction=red))
       tok_loss, lse, correct = aux.token_loss, aux.lse, aux.num_correct
     else:
       x2 = x.reshape(-1, hidden)
-      spec = common.Spec(opts, w_layout)
-      dtype = jnp.promote_types(x.dtype, w.dtype)
+      spec = common.Spec(math_opts, w_layout)
+      dtype = opts.dtype or jnp.promote_types(x.dtype, w.dtype)
       x2, w = x2.astype(dtype), w.astype(dtype)
       if mode == "fast":
         weights = (norm != _math.IGNORED).astype(jnp.float32)
@@ -283,3 +277,46 @@ def sharded_linear_cross_entropy(
     args = tuple(None if a is None else jax.sharding.reshard(a, NamedSharding(mesh, sp)) for a, sp in zip(args, specs))
   loss, aux = fn(*args)
   return (loss, aux) if return_aux else loss
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def from_types(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux=False,
+               options: LossOptions | None = None):
+  """The op on arrays whose shardings are in their types (mesh axes of ``AxisType.Explicit``).
+
+  Reads the layout from the types — tokens over the mesh axes of ``x``'s first dim, V over the axis of ``w``'s
+  vocabulary dim, H over the axis of ``w``'s hidden dim (FSDP) — and runs :func:`sharded_linear_cross_entropy`
+  with it; :func:`lce_flax.linear_cross_entropy` calls this itself when it sees such inputs.
+  """
+  def spec_of(a):
+    sh = jax.typeof(a).sharding
+    return sh.mesh, tuple(sh.spec) + (None,) * (a.ndim - len(sh.spec))
+
+  meshes = [spec_of(a)[0] for a in (x, w, labels, bias, where) if a is not None]
+  mesh = next((m for m in meshes if m.axis_names), meshes[0])
+  _, xs = spec_of(x)
+  _, ws = spec_of(w)
+  h_dim, v_dim = (0, 1) if w_layout == "hv" else (1, 0)
+  if x.ndim < 2:
+    raise ValueError(f"x is sharded but has no batch dim to split: x.shape={x.shape}")
+  if _entry_axes(xs[-1]):
+    raise ValueError(f"x's hidden dim is sharded over {xs[-1]} (x.sharding={jax.typeof(x).sharding}); the head "
+                     "contracts over H: shard the tokens instead, or reshard x")
+  inner = [ax for e in xs[1:-1] for ax in _entry_axes(e)]
+  if inner:
+    raise ValueError(f"x is sharded over {inner} on a dim other than its first (x.sharding="
+                     f"{jax.typeof(x).sharding}); tokens may be split on the first dim only")
+  batch = _entry_axes(xs[0])
+  vocab = _entry_axes(ws[v_dim])
+  fsdp = _entry_axes(ws[h_dim])
+  if len(vocab) > 1 or len(fsdp) > 1:
+    raise ValueError(f"w.sharding={jax.typeof(w).sharding}: each dim of w may be split over one mesh axis")
+  return sharded_linear_cross_entropy(
+      x, w, labels, mesh=mesh, batch_axes=batch, vocab_axis=vocab[0] if vocab else None,
+      fsdp_axis=fsdp[0] if fsdp else None, bias=bias, where=where, w_layout=w_layout, return_aux=return_aux,
+      options=options)

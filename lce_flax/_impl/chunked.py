@@ -60,14 +60,31 @@ def lean_chunk(num_tokens: int, vocab: int, requested: int | None = None) -> int
 def fast_chunk(num_tokens: int, hidden: int, vocab: int, requested: int | None = None) -> int:
   """Tokens per chunk. The fast design must hold an H×V float32 dw anyway; a logits chunk of H/2 tokens (a power
   of two in [16, 2048]) is half that buffer, so extra memory stays near 1.5–2× the floor, while the chunk matmuls
-  are large enough to run at the matmul rate. On the H100 at llama3-8b (H=4096 → 2048 tokens): 44.1 ms and 2.68 GB
-  temp, against 48.5 ms / 2.40 GB with 1024 and 43.1 ms / 4.25 GB with 4096
-  (``benchmarks/results/chunked_h100_2026-11-22.json``)."""
+  are large enough to run at the matmul rate. Measured on an H100 at llama3-8b (H=4096 → 2048 tokens): 44.1 ms and
+  2.68 GB temp, against 48.5 ms / 2.40 GB with 1024 and 43.1 ms / 4.25 GB with 4096."""
   c = requested or min(max(_pow2_floor(hidden // 2), 16), 2048)
   return max(1, min(c, num_tokens))
 
 
-def supported(spec: common.Spec, platform: str) -> None:
+def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, config: Config | None = None
+           ) -> common.Design:
+  """The chunk length for ``mode`` (every ``Config`` field resolved) and the extra-memory bound."""
+  common.check_config(config, Config, "chunked")
+  vocab = spec.opts.vocab_size
+  requested = None if config is None else config.chunk_size
+  itemsize = jnp.dtype(dtype).itemsize
+  if mode == "lean":
+    c = lean_chunk(num_tokens, vocab, requested)
+    # forward: a [B, c] float32 chunk; backward: logits, dz (f32) and dz in the input dtype, plus the f32 dx
+    mem = 3 * num_tokens * c * 4 + num_tokens * hidden * 4
+    return common.Design("chunked", mode, "recompute", Config(c), f"vocabulary chunks of {c} columns", mem)
+  c = fast_chunk(num_tokens, hidden, vocab, requested)
+  # the float32 dw accumulator, the float32 dx, and a chunk's logits, probabilities and dz
+  mem = hidden * vocab * 4 + num_tokens * hidden * itemsize + 3 * c * vocab * 4
+  return common.Design("chunked", mode, "token_chunks", Config(c), f"token chunks of {c} tokens", mem)
+
+
+def supported(spec: common.Spec, platform: str, dtype=None) -> None:
   del spec, platform
 
 
@@ -184,7 +201,7 @@ _lean.defvjp(_lean_fwd, _lean_bwd)
 
 
 def lean(x, w, bias, labels, spec: common.Spec, config: Config | None = None) -> _math.TokenOut:
-  c = lean_chunk(x.shape[0], spec.opts.vocab_size, (config or Config()).chunk_size)
+  c = design(x.shape[0], x.shape[1], spec, x.dtype, "lean", config).config.chunk_size
   return _lean(x, w, bias, labels, spec, c, None)
 
 
@@ -259,5 +276,5 @@ _fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
 
 
 def fast(x, w, bias, labels, weights, spec: common.Spec, config: Config | None = None):
-  c = fast_chunk(x.shape[0], x.shape[1], spec.opts.vocab_size, (config or Config()).chunk_size)
+  c = design(x.shape[0], x.shape[1], spec, x.dtype, "fast", config).config.chunk_size
   return _fast(x, w, bias, labels, weights, spec, c, None)

@@ -49,6 +49,12 @@ class Design:
   notes: tuple[str, ...] = ()  # decisions dispatch took (fallbacks, casts), in words
 
 
+def check_config(config, cls, impl: str) -> None:
+  """A config given to ``impl`` must be that backend's own ``Config``."""
+  if config is not None and not isinstance(config, cls):
+    raise TypeError(f"config={config!r} is a {type(config).__name__}; impl={impl!r} takes a {cls.__name__}")
+
+
 def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 

@@ -11,8 +11,21 @@ from lce_flax import _math
 from lce_flax._impl import common
 
 
-def supported(spec: common.Spec, platform: str) -> None:
-  del spec, platform  # runs everywhere
+Config = None  # nothing to configure
+
+
+def supported(spec: common.Spec, platform: str, dtype=None) -> None:
+  del spec, platform, dtype  # runs everywhere
+
+
+def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, config=None) -> common.Design:
+  if config is not None:
+    raise TypeError(f"impl='xla' takes no config, got config={config!r}")
+  if mode == "fast":
+    raise NotImplementedError("xla has no fast design (autodiff already reuses its stored logits)")
+  # the float32 logits, their softmax and their gradient
+  mem = 3 * num_tokens * spec.opts.vocab_size * 4
+  return common.Design("xla", "lean", "autodiff", None, "the whole [B, V] float32 logits at once", mem)
 
 
 def lean(x, w, bias, labels, spec: common.Spec, config=None) -> _math.TokenOut:
