@@ -1,26 +1,44 @@
-"""Speed and memory of every available implementation (and tokamax's, if installed) at LLM head shapes.
+"""Speed and memory of the plain head, of every available implementation (and of tokamax's, if installed) at LLM
+head shapes.
 
 Usage::
 
-  python -m benchmarks.bench [--preset {smoke,llm,sweep}] [--impls xla,chunked,...] [--modes fast,lean]
-                             [--passes fwd,fwdbwd] [--out DIR] [--budget-s SECONDS] [--order {impl,shape}]
+  python -m benchmarks.bench [--preset {smoke,llm,sweep}] [--impls plain_bf16,auto,chunked,...] [--modes fast,lean]
+                             [--passes fwd,fwdbwd] [--out DIR] [--time-limit-s SECONDS] [--order {impl,shape}]
                              [--interpret] [--no-report]
 
-For each shape, implementation, mode and pass (``fwd``: the loss; ``fwdbwd``: the loss and the gradients of x and
-w) it compiles the jitted function once, reads the compiled temp memory
-(``compiled.memory_analysis().temp_size_in_bytes``: the extra device memory beyond inputs and outputs), runs it
-once to warm up, then times repeated runs with wall clock around ``jax.block_until_ready`` and records the
-median. Inputs are those of the anchors file: bf16 ``x ~ N(0, 1)`` [B, H], ``w = 0.02·N(0, 1)`` [H, V], labels
-uniform in [0, V), reduction "sum".
+Rows (``--impls``; the default is all of them that can run here, in this order):
+
+* ``plain_bf16``: the head a Flax model has without this package, ``nn.Dense(V, use_bias=False,
+  dtype=jnp.bfloat16)`` followed by ``optax.softmax_cross_entropy_with_integer_labels`` on its [B, V] bf16 logits.
+  The baseline of every ratio in the tables.
+* ``plain_f32``: the same, with the logits upcast to float32 before optax.
+* ``auto``: ``lce_flax.linear_cross_entropy`` with ``impl="auto"``; each row records what it resolved to
+  (``design``, from :func:`lce_flax.explain`).
+* ``xla``, ``chunked``, ``pallas_triton``, ``triton``, ``pallas_mosaic`` (``lce_flax.IMPLEMENTATIONS``): one row per
+  mode for implementations with a fast and a lean design, one row otherwise. ``xla`` holds the float32 logits and
+  differentiates them with JAX's autodiff: it is the float32 numerics reference, not a speed baseline.
+* ``pallas_triton:low_memory``, ``triton:low_memory``: configuration variants (a third logits pass instead of a
+  B×H float32 buffer).
+* ``tokamax_xla``, ``tokamax_chunked_xla``: tokamax's ``linear_softmax_cross_entropy_loss``.
+
+For each shape, row and pass (``fwd``: the loss; ``fwdbwd``: the loss and the gradients of x and w) it compiles the
+jitted function once, reads the compiled temp memory (``compiled.memory_analysis().temp_size_in_bytes``: the extra
+device memory beyond inputs and outputs), runs it once to warm up, then times repeated runs with wall clock around
+``jax.block_until_ready`` and records the median. Inputs: bf16 ``x ~ N(0, 1)`` [B, H], ``w = 0.02·N(0, 1)`` [H, V],
+labels uniform in [0, V), reduction "sum".
 
 Each measurement is one JSON line in ``DIR/bench_<preset>.jsonl`` (schema in :func:`base_row` and
-:func:`measure`), written as soon as it is taken; an implementation that fails (out of memory, unsupported) gives
-a row with ``error`` and the run goes on. Past ``--budget-s`` the remaining work is recorded as skipped. At the
-end :mod:`benchmarks.plots` turns every ``*.jsonl`` in DIR into ``results.md`` and PNG plots.
+:func:`measure`), written as soon as it is taken; a row that fails (out of memory, unsupported) gets ``error`` and
+the run goes on. Past ``--time-limit-s`` the remaining work is recorded as skipped. At the end
+:mod:`benchmarks.plots` turns every ``*.jsonl`` in DIR into ``results.md`` and PNG plots.
 
-TFLOP/s: ``tflops`` is the floor's FLOPs over the time (6·B·H·V for fwdbwd, 2·B·H·V for fwd), so rows compare
-on one scale; ``algo_tflops`` uses the FLOPs the design actually does (``flops_factor``·B·H·V: designs that
-recompute the logits in the backward, the "lean" ones, do 8·B·H·V).
+TFLOP/s: ``tflops`` is the floor's FLOPs over the time (6·B·H·V for fwdbwd, 2·B·H·V for fwd), so rows compare on
+one scale; ``algo_tflops`` uses the FLOPs the design actually does (``flops_factor``·B·H·V: 6 when the gradients
+come from logits on hand, 8 for designs that recompute the logits in the backward, 10 for a third pass).
+
+Only the public API of ``lce_flax`` is used (``linear_cross_entropy``, ``explain``, ``available_implementations``,
+the ``*Config`` classes).
 """
 
 from __future__ import annotations
@@ -45,12 +63,12 @@ import jax
 import jax.numpy as jnp
 
 import lce_flax
-from lce_flax import _math
-from lce_flax._impl import common
 from benchmarks import shapes as shapes_lib
 from benchmarks.shapes import PEAK_TFLOPS, Preset, Shape
 
 TOKAMAX_IMPLS = ("tokamax_xla", "tokamax_chunked_xla")
+BASELINES = ("plain_bf16", "plain_f32")  # the head without lce_flax: bf16 Dense + optax (and its float32 twin)
+KERNEL_IMPLS = ("pallas_triton", "triton", "pallas_mosaic")  # the implementations ``interpret`` applies to
 PASSES = ("fwd", "fwdbwd")
 
 
@@ -111,57 +129,122 @@ def environment() -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """One implementation (and mode) to measure. ``loss(x, w, labels)`` returns the summed float32 loss."""
+  """One row kind to measure. ``loss(x, w, labels)`` returns the summed float32 loss.
+
+  ``explain(shape)``, for lce_flax rows, returns what :func:`lce_flax.explain` says will run at ``shape``; the row
+  records it, and its FLOPs factor follows the design (``auto`` may resolve differently per shape)."""
 
   impl: str
   mode: str | None
   loss: Callable[..., jax.Array] | None
   flops_factor: int  # FLOPs of fwd+bwd in units of B·H·V: 6 (gradients from the logits on hand) or 8 (recompute)
   unavailable: str | None = None  # reason, when it cannot run here
+  explain: Callable[[Shape], Any] | None = None
 
   @property
   def label(self) -> str:
     return self.impl if self.mode is None else f"{self.impl}:{self.mode}"
 
 
-def _lce_variants(name: str, modes: tuple[str, ...], interpret: bool = False) -> list[Variant]:
-  """``impl=name`` once per mode where the implementation has a distinct fast design, else once (mode None).
+def _sds(shape: Shape):
+  """The benchmark's x and w as ``jax.ShapeDtypeStruct`` (what ``lce_flax.explain`` needs)."""
+  return (jax.ShapeDtypeStruct((shape.B, shape.H), jnp.bfloat16),
+          jax.ShapeDtypeStruct((shape.H, shape.V), jnp.bfloat16))
 
-  ``interpret=True`` runs Pallas kernels in interpret mode (on a CPU: checks the harness drives them; the times
-  mean nothing)."""
+
+def design_factor(design) -> int:
+  """FLOPs of fwd+bwd in units of B·H·V for a design: xla autodiffs stored logits (6), fast designs form the
+  gradients from logits on hand (6), lean ones recompute them (8), ``low_memory`` a third time (10)."""
+  if design.impl == "xla":
+    return 6
+  if getattr(design.config, "low_memory", False):
+    return 10
+  return 6 if design.mode == "fast" else 8
+
+
+def design_record(design) -> dict[str, Any]:
+  """The JSON form of a ``Design`` (its config as a dict of its resolved fields)."""
+  config = design.config
+  if dataclasses.is_dataclass(config):
+    config = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+              for k, v in dataclasses.asdict(config).items()}
+  elif config is not None:
+    config = str(config)
+  return dict(impl=design.impl, mode=design.mode, name=design.name, chunking=design.chunking,
+              memory_bytes=int(design.memory_bytes), config=config, notes=list(design.notes))
+
+
+PROBE = Shape("probe", 64, 32, 512)  # a small problem to ask an implementation whether (and how) it runs here
+
+
+def _lce_variant(impl: str, mode: str | None, interpret: bool, config=None, tag: str | None = None) -> Variant:
+  """``linear_cross_entropy(impl=impl, mode=mode)``; unavailable (with the reason) where ``explain`` refuses it.
+
+  Kernel implementations get ``interpret=`` explicitly: on a CPU they are unavailable unless ``--interpret`` is
+  given (interpret mode checks the harness drives them; its times mean nothing)."""
+  kw: dict[str, Any] = dict(reduction="sum", impl=impl, mode=mode)
+  if config is not None:
+    kw["config"] = config
+  if impl in KERNEL_IMPLS:
+    kw["interpret"] = bool(interpret)
+
+  def explain(shape: Shape):
+    return lce_flax.explain(*_sds(shape), **kw)
+
+  label_mode = tag or mode
   try:
-    mod = importlib.import_module(lce_flax.IMPLEMENTATIONS[name])
-  except ImportError as e:
-    return [Variant(name, None, None, 6, f"{type(e).__name__}: {e}")]
-  spec = common.Spec(_math.LossOptions(vocab_size=2), interpret=interpret)
-  if name not in lce_flax.available_implementations(spec):
-    return [Variant(name, None, None, 6, f"not available on {jax.default_backend()} (interpret={interpret})")]
-  if getattr(mod, "fast", None) is None:
-    # One design whatever the mode: xla autodiffs stored logits (6·B·H·V); kernels without a fast path recompute.
-    modes = (None,)
-  out = []
-  for mode in modes:
-    factor = 6 if name == "xla" or mode == "fast" else 8
-    kw = {"interpret": True} if interpret else {}
-    loss = functools.partial(lce_flax.linear_cross_entropy, reduction="sum", impl=name, mode=mode, **kw)
-    out.append(Variant(name, mode, loss, factor))
-  return out
+    design = explain(PROBE)
+  except Exception as e:  # noqa: BLE001 - NotImplementedError (cannot run here), ValueError (option refused)
+    return Variant(impl, label_mode, None, 6, f"{type(e).__name__}: {e}")
+  return Variant(impl, label_mode, functools.partial(lce_flax.linear_cross_entropy, **kw), design_factor(design),
+                 explain=explain)
 
 
-# Configurations measured as variants of their own: name -> (impl, its Config fields, FLOPs of fwd+bwd in B·H·V).
+def _lce_variants(name: str, modes: tuple[str, ...], interpret: bool = False) -> list[Variant]:
+  """``impl=name`` once per mode where the implementation has a fast design, else once (mode None)."""
+  if name == "auto":
+    return [_lce_variant("auto", None, interpret)]
+  fast = _lce_variant(name, "fast", interpret)
+  if fast.unavailable is not None:  # no fast design (or not available at all): one row, the default design
+    return [_lce_variant(name, None, interpret)]
+  return [fast if m == "fast" else _lce_variant(name, m, interpret) for m in modes]
+
+
+# Configurations measured as rows of their own: name -> (impl, the ``*Config`` class, its fields).
 # ``low_memory``: a third logits pass instead of the B×H float32 dx accumulator (≤ 64 MB at the LLM shapes).
-CONFIG_VARIANTS = {"pallas_triton:low_memory": ("pallas_triton", {"low_memory": True}, 10),
-                   "triton:low_memory": ("triton", {"low_memory": True}, 10)}
+CONFIG_VARIANTS = {"pallas_triton:low_memory": ("pallas_triton", "PallasTritonConfig", {"low_memory": True}),
+                   "triton:low_memory": ("triton", "TritonConfig", {"low_memory": True})}
 
 
 def _config_variant(name: str, interpret: bool = False) -> Variant:
-  impl, fields, factor = CONFIG_VARIANTS[name]
+  impl, cls, fields = CONFIG_VARIANTS[name]
   tag = name.split(":", 1)[1]
-  base = _lce_variants(impl, (None,), interpret)[0]
-  if base.unavailable:
-    return dataclasses.replace(base, mode=tag, flops_factor=factor)
-  config = importlib.import_module(lce_flax.IMPLEMENTATIONS[impl]).Config(**fields)
-  return Variant(impl, tag, functools.partial(base.loss, config=config), factor)
+  try:
+    config = getattr(lce_flax, cls)(**fields)
+  except Exception as e:  # noqa: BLE001 - e.g. the backend's optional dependency is missing
+    return Variant(impl, tag, None, 10, f"{type(e).__name__}: {e}")
+  return _lce_variant(impl, None, interpret, config=config, tag=tag)
+
+
+def _plain_variant(name: str) -> Variant:
+  """The head without this package: ``nn.Dense(V, dtype=bfloat16)`` and optax on its [B, V] logits.
+
+  ``plain_bf16`` hands optax the bf16 logits as they come out of the Dense (so its per-token losses are bf16);
+  ``plain_f32`` upcasts them to float32 first. The per-token losses are summed in float32, so that
+  ``loss_rel_err`` shows the logits' precision, not the rounding of one bf16 scalar."""
+  import flax.linen as nn  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+
+  upcast = name == "plain_f32"
+
+  def loss(x, w, labels):
+    dense = nn.Dense(w.shape[1], use_bias=False, dtype=jnp.bfloat16)
+    logits = dense.apply({"params": {"kernel": w}}, x)
+    if upcast:
+      logits = logits.astype(jnp.float32)
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, labels), dtype=jnp.float32)
+
+  return Variant(name, None, loss, 6)
 
 
 def _tokamax_variant(name: str, tokamax, reason: str | None) -> Variant:
@@ -177,9 +260,15 @@ def _tokamax_variant(name: str, tokamax, reason: str | None) -> Variant:
   return Variant(name, None, loss, factor)
 
 
+def default_impls(tokamax_available: bool) -> list[str]:
+  """The default rows: the plain heads, ``auto``, every implementation available here, tokamax's if it imports."""
+  return [*BASELINES, "auto", *lce_flax.available_implementations(),
+          *(TOKAMAX_IMPLS if tokamax_available else ())]
+
+
 def make_variants(impls: list[str] | None, modes: tuple[str, ...],
                   interpret: bool = False) -> tuple[list[Variant], str | None]:
-  """Variants for ``impls`` (None: every available lce_flax implementation, then tokamax's if it imports).
+  """Variants for ``impls`` (None: :func:`default_impls`).
 
   Returns the variants and, when tokamax was wanted but does not import, why.
   """
@@ -187,15 +276,16 @@ def make_variants(impls: list[str] | None, modes: tuple[str, ...],
   if impls is None or any(n in TOKAMAX_IMPLS for n in impls):
     tokamax, reason = import_tokamax()
   if impls is None:
-    spec = common.Spec(_math.LossOptions(vocab_size=2), interpret=interpret)
-    impls = lce_flax.available_implementations(spec) + (list(TOKAMAX_IMPLS) if tokamax is not None else [])
-  known = [*lce_flax.IMPLEMENTATIONS, *TOKAMAX_IMPLS, *CONFIG_VARIANTS]
+    impls = default_impls(tokamax is not None)
+  known = [*BASELINES, "auto", *lce_flax.IMPLEMENTATIONS, *CONFIG_VARIANTS, *TOKAMAX_IMPLS]
   for name in impls:
     if name not in known:
       raise ValueError(f"--impls: {name!r} is not one of {known}")
   variants = []
   for name in impls:
-    if name in TOKAMAX_IMPLS:
+    if name in BASELINES:
+      variants.append(_plain_variant(name))
+    elif name in TOKAMAX_IMPLS:
       variants.append(_tokamax_variant(name, tokamax, reason))
     elif name in CONFIG_VARIANTS:
       variants.append(_config_variant(name, interpret))
@@ -208,7 +298,7 @@ def make_variants(impls: list[str] | None, modes: tuple[str, ...],
 
 
 def make_inputs(shape: Shape, seed: int = 0):
-  """bf16 x ~ N(0,1) [B, H], w = 0.02·N(0,1) [H, V], labels uniform int32 [B] (the anchors' distribution)."""
+  """bf16 x ~ N(0,1) [B, H], w = 0.02·N(0,1) [H, V], labels uniform int32 [B]."""
   kx, kw, ky = jax.random.split(jax.random.key(seed), 3)
   x = jax.random.normal(kx, (shape.B, shape.H), jnp.bfloat16)
   w = (0.02 * jax.random.normal(kw, (shape.H, shape.V), jnp.float32)).astype(jnp.bfloat16)
@@ -338,35 +428,36 @@ def _on_sigterm(signum, frame):  # a `timeout` wrapper's TERM: stop, but still w
   raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run(preset: Preset, variants: list[Variant], out_dir: str, budget_s: float | None = None,
+def run(preset: Preset, variants: list[Variant], out_dir: str, time_limit_s: float | None = None,
         log: Callable[[str], None] = print, order: str = "impl") -> str:
   """Measures everything of ``preset``; returns the path of the JSON-lines file.
 
   ``order="impl"`` runs each variant over every shape before the next variant (the default: ``variants`` come in
-  order of importance, so a budget cut drops the least important); ``"shape"`` runs every variant at each shape.
+  order of importance, so a time-limit cut drops the least important); ``"shape"`` runs every variant at each
+  shape.
   """
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, f"bench_{preset.name}.jsonl")
   env = environment()
   start = time.monotonic()
   log(f"# {env['device']} ({env['platform']}), jax {env['jax']}, preset {preset.name}, "
-      f"variants {[v.label for v in variants]}, budget {budget_s} s -> {path}")
+      f"variants {[v.label for v in variants]}, time limit {time_limit_s} s -> {path}")
   with open(path, "w") as fh:
 
     def emit(row):
       fh.write(json.dumps(row) + "\n")
       fh.flush()
       if "error" in row:
-        log(f"{row['shape']:>24} {row['label']:>20} {row['pass']:>6}  ERROR {row['error'][:160]}")
+        log(f"{row['shape']:>24} {row['label']:>24} {row['pass']:>6}  ERROR {row['error'][:160]}")
       else:
-        log(f"{row['shape']:>24} {row['label']:>20} {row['pass']:>6} {row['ms']:9.2f} ms "
+        log(f"{row['shape']:>24} {row['label']:>24} {row['pass']:>6} {row['ms']:9.2f} ms "
             f"{row['tflops']:6.1f} TF/s  temp {(row['temp_bytes'] or 0) / 1e9:6.2f} GB  loss {row['loss']:.6g}"
             f"  rel.err {row.get('loss_rel_err', float('nan')):.1e}")
 
     problems = shapes_lib.preset_shapes(preset)
-    if order == "impl":  # each implementation over every shape: a budget cut loses the last implementations
+    if order == "impl":  # each implementation over every shape: a time-limit cut loses the last implementations
       work = [(p, v) for v in variants for p in problems]
-    elif order == "shape":  # every implementation at each shape: a budget cut loses the last shapes
+    elif order == "shape":  # every implementation at each shape: a time-limit cut loses the last shapes
       work = [(p, v) for p in problems for v in variants]
     else:
       raise ValueError(f"order={order!r} must be 'impl' or 'shape'")
@@ -385,10 +476,22 @@ def run(preset: Preset, variants: list[Variant], out_dir: str, budget_s: float |
       return held["args"], held["err"], refs.get(shape.name)
 
     for (shape, axis, passes), variant in work:
+      design = None
+      if variant.explain is not None and variant.unavailable is None:
+        try:
+          design = variant.explain(shape)
+          variant = dataclasses.replace(variant, flops_factor=design_factor(design))
+        except Exception as e:  # noqa: BLE001 - the run below will say what fails
+          design = f"{type(e).__name__}: {str(e)[:300]}"
       for pass_ in passes:
         row = base_row(env, preset, shape, axis, variant, pass_)
-        if budget_s is not None and time.monotonic() - start > budget_s:
-          row["error"] = f"skipped: past --budget-s={budget_s:g}"
+        if isinstance(design, str):
+          row["design_error"] = design
+        elif design is not None:
+          row["design"] = design_record(design)
+          row["resolved"] = f"{design.impl}:{design.mode}"
+        if time_limit_s is not None and time.monotonic() - start > time_limit_s:
+          row["error"] = f"skipped: past --time-limit-s={time_limit_s:g}"
         elif variant.unavailable is not None:
           row["error"] = f"unavailable: {variant.unavailable}"
         else:
@@ -413,16 +516,17 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", choices=sorted(shapes_lib.PRESETS), default="llm")
   p.add_argument("--impls", default=None,
-                 help="comma-separated: any of lce_flax.IMPLEMENTATIONS and tokamax_xla, tokamax_chunked_xla "
-                 "(default: every available implementation, and tokamax's if it imports)")
+                 help="comma-separated: plain_bf16, plain_f32, auto, any of lce_flax.IMPLEMENTATIONS, "
+                 "pallas_triton:low_memory, triton:low_memory, tokamax_xla, tokamax_chunked_xla (default: the plain "
+                 "heads, auto, every implementation available here, and tokamax's if it imports)")
   p.add_argument("--modes", default="fast,lean", help="modes of implementations that have both (default fast,lean)")
   p.add_argument("--out", default=None, help="output folder (default: $OUT, else /tmp/lce_bench/<preset>)")
-  p.add_argument("--budget-s", type=float, default=None,
+  p.add_argument("--time-limit-s", type=float, default=None,
                  help="stop measuring after this many seconds; the rest is recorded as skipped")
   p.add_argument("--passes", default=None,
                  help="comma-separated subset of fwd,fwdbwd for every shape (default: the preset's)")
   p.add_argument("--order", choices=("impl", "shape"), default="impl",
-                 help="impl: each implementation over all shapes in turn (a budget cut drops the last "
+                 help="impl: each implementation over all shapes in turn (a time-limit cut drops the last "
                  "implementations); shape: all implementations at each shape in turn")
   p.add_argument("--interpret", action="store_true",
                  help="run Pallas kernels in interpret mode (CPU check of the harness; times mean nothing)")
@@ -449,7 +553,7 @@ def main(argv=None) -> int:
     print(f"# tokamax not measured: {tk_reason}")
   signal.signal(signal.SIGTERM, _on_sigterm)
   try:
-    run(preset, variants, out_dir, a.budget_s, order=a.order)
+    run(preset, variants, out_dir, a.time_limit_s, order=a.order)
   except KeyboardInterrupt as e:
     print(f"# interrupted ({e}); writing what was measured")
   if not a.no_report:

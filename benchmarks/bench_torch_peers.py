@@ -3,7 +3,7 @@
 Usage (on a CUDA machine; torch is on the GPU image, the others are optional)::
 
   python -m benchmarks.bench_torch_peers [--preset llm] [--impls torch_eager,torch_compile,liger_flce,cce]
-                                         [--out DIR] [--budget-s SECONDS]
+                                         [--out DIR] [--time-limit-s SECONDS]
 
 Peers: ``torch_eager`` (``F.cross_entropy`` on fp32 logits of ``x @ w.T``), ``torch_compile`` (the same under
 ``torch.compile``), ``liger_flce`` (liger-kernel's ``LigerFusedLinearCrossEntropyLoss``) and ``cce`` (Apple's
@@ -156,7 +156,7 @@ def measure(torch, loss_fn, pass_: str, shape: Shape, x, w, y, preset: Preset, f
               flops_factor=algo, temp_bytes=None, device_peak_bytes=peak, loss=float(loss.detach()), timer="wallclock", **norms)
 
 
-def run(preset: Preset, names, out_dir: str, budget_s: float | None = None) -> str:
+def run(preset: Preset, names, out_dir: str, time_limit_s: float | None = None) -> str:
   import torch  # noqa: PLC0415 - only here, so that importing this module needs no torch
 
   device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,10 +165,10 @@ def run(preset: Preset, names, out_dir: str, budget_s: float | None = None) -> s
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, f"torch_peers_{preset.name}.jsonl")
   start = time.monotonic()
-  print(f"# {env['device']}, torch {env['torch']}, peers {list(peers)}, budget {budget_s} s -> {path}", flush=True)
+  print(f"# {env['device']}, torch {env['torch']}, peers {list(peers)}, time limit {time_limit_s} s -> {path}", flush=True)
   with open(path, "w") as fh:
     refs: dict[str, float | None] = {}
-    # Each peer over every shape in turn, in the order asked: a budget cut drops the last peers, not the last shapes.
+    # Each peer over every shape in turn, in the order asked: a time-limit cut drops the last peers, not the last shapes.
     for name, fn in peers.items():
       for shape, axis, passes in shapes_lib.preset_shapes(preset):
         inputs, err = None, "inputs were not made"
@@ -176,8 +176,8 @@ def run(preset: Preset, names, out_dir: str, budget_s: float | None = None) -> s
           row = dict(env, source="torch", preset=preset.name, shape=shape.name, sweep=axis, B=shape.B, H=shape.H,
                      V=shape.V, dtype="bfloat16", reduction="sum", impl=name, mode=None, label=name,
                      **{"pass": pass_}, floor_ms=shape.floor_ms(2 if pass_ == "fwd" else 6), peak_tflops=PEAK_TFLOPS)
-          if budget_s is not None and time.monotonic() - start > budget_s:
-            row["error"] = f"skipped: past --budget-s={budget_s:g}"
+          if time_limit_s is not None and time.monotonic() - start > time_limit_s:
+            row["error"] = f"skipped: past --time-limit-s={time_limit_s:g}"
           elif isinstance(fn, str):
             row["error"] = f"unavailable: {fn}"
           else:
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
   p.add_argument("--preset", choices=sorted(shapes_lib.PRESETS), default="llm")
   p.add_argument("--impls", default=",".join(PEERS), help=f"comma-separated subset of {PEERS}")
   p.add_argument("--out", default=None, help="output folder (default: $OUT, else /tmp/lce_bench/<preset>)")
-  p.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds; the rest is skipped")
+  p.add_argument("--time-limit-s", type=float, default=None, help="stop after this many seconds; the rest is skipped")
   p.add_argument("--passes", default=None, help="comma-separated subset of fwd,fwdbwd (default: the preset's)")
   a = p.parse_args(argv)
   preset = shapes_lib.PRESETS[a.preset]
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     print(f"# torch peers not measured: {e}", flush=True)
     return 0
   try:
-    run(preset, names, out_dir, a.budget_s)
+    run(preset, names, out_dir, a.time_limit_s)
   except KeyboardInterrupt:
     print("# interrupted; rows so far are written", flush=True)
   return 0

@@ -5,11 +5,13 @@ Usage::
   python -m benchmarks.plots RESULTS [RESULTS ...] [--out DIR] [--update FILE]
 
 ``RESULTS`` are ``*.jsonl`` files or folders holding them. Writes into ``DIR`` (default: the first folder given,
-or the first file's folder) ``results.md`` (the tables), ``llm.png`` (fwd+bwd time and memory per LLM shape, our
-implementations beside the peers) and ``sweep.png`` (time and memory vs V, B and H), each only where there are
-rows for it. ``--update FILE`` also replaces the text between ``<!-- bench:start -->`` and ``<!-- bench:end -->``
-in FILE (e.g. README.md) with the tables, image links made relative to FILE: one command regenerates the README's
-Performance section.
+or the first file's folder) ``results.md`` (the tables), ``llm.png`` (fwd+bwd time and memory per LLM shape, every
+row beside the plain head) and ``sweep.png`` (time and memory vs V, B and H), each only where there are rows for
+it. ``--update FILE`` also replaces the text between ``<!-- bench:start -->`` and ``<!-- bench:end -->`` in FILE
+(e.g. ``docs/performance.md``) with the tables, image links made relative to FILE.
+
+Ratios are to the ``plain_bf16`` row of the same shape (the head without lce_flax); results that have no such row
+(runs made before the harness had it) get ratios to the matmul floor instead, and the table says so.
 """
 
 from __future__ import annotations
@@ -26,30 +28,14 @@ from benchmarks import shapes as shapes_lib
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
-# The anchors file's measurements (../shared/anchors/h100-2026-11-22.md): one H100 80GB HBM3, 2026-11-22, jax 0.11.2,
-# torch 2.11.0, triton 3.6.0, liger-kernel 0.8.5, cut-cross-entropy 25.1.1, tokamax 0.0.17; fwd+bwd (grads of x and
-# w), bf16, reduction "sum"; (ms, extra GB). A reference until a run of bench_torch_peers.py beside ours replaces it.
-ANCHOR_PEERS: dict[str, dict[str, tuple[float, float]]] = {
-    "gpt2-small": {"jax_xla_plain": (15.0, 6.59), "tokamax_xla": (14.2, 4.95), "tokamax_chunked_xla": (26.8, 0.30),
-                   "torch_eager": (18.7, 9.79), "torch_compile": (7.6, 1.65), "liger_flce": (14.7, 0.03),
-                   "cce": (11.6, 0.00)},
-    "llama3-8b": {"jax_xla_plain": (78.2, 8.40), "tokamax_xla": (75.5, 4.37), "tokamax_chunked_xla": (99.7, 3.34),
-                  "torch_eager": (51.1, 11.49), "torch_compile": (39.5, 2.10), "liger_flce": (65.7, 0.07),
-                  "cce": (156.0, 0.00)},
-    "qwen3-8b": {"jax_xla_plain": (46.4, 5.05), "tokamax_xla": (44.4, 2.59), "tokamax_chunked_xla": (62.4, 3.88),
-                 "torch_eager": (32.3, 6.19), "torch_compile": (23.7, 1.25), "liger_flce": (73.1, 0.04),
-                 "cce": (92.3, 0.00)},
-    "gemma2-2b": {"jax_xla_plain": (92.8, 16.78), "tokamax_xla": (90.7, 12.58),
-                  "tokamax_chunked_xla": (124.6, 2.46), "torch_eager": (74.0, 23.95),
-                  "torch_compile": (51.1, 4.19), "liger_flce": (141.2, 0.07), "cce": (52.6, 0.00)},
-}
-ANCHOR_TITLE = "peers from the anchors file (one H100 80GB HBM3, 2026-11-22; not measured by this run)"
-PEERS_DESC = {
-    "jax_xla_plain": "JAX `x@w` + logsumexp", "tokamax_xla": "tokamax `xla`",
-    "tokamax_chunked_xla": "tokamax `chunked_xla`", "torch_eager": "torch eager", "torch_compile": "torch.compile",
-    "liger_flce": "Liger FLCE", "cce": "Apple CCE",
-}
-
+BASELINE = "plain_bf16"  # the head without lce_flax (bf16 nn.Dense + optax): every ratio is to it
+DESCRIPTION = (
+    "Rows: `plain_bf16` is the head without this package, `nn.Dense(V, dtype=bfloat16)` and "
+    "`optax.softmax_cross_entropy_with_integer_labels` on its [B, V] bf16 logits: the baseline of every ratio. "
+    "`plain_f32` upcasts those logits to float32 before optax. `auto` is `impl=\"auto\"` (what it resolved to is in "
+    "the FLOPs column and in each row's `design`). `xla` is lce_flax's float32 reference (float32 logits "
+    "differentiated by autodiff): a numerics reference, not a speed baseline. `impl:mode` rows are lce_flax's "
+    "implementations; tokamax and torch rows are peers.")
 
 # --------------------------------------------------------------------------------------------------- loading
 
@@ -86,15 +72,37 @@ def _is_peer(r) -> bool:
   return r.get("source") == "torch" or str(r["impl"]).startswith("tokamax")
 
 
+def _is_plain(r) -> bool:
+  return str(r["impl"]).startswith("plain_")
+
+
+def _label(r) -> str:
+  return r.get("label") or r["impl"]
+
+
+def _group(r) -> int:
+  """0 the plain heads, 1 auto, 2 lce_flax's implementations, 3 tokamax, 4 torch."""
+  if _is_plain(r):
+    return 0
+  if r.get("source") == "torch":
+    return 4
+  if str(r["impl"]).startswith("tokamax"):
+    return 3
+  return 1 if r["impl"] == "auto" else 2
+
+
 def _labels(rows) -> list[str]:
-  """Column order: our implementations, then tokamax, then the torch peers, each in order of first appearance."""
+  """Order: the plain heads, auto, our implementations, tokamax, the torch peers; each in order of appearance."""
   seen: dict[str, int] = {}
   for r in rows:
-    lab = r.get("label") or r["impl"]
+    lab = _label(r)
     if lab not in seen:
-      group = 2 if r.get("source") == "torch" else 1 if str(r["impl"]).startswith("tokamax") else 0
-      seen[lab] = group * 10_000 + len(seen)
+      seen[lab] = _group(r) * 10_000 + len(seen)
   return sorted(seen, key=seen.get)
+
+
+def _shown(lab: str) -> str:
+  return "`xla` (float32 reference)" if lab == "xla" else f"`{lab}`"
 
 
 def _fmt_ms(v):
@@ -122,18 +130,44 @@ def _env_line(rows) -> str:
 # ---------------------------------------------------------------------------------------------------- tables
 
 
+def _find(rows, shape, label, pass_="fwdbwd"):
+  return next((r for r in rows if r["shape"] == shape and _label(r) == label and r["pass"] == pass_), None)
+
+
+def _baseline(rows, shape, pass_="fwdbwd"):
+  """The measured ``plain_bf16`` row of ``shape``, or None."""
+  r = _find(rows, shape, BASELINE, pass_)
+  return r if r is not None and _ok(r) else None
+
+
+def _ratio(v, base) -> str:
+  if v is None or not base:
+    return ""
+  f = v / base
+  return f" ({f:.2f}×)" if f < 100 else f" ({f:.0f}×)"
+
+
 def _cell(rows, shape, label, pass_="fwdbwd", ratio=False):
-  for r in rows:
-    if r["shape"] == shape and (r.get("label") or r["impl"]) == label and r["pass"] == pass_:
-      if not _ok(r):
-        return "skipped" if str(r.get("error", "")).startswith("skipped") else "error"
-      x = ""
-      if ratio and r.get("floor_ms"):
-        f = r["ms"] / r["floor_ms"]
-        x = f" ({f:.2f}×)" if f < 100 else f" ({f:.0f}×)"
-      mem = _mem_bytes(r)
-      return f"{_fmt_ms(r['ms'])} ms{x} / " + ("—" if mem is None else f"{_fmt_gb(mem)} GB")
-  return "—"
+  """``ms (× plain_bf16) / GB (× plain_bf16)``; with no plain_bf16 row in ``rows``, ``ms (× floor) / GB``."""
+  r = _find(rows, shape, label, pass_)
+  if r is None:
+    return "—"
+  if not _ok(r):
+    return "skipped" if str(r.get("error", "")).startswith("skipped") else "error"
+  mem = _mem_bytes(r)
+  t, m = "", ""
+  if ratio:
+    if _has_baseline(rows):
+      base = _baseline(rows, shape, pass_)
+      if base is not None and label != BASELINE:
+        t, m = _ratio(r["ms"], base["ms"]), _ratio(mem, _mem_bytes(base))
+    else:
+      t = _ratio(r["ms"], r.get("floor_ms"))
+  return f"{_fmt_ms(r['ms'])} ms{t} / " + ("—" if mem is None else f"{_fmt_gb(mem)} GB{m}")
+
+
+def _has_baseline(rows) -> bool:
+  return any(_label(r) == BASELINE and _ok(r) for r in rows)
 
 
 def _shape_rows(rows):
@@ -141,56 +175,73 @@ def _shape_rows(rows):
 
 
 def _what(rows, label) -> str:
-  """'ours' or 'peer', and the FLOPs the design does in a fwd+bwd."""
-  rs = [r for r in rows if (r.get("label") or r["impl"]) == label]
-  peer = any(_is_peer(r) for r in rs)
+  """Whose row it is, what ``auto`` resolved to, and the FLOPs the design does in a fwd+bwd."""
+  rs = [r for r in rows if _label(r) == label]
+  if any(_is_plain(r) for r in rs):
+    who = "baseline" if label == BASELINE else "plain head"
+  elif any(_is_peer(r) for r in rs):
+    who = "peer"
+  else:
+    who = "lce_flax"
+    resolved = list(dict.fromkeys(r["resolved"] for r in rs if r.get("resolved")))
+    if label == "auto" and resolved:
+      who += " → " + "/".join(resolved)
   factors = {r.get("flops_factor") for r in rs if r["pass"] == "fwdbwd" and r.get("flops_factor")}
-  return f"{'peer' if peer else 'lce_flax'}, {'/'.join(str(f) for f in sorted(factors)) + '·BHV' if factors else '—'}"
+  return f"{who}, {'/'.join(str(f) for f in sorted(factors)) + '·BHV' if factors else '—'}"
+
+
+def _header(rows) -> str:
+  return ("fwd+bwd: ms (× plain_bf16) / extra GB (× plain_bf16)" if _has_baseline(rows)
+          else "fwd+bwd: ms (× floor) / extra GB")
 
 
 def llm_table(rows) -> str:
-  """One line per implementation (ours first, then the peers), one column per shape: fwd+bwd time (its ratio to
-  the floor) / extra memory; the first line is the floor."""
+  """One line per row kind (the plain heads first, then ours, then the peers), one column per shape: fwd+bwd time
+  / extra memory, each with its ratio to ``plain_bf16``; the first line is the matmul floor."""
   rows = _shape_rows(rows)
   if not rows:
     return ""
   labels = _labels(rows)
   shapes = list(dict.fromkeys(r["shape"] for r in rows))
   dims = {s: next((r["B"], r["H"], r["V"]) for r in rows if r["shape"] == s) for s in shapes}
-  lines = ["| fwd+bwd: ms (× floor) / extra GB | what, FLOPs | "
+  lines = [f"| {_header(rows)} | what, FLOPs | "
            + " | ".join(f"{s} {b}×{h}×{v}" for s, (b, h, v) in dims.items()) + " |",
            "|" + "---|" * (2 + len(shapes)),
            f"| floor (6·BHV at {shapes_lib.PEAK_TFLOPS:.0f} TFLOP/s) | | "
            + " | ".join(f"{_fmt_ms(shapes_lib.Shape(s, *d).floor_ms(6))} ms" for s, d in dims.items()) + " |"]
   for lab in labels:
-    lines.append(f"| `{lab}` | {_what(rows, lab)} | " + " | ".join(_cell(rows, s, lab, ratio=True) for s in shapes)
-                 + " |")
+    lines.append(f"| {_shown(lab)} | {_what(rows, lab)} | "
+                 + " | ".join(_cell(rows, s, lab, ratio=True) for s in shapes) + " |")
   return "\n".join(lines)
 
 
 def detail_table(rows) -> str:
-  """Every row: both passes, ×floor, TFLOP/s, memory, loss error, or the error."""
+  """Every row: both passes, ratios, TFLOP/s, memory, loss error, the design that ran, or the error."""
   if not rows:
     return ""
-  lines = ["| shape | impl | pass | ms | × floor | TFLOP/s (floor FLOPs) | TFLOP/s (done) | temp GB | peak GB | "
-           "loss | rel. err vs fp32 | FLOPs done |", "|" + "---|" * 12]
+  lines = ["| shape | row | pass | ms | × plain_bf16 | × floor | TFLOP/s (floor FLOPs) | TFLOP/s (done) | temp GB | "
+           "peak GB | loss | rel. err vs fp32 | FLOPs done | design |", "|" + "---|" * 14]
   for r in rows:
-    lab = r.get("label") or r["impl"]
+    lab = _label(r)
     if not _ok(r):
-      lines.append(f"| {r['shape']} | `{lab}` | {r['pass']} | | | | | | | | | {str(r.get('error', ''))[:120]} |")
+      lines.append(f"| {r['shape']} | `{lab}` | {r['pass']} | | | | | | | | | | | {str(r.get('error', ''))[:120]} |")
       continue
-    xf = r["ms"] / r["floor_ms"] if r.get("floor_ms") else None
+    base = _baseline(rows, r["shape"], r["pass"])
+    xb = f"{r['ms'] / base['ms']:.2f}" if base is not None and lab != BASELINE else ""
+    xf = f"{r['ms'] / r['floor_ms']:.2f}" if r.get("floor_ms") else ""
     rel = r.get("loss_rel_err")
+    d = r.get("design")
+    design = f"{d['impl']}:{d['mode']} ({d['name']})" if isinstance(d, dict) else ""
     lines.append(
-        f"| {r['shape']} | `{lab}` | {r['pass']} | {_fmt_ms(r['ms'])} | {'' if xf is None else f'{xf:.2f}'} | "
+        f"| {r['shape']} | `{lab}` | {r['pass']} | {_fmt_ms(r['ms'])} | {xb} | {xf} | "
         f"{r.get('tflops', float('nan')):.0f} | {r.get('algo_tflops', r.get('tflops', float('nan'))):.0f} | "
         f"{_fmt_gb(r.get('temp_bytes'))} | {_fmt_gb(r.get('device_peak_bytes'))} | {r['loss']:.6g} | "
-        f"{'' if rel is None else f'{rel:.1e}'} | {r.get('flops_factor', '')}·BHV |")
+        f"{'' if rel is None else f'{rel:.1e}'} | {r.get('flops_factor', '')}·BHV | {design} |")
   return "\n".join(lines)
 
 
 def sweep_table(rows) -> str:
-  """Per swept axis: fwd+bwd ms / temp GB of each implementation at each value."""
+  """Per swept axis: fwd+bwd ms / temp GB of each row kind at each value, with ratios to ``plain_bf16``."""
   rows = [r for r in rows if r.get("sweep") and r["pass"] == "fwdbwd"]
   if not rows:
     return ""
@@ -202,29 +253,20 @@ def sweep_table(rows) -> str:
       continue
     r0 = rs[0]
     fixed = ", ".join(f"{k}={r0[k]}" for k in "BHV" if k != axis)
-    out.append(f"fwd+bwd vs {axis} ({fixed}): ms / temp GB\n")
-    out.append(f"| {axis} | floor | " + " | ".join(f"`{lab}`" for lab in labels) + " |")
+    out.append(f"{_header(rs)} vs {axis} ({fixed})\n")
+    out.append(f"| {axis} | floor | " + " | ".join(_shown(lab) for lab in labels) + " |")
     out.append("|" + "---|" * (2 + len(labels)))
     for val in dict.fromkeys(r[axis] for r in rs):
       s = next(r["shape"] for r in rs if r[axis] == val)
       floor = next(r["floor_ms"] for r in rs if r[axis] == val)
-      out.append(f"| {val} | {_fmt_ms(floor)} | " + " | ".join(_cell(rs, s, lab) for lab in labels) + " |")
+      out.append(f"| {val} | {_fmt_ms(floor)} ms | " + " | ".join(_cell(rs, s, lab, ratio=True) for lab in labels)
+                 + " |")
     out.append("")
   return "\n".join(out)
 
 
-def anchor_table() -> str:
-  names = list(PEERS_DESC)
-  lines = ["| shape (B×H×V) | floor | " + " | ".join(PEERS_DESC[n] for n in names) + " |",
-           "|" + "---|" * (2 + len(names))]
-  for s in shapes_lib.LLM_SHAPES:
-    cells = [f"{ms:.1f} ms / {gb:.2f} GB" for ms, gb in (ANCHOR_PEERS[s.name][n] for n in names)]
-    lines.append(f"| {s.name} {s.B}×{s.H}×{s.V} | {s.floor_ms(6):.1f} ms | " + " | ".join(cells) + " |")
-  return "\n".join(lines)
-
-
 def markdown(rows, images: Sequence[str] = ()) -> str:
-  """The whole results section: environment, LLM table, plots, sweeps, the anchors' peers, every row."""
+  """The whole results section: environment, what the rows are, LLM table, plots, sweeps, every row."""
   parts = []
   if rows:
     parts.append(f"Measured: {_env_line(rows)}.")
@@ -235,6 +277,8 @@ def markdown(rows, images: Sequence[str] = ()) -> str:
         f"before it). Floor: 6·B·H·V FLOPs at {shapes_lib.PEAK_TFLOPS:.0f} TFLOP/s. The FLOPs column gives what "
         "each design does: 8·B·H·V for those that recompute the logits in the backward, whose own floor is 4/3 "
         "of the one shown.")
+    parts.append(DESCRIPTION if _has_baseline(rows) else DESCRIPTION + " These results have no `plain_bf16` row "
+                 "(they predate it): ratios are to the floor.")
     t = llm_table(rows)
     if t:
       parts.append(t)
@@ -243,8 +287,6 @@ def markdown(rows, images: Sequence[str] = ()) -> str:
   t = sweep_table(rows)
   if t:
     parts.append(t)
-  if not any(r.get("source") == "torch" for r in rows):
-    parts.append(f"Reference: {ANCHOR_TITLE}; fwd+bwd ms / extra GB.\n\n" + anchor_table())
   t = detail_table(rows)
   if t:
     parts.append("<details><summary>every measurement</summary>\n\n" + t + "\n\n</details>")
@@ -272,44 +314,44 @@ def _suptitle(rows, extra: str = "") -> str:
   return _env_line(rows).replace("; torch side", "\ntorch side") + extra
 
 
+def _bar_label(lab: str) -> str:
+  return "xla (f32 reference)" if lab == "xla" else lab
+
+
 def plot_llm(rows, path: str) -> str | None:
-  """Bars per shape: fwd+bwd time (top, the floor dashed) and extra memory (bottom). Peers (tokamax, torch) are
-  dotted; where this run has no torch rows, the anchors file's peers are added as grey hatched bars."""
+  """Bars per shape: fwd+bwd time (top, the floor dashed) and extra memory (bottom); the plain head's values are a
+  dotted line across each panel, so every bar reads against it. Peers (tokamax, torch) are hatched."""
   rows = [r for r in _shape_rows(rows) if r["pass"] == "fwdbwd" and _ok(r)]
   if not rows:
     return None
   shapes = list(dict.fromkeys(r["shape"] for r in rows))
-  use_anchor = not any(r.get("source") == "torch" for r in rows)
   colors = _colors(_labels(rows))
   plt = _plt()
   fig, axes = plt.subplots(2, len(shapes), figsize=(3.4 * len(shapes) + 1.5, 7.5), squeeze=False)
   for j, s in enumerate(shapes):
-    rs = [r for r in rows if r["shape"] == s]
-    # (name, ms, bytes, colour, hatch)
-    bars = [((r.get("label") or r["impl"]), r["ms"], _mem_bytes(r), colors[r.get("label") or r["impl"]],
-             ".." if _is_peer(r) else None) for r in rs]
-    if use_anchor and s in ANCHOR_PEERS:
-      have = {b[0] for b in bars}
-      bars += [(f"{n} (anchors)", ms, gb * 1e9, "#cccccc", "//") for n, (ms, gb) in ANCHOR_PEERS[s].items()
-               if n not in have]
+    rs = sorted((r for r in rows if r["shape"] == s), key=lambda r: _labels(rows).index(_label(r)))
+    bars = [(_label(r), r["ms"], _mem_bytes(r), colors[_label(r)], ".." if _is_peer(r) else None) for r in rs]
+    base = _baseline(rows, s)
     for i, vals in enumerate(([b[1] for b in bars], [(b[2] or 0) / 1e9 for b in bars])):
       ax = axes[i][j]
       for k, (b, v) in enumerate(zip(bars, vals)):
         ax.bar(k, v, color=b[3], hatch=b[4], edgecolor="#555555" if b[4] else None, lw=0.3)
         ax.annotate(f"{v:.3g}", (k, v), ha="center", va="bottom", fontsize=6, rotation=90,
                     xytext=(0, 2), textcoords="offset points")
-      ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=75, fontsize=7)
+      ax.set_xticks(range(len(bars)), [_bar_label(b[0]) for b in bars], rotation=75, fontsize=7)
       ax.margins(y=0.15)
+      if base is not None:
+        ax.axhline(base["ms"] if i == 0 else (_mem_bytes(base) or 0) / 1e9, color="k", ls=":", lw=1,
+                   label=BASELINE)
       if i == 0:
         r0 = rs[0]
         ax.axhline(r0["floor_ms"], color="k", ls="--", lw=1, label="6·BHV floor")
         ax.set_title(f"{s}\n{r0['B']}×{r0['H']}×{r0['V']}", fontsize=9)
+      if i == 0 or base is not None:
         ax.legend(fontsize=7)
     axes[0][j].set_ylabel("fwd+bwd, ms")
     axes[1][j].set_ylabel("extra memory, GB")
-  anchored = use_anchor and any(s in ANCHOR_PEERS for s in shapes)
-  fig.suptitle(_suptitle(rows, "\ngrey hatched: peers from the anchors file (H100, 2026-11-22), not this run"
-                         if anchored else ""), fontsize=8)
+  fig.suptitle(_suptitle(rows), fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -317,7 +359,7 @@ def plot_llm(rows, path: str) -> str | None:
 
 
 def plot_sweep(rows, path: str) -> str | None:
-  """Time (top) and memory (bottom) vs V, B and H, one line per implementation."""
+  """Time (top) and memory (bottom) vs V, B and H, one line per row kind; ``plain_bf16`` drawn thick and black."""
   rows = [r for r in rows if r.get("sweep") and r["pass"] == "fwdbwd" and _ok(r)]
   axes_present = [a for a in ("V", "B", "H") if any(a in r["sweep"].split(",") for r in rows)]
   if not axes_present:
@@ -330,13 +372,14 @@ def plot_sweep(rows, path: str) -> str | None:
     rs = sorted((r for r in rows if axis in r["sweep"].split(",")), key=lambda r: r[axis])
     r0 = rs[0]
     fixed = ", ".join(f"{k}={r0[k]}" for k in "BHV" if k != axis)
-    for k, lab in enumerate(labels):
-      pts = [r for r in rs if (r.get("label") or r["impl"]) == lab]
+    for lab in labels:
+      pts = [r for r in rs if _label(r) == lab]
       if not pts:
         continue
+      style = dict(color="k", lw=2.5, zorder=3) if lab == BASELINE else dict(color=colors[lab])
       xs = [r[axis] for r in pts]
-      axes[0][j].plot(xs, [r["ms"] for r in pts], "o-", color=colors[lab], label=lab)
-      axes[1][j].plot(xs, [max(_mem_bytes(r) or 0, 1e3) / 1e9 for r in pts], "o-", color=colors[lab], label=lab)
+      axes[0][j].plot(xs, [r["ms"] for r in pts], "o-", label=_bar_label(lab), **style)
+      axes[1][j].plot(xs, [max(_mem_bytes(r) or 0, 1e3) / 1e9 for r in pts], "o-", label=_bar_label(lab), **style)
     floors = sorted({(r[axis], r["floor_ms"]) for r in rs})
     axes[0][j].plot([f[0] for f in floors], [f[1] for f in floors], "k--", lw=1, label="6·BHV floor")
     # log-log: linear scaling is a slope of 1, and ratios between designs are equal gaps at every size; lean

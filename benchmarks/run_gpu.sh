@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
-# One GPU session of the benchmarks: our implementations (and tokamax's) at the four LLM shapes, the PyTorch peers
-# at the same shapes, then the tables and plots — every ratio measured in one lease.
+# The GPU benchmark run: the plain head, auto and every implementation (and tokamax's) at the four LLM shapes, the
+# PyTorch peers at the same shapes, optionally the V/B/H sweep and the GPU tests, then the tables and plots. Every
+# stage runs on one machine in one go, so every ratio in the tables is measured on one machine.
 #
 #   bash benchmarks/run_gpu.sh            # from the repository root; writes into $OUT (else /tmp/lce_bench/gpu)
 #
 # Optional wheels in .whl/ (tokamax and its small dependencies, liger-kernel, cut-cross-entropy, jax-triton) are
 # installed with pip --target first; without them those rows are recorded as unavailable.
-# Knobs (environment): IMPLS (default below), MODES (fast,lean), BENCH_BUDGET_S (300), PEERS (all four),
-# PEERS_BUDGET_S (160), PEERS_PASSES (fwdbwd: torch.compile compiles once per shape and pass), SWEEP_BUDGET_S
-# (0: no sweep; the sweep preset wants a call of its own, ~5 min), PY (python3).
-# Each stage runs under a hard `timeout` 40 s past its budget (KILL 10 s later), so the whole fits a 10-min call.
+# Knobs (environment):
+#   IMPLS          rows of bench.py (default below: the plain heads, auto, every implementation, tokamax's)
+#   MODES          fast,lean
+#   BENCH_TIME_S   300   time limit of the llm preset (what is left is recorded as skipped)
+#   PEERS          torch_compile,cce,liger_flce,torch_eager;  PEERS_TIME_S 160;  PEERS_PASSES fwdbwd
+#   SWEEP_TIME_S   0     >0 also runs the sweep preset (~5 min; a run of its own fits best)
+#   TESTS          0     1 first runs the GPU tests (pytest -m gpu)
+#   PY             python3
+# Each stage runs under a hard `timeout` 40 s past its time limit (KILL 10 s later).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lce_bench/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 LOG="$OUT/run.log"
-IMPLS=${IMPLS:-chunked,pallas_mosaic,pallas_triton,triton,xla,tokamax_xla,tokamax_chunked_xla}
-BENCH_BUDGET_S=${BENCH_BUDGET_S:-300}
-PEERS_BUDGET_S=${PEERS_BUDGET_S:-160}
-SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-0}
+IMPLS=${IMPLS:-plain_bf16,plain_f32,auto,pallas_mosaic,chunked,pallas_triton,pallas_triton:low_memory,triton,xla,tokamax_xla,tokamax_chunked_xla}
+BENCH_TIME_S=${BENCH_TIME_S:-300}
+PEERS_TIME_S=${PEERS_TIME_S:-160}
+SWEEP_TIME_S=${SWEEP_TIME_S:-0}
+TESTS=${TESTS:-0}
 PY=${PY:-python3}
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -31,18 +38,22 @@ fi
 # absl's autotuning-cache warnings (tokamax) are noise; everything else goes to the log.
 quiet() { grep --line-buffered -v '^WARNING:absl:Autotuning cache miss'; }
 
-timeout -k 10 -s TERM $((BENCH_BUDGET_S + 40)) $PY -m benchmarks.bench --preset llm --impls "$IMPLS" \
-  --modes "${MODES:-fast,lean}" --budget-s "$BENCH_BUDGET_S" --out "$OUT" --no-report 2>&1 | quiet | tee -a "$LOG"
+if [ "$TESTS" -gt 0 ]; then
+  timeout -k 10 -s TERM 600 $PY -m pytest -q -m gpu tests 2>&1 | tee -a "$LOG"
+fi
 
-timeout -k 10 -s TERM $((PEERS_BUDGET_S + 40)) $PY -m benchmarks.bench_torch_peers --preset llm \
-  --impls "${PEERS:-torch_compile,cce,liger_flce,torch_eager}" --passes "${PEERS_PASSES:-fwdbwd}" --budget-s "$PEERS_BUDGET_S" --out "$OUT" 2>&1 \
-  | tee -a "$LOG"
+timeout -k 10 -s TERM $((BENCH_TIME_S + 40)) $PY -m benchmarks.bench --preset llm --impls "$IMPLS" \
+  --modes "${MODES:-fast,lean}" --time-limit-s "$BENCH_TIME_S" --out "$OUT" --no-report 2>&1 | quiet | tee -a "$LOG"
 
-if [ "$SWEEP_BUDGET_S" -gt 0 ]; then
-  timeout -k 10 -s TERM $((SWEEP_BUDGET_S + 40)) $PY -m benchmarks.bench --preset sweep --impls "${SWEEP_IMPLS:-$IMPLS}" \
-    --modes "${MODES:-fast,lean}" --budget-s "$SWEEP_BUDGET_S" --out "$OUT" --no-report 2>&1 | quiet | tee -a "$LOG"
+timeout -k 10 -s TERM $((PEERS_TIME_S + 40)) $PY -m benchmarks.bench_torch_peers --preset llm \
+  --impls "${PEERS:-torch_compile,cce,liger_flce,torch_eager}" --passes "${PEERS_PASSES:-fwdbwd}" \
+  --time-limit-s "$PEERS_TIME_S" --out "$OUT" 2>&1 | tee -a "$LOG"
+
+if [ "$SWEEP_TIME_S" -gt 0 ]; then
+  timeout -k 10 -s TERM $((SWEEP_TIME_S + 40)) $PY -m benchmarks.bench --preset sweep --impls "${SWEEP_IMPLS:-$IMPLS}" \
+    --modes "${MODES:-fast,lean}" --time-limit-s "$SWEEP_TIME_S" --out "$OUT" --no-report 2>&1 | quiet | tee -a "$LOG"
 fi
 
 $PY -m benchmarks.plots "$OUT" 2>&1 | tee -a "$LOG"
 ls -la "$OUT"
-sed -n '1,/^!\[/p' "$OUT/results.md"  # the LLM table, last in the call's output
+sed -n '1,/^!\[/p' "$OUT/results.md"  # the LLM table, last in the output

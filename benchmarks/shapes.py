@@ -1,15 +1,15 @@
 """Named head shapes and the benchmark presets. Pure Python (no JAX, no torch), so both harnesses import it.
 
 A shape is the 2-D problem the op sees: ``B`` tokens (batch × sequence, flattened), hidden size ``H``, vocabulary
-``V``. The four LLM shapes are those of ``../shared/anchors/h100-2026-11-22.md``, where the PyTorch and tokamax
-peers were measured on an H100 on 2026-11-22.
+``V``. The four LLM shapes are the output heads of GPT-2 small, Llama 3 8B, Qwen3 8B and Gemma 2 2B at a
+realistic number of tokens per device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-# Dense bf16 matmul rate measured on the H100s of this workplace (8192³ products, ~790–798 TFLOP/s). The floor
+# Dense bf16 matmul rate measured on the H100s the results come from (8192³ products, ~790–798 TFLOP/s). The floor
 # of a forward + backward is its 6·B·H·V matmul FLOPs at this rate; of a forward, 2·B·H·V.
 PEAK_TFLOPS = 790.0
 
@@ -85,7 +85,7 @@ PRESETS = {
         sweeps=(Sweep("V", _TINY_BASE, (256, 1000)), Sweep("B", _TINY_BASE, (64, 200)),
                 Sweep("H", _TINY_BASE, (16, 48))),
         min_reps=1, max_reps=2, target_s=0.05),
-    # GPU: the four anchor shapes, forward and forward + backward.
+    # GPU: the four LLM heads, forward and forward + backward.
     "llm": Preset("llm", shapes=LLM_SHAPES, min_reps=3, max_reps=10, target_s=0.4),
     # GPU: time and memory vs V, B and H (forward + backward only) around an 8192×2048×65536 head.
     "sweep": Preset(
