@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from lce_flax import _math, linear_cross_entropy
-from lce_flax._impl import common, pallas_triton
-from lce_flax._impl.pallas_triton import Config
+from lce_flax._impl import chunked, common, pallas_triton
+from lce_flax._impl.pallas_triton import Config, op
 from tests.test_api import (OPTIONS, check_bad_and_ignored_labels, check_impl, check_llama3_8b,
                             check_lse_cotangent, make_inputs)
 
@@ -91,28 +91,55 @@ def test_jit_and_checkpoint_agree():
 def test_supported():
   spec = common.Spec(_math.LossOptions(10))
   pallas_triton.supported(common.Spec(_math.LossOptions(10), interpret=True), "cpu")
+  for dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
+    pallas_triton.supported(common.Spec(_math.LossOptions(10), interpret=True), "cpu", dtype)
   with pytest.raises(NotImplementedError, match="platform='cpu'"):
     pallas_triton.supported(spec, "cpu")
+  with pytest.raises(NotImplementedError, match="float16, bfloat16 and float32 .*int32"):
+    pallas_triton.supported(spec, "gpu", jnp.int32)
   if not on_gpu:
     with pytest.raises(ValueError, match="pallas_triton"):
       linear_cross_entropy(jnp.ones((4, 8)), jnp.ones((8, 10)), jnp.zeros(4, int), impl="pallas_triton",
                            interpret=False)
 
 
+def test_design_protocol():
+  """design(): the resolved plan is what lean takes; no fast design; bad configs name the field or class."""
+  spec = common.Spec(_math.LossOptions(128256))
+  d = pallas_triton.design(8192, 4096, spec, jnp.bfloat16, "lean", None)
+  assert (d.impl, d.mode, d.name) == ("pallas_triton", "lean", "recompute")
+  assert d.config == op.plan(8192, 4096, 128256, jnp.bfloat16) and "chunks of 2048 columns" in d.chunking
+  # dz (B·chunk·2) + float32 dx and XLA's product (2·B·H·4) + forward stats and bias sums (< 1 MiB)
+  floor = 8192 * 2048 * 2 + 2 * 8192 * 4096 * 4
+  assert floor <= d.memory_bytes <= floor + 2**20
+  dk = pallas_triton.design(8192, 4096, spec, jnp.bfloat16, "lean", Config(dx_kernel=True))
+  assert dk.memory_bytes == d.memory_bytes - 8192 * 4096 * 4
+  low = pallas_triton.design(8192, 4096, spec, jnp.bfloat16, "lean", Config(low_memory=True))
+  assert low.name == "recompute_low_memory" and low.memory_bytes < 64 * 2**20
+  assert pallas_triton.design(0, 4096, spec, jnp.bfloat16, "lean", None).memory_bytes >= 0  # empty batch
+  with pytest.raises(NotImplementedError, match="pallas_triton has no fast design"):
+    pallas_triton.design(8192, 4096, spec, jnp.bfloat16, "fast", None)
+  with pytest.raises(TypeError, match="pallas_triton"):
+    pallas_triton.design(64, 64, spec, jnp.bfloat16, "lean", chunked.Config())
+  for field, bad in (("chunk_size", 0), ("num_splits", -1), ("block_t", 2.0), ("num_warps", True)):
+    with pytest.raises(ValueError, match=f"{field}={bad!r}"):
+      pallas_triton.design(64, 64, spec, jnp.bfloat16, "lean", Config(**{field: bad}))
+
+
 def test_plan_heuristic():
-  p = pallas_triton.plan(8192, 4096, 128256, jnp.bfloat16)
+  p = op.plan(8192, 4096, 128256, jnp.bfloat16)
   assert (p.block_t, p.block_v, p.block_k, p.num_warps, p.dx_kernel) == (128, 256, 64, 8, False)
   assert p.chunk_size == 2048 and p.chunk_size % p.block_v == 0  # 32 MiB of bf16 dz at B=8192
   assert 64 * p.num_splits >= 132  # the forward grid covers the SMs
-  p32 = pallas_triton.plan(8192, 4096, 128256, jnp.float32)
+  p32 = op.plan(8192, 4096, 128256, jnp.float32)
   assert (p32.block_v, p32.block_k) == (128, 32)
-  tiny = pallas_triton.plan(5, 3, 7, jnp.float32)
+  tiny = op.plan(5, 3, 7, jnp.float32)
   assert (tiny.block_t, tiny.block_v, tiny.block_k) == (16, 16, 16) and tiny.num_splits == 1
-  assert pallas_triton.plan(37, 24, 301, jnp.float32, Config(block_v=32, chunk_size=50)).chunk_size == 64
-  low = pallas_triton.plan(8192, 4096, 128256, jnp.bfloat16, Config(low_memory=True))
+  assert op.plan(37, 24, 301, jnp.float32, Config(block_v=32, chunk_size=50)).chunk_size == 64
+  low = op.plan(8192, 4096, 128256, jnp.bfloat16, Config(low_memory=True))
   assert low.dx_kernel and (low.token_block, low.dx_chunk) == (1024, 8192)  # 16 MiB f32 dx block, bf16 dz block
   with pytest.raises(ValueError, match="block_v=48"):
-    pallas_triton.plan(37, 24, 301, jnp.float32, Config(block_v=48))
+    op.plan(37, 24, 301, jnp.float32, Config(block_v=48))
 
 
 # ------------------------------------------------------------------------------------------------ GPU, LLM shape

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from lce_flax import _device, _math, api, linear_cross_entropy
-from lce_flax._impl import common, pallas_triton
-from lce_flax._impl import triton as triton_kernels
-from lce_flax._impl.triton import Config
+from lce_flax._impl import chunked, common
+from lce_flax._impl import triton as triton_backend
+from lce_flax._impl.pallas_triton import op as pallas_triton_op
+from lce_flax._impl.triton import Config, kernels, op
 from tests.test_api import (OPTIONS, check_bad_and_ignored_labels, check_impl, check_llama3_8b,
                             check_lse_cotangent)
 
@@ -27,7 +28,7 @@ on_gpu = jax.default_backend() == "gpu"
 
 def _can_run() -> bool:
   try:
-    triton_kernels.supported(common.Spec(_math.LossOptions(10)), _device.platform())
+    triton_backend.supported(common.Spec(_math.LossOptions(10)), _device.platform())
     return True
   except NotImplementedError:
     return False
@@ -46,16 +47,16 @@ SMALL = Config(block_t=16, block_v=32, block_k=16, num_splits=3, chunk_size=64)
 def test_supported_says_why_not_on_cpu():
   spec = common.Spec(_math.LossOptions(10))
   with pytest.raises(NotImplementedError, match=r"impl='triton' .*NVIDIA GPU \(platform='cpu'"):
-    triton_kernels.supported(spec, "cpu")
+    triton_backend.supported(spec, "cpu")
   with pytest.raises(NotImplementedError, match="no interpret mode"):
-    triton_kernels.supported(common.Spec(_math.LossOptions(10), interpret=True), "gpu")
+    triton_backend.supported(common.Spec(_math.LossOptions(10), interpret=True), "gpu")
 
 
 def test_supported_without_jax_triton_names_the_package(monkeypatch):
   monkeypatch.setitem(sys.modules, "jax_triton", None)  # `import jax_triton` raises ImportError
-  monkeypatch.setattr(triton_kernels, "triton", object())  # as if triton itself were installed
+  monkeypatch.setattr(kernels, "triton", object())  # as if triton itself were installed
   with pytest.raises(NotImplementedError, match=r"jax-triton package .*lce_flax\[gpu\]"):
-    triton_kernels.supported(common.Spec(_math.LossOptions(10), interpret=False), "gpu")
+    triton_backend.supported(common.Spec(_math.LossOptions(10), interpret=False), "gpu")
 
 
 @pytest.mark.skipif(on_gpu, reason="checks the CPU error path")
@@ -77,21 +78,43 @@ def test_auto_never_picks_raw_triton(monkeypatch, cc):
 
 
 def test_plan_uses_pallas_triton_tiles(monkeypatch):
-  p = triton_kernels.plan(8192, 4096, 128256, jnp.bfloat16)
-  q = pallas_triton.plan(8192, 4096, 128256, jnp.bfloat16)
+  p = op.plan(8192, 4096, 128256, jnp.bfloat16)
+  q = pallas_triton_op.plan(8192, 4096, 128256, jnp.bfloat16)
   assert (p.block_t, p.block_v, p.block_k, p.num_splits, p.chunk_size, p.num_warps, p.group_t) == (
       q.block_t, q.block_v, q.block_k, q.num_splits, q.chunk_size, q.num_warps, q.group_t)
   assert not p.dx_kernel and not p.low_memory and p.num_stages == p.bwd_num_stages == 3
   assert p.input_precision == "tf32"
   with jax.default_matmul_precision("highest"):
-    assert triton_kernels.plan(37, 24, 301, jnp.float32, SMALL).input_precision == "ieee"
-  s = triton_kernels.plan(37, 24, 301, jnp.float32, Config(block_v=32, chunk_size=50, bwd_num_stages=2))
+    assert op.plan(37, 24, 301, jnp.float32, SMALL).input_precision == "ieee"
+  s = op.plan(37, 24, 301, jnp.float32, Config(block_v=32, chunk_size=50, bwd_num_stages=2))
   assert (s.block_v, s.chunk_size, s.bwd_num_stages) == (32, 64, 2)
-  low = triton_kernels.plan(8192, 4096, 128256, jnp.bfloat16, Config(low_memory=True))
-  assert low == triton_kernels.Plan(**{**vars(pallas_triton.plan(8192, 4096, 128256, jnp.bfloat16, Config(
+  low = op.plan(8192, 4096, 128256, jnp.bfloat16, Config(low_memory=True))
+  assert low == op.Plan(**{**vars(pallas_triton_op.plan(8192, 4096, 128256, jnp.bfloat16, Config(
       low_memory=True))), "num_stages": 3}, bwd_num_stages=3, input_precision="tf32")
   with pytest.raises(ValueError, match="block_v=48"):
-    triton_kernels.plan(37, 24, 301, jnp.float32, Config(block_v=48))
+    op.plan(37, 24, 301, jnp.float32, Config(block_v=48))
+  with pytest.raises(ValueError, match="bwd_num_stages=0"):
+    op.plan(37, 24, 301, jnp.float32, Config(bwd_num_stages=0))
+
+
+def test_design_protocol():
+  """design() runs on any machine (supported() is what needs the GPU): pallas_triton's recompute design with
+  this backend's plan, no fast design, its own Config class only."""
+  spec = common.Spec(_math.LossOptions(128256))
+  d = triton_backend.design(8192, 4096, spec, jnp.bfloat16, "lean", None)
+  ref = pallas_triton_op.design(8192, 4096, spec, jnp.bfloat16, "lean", None)
+  assert (d.impl, d.name, d.memory_bytes) == ("triton", "recompute", ref.memory_bytes)
+  assert d.config == op.plan(8192, 4096, 128256, jnp.bfloat16)
+  assert triton_backend.design(0, 4096, spec, jnp.bfloat16, "lean", None).memory_bytes >= 0  # empty batch
+  with pytest.raises(NotImplementedError, match="triton has no fast design"):
+    triton_backend.design(64, 64, spec, jnp.bfloat16, "fast", None)
+  for other in (chunked.Config(), pallas_triton_op.Config()):
+    with pytest.raises(TypeError, match="triton"):
+      triton_backend.design(64, 64, spec, jnp.bfloat16, "lean", other)
+  with pytest.raises(TypeError, match="pallas_triton"):
+    pallas_triton_op.design(64, 64, spec, jnp.bfloat16, "lean", Config())
+  with pytest.raises(NotImplementedError, match="int32"):
+    triton_backend.supported(spec, "gpu", jnp.int32)
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -1,129 +1,54 @@
-"""``impl="triton"``: the op as raw Triton kernels (``triton.jit``) called through jax-triton, NVIDIA SM80+.
+"""The raw Triton kernels of ``impl="triton"`` (``triton.jit``) and their jax-triton launchers.
 
-The same design as ``impl="pallas_triton"`` (:mod:`lce_flax._impl.pallas_triton`), written directly in Triton instead of
-being lowered from Pallas; only the two kernels differ, everything around them is shared:
+``_fwd_kernel`` (forward) and ``_dz_kernel`` (the backward's logit gradient of one vocabulary chunk) are the
+kernels of :mod:`lce_flax._impl.pallas_triton.kernels` written directly in Triton, with the same grid, program
+order and tiling (see :mod:`lce_flax._impl.triton.op`); :func:`forward` and :func:`dz_chunk` are the launchers
+that ``pallas_triton``'s recompute ``custom_vjp`` calls (:data:`KERNELS`).
 
-Forward (``_fwd_kernel``)
-  A 1-D grid of ``row_blocks × num_splits`` programs, split-fastest (``pid = i·S + j``). Program ``(i, j)`` walks
-  the ``j``-th contiguous split of the vocabulary tiles for the ``block_t`` tokens of row block ``i``; each
-  ``[block_t, block_v]`` tile of logits is accumulated in float32 registers over H in ``block_k`` steps
-  (``tl.dot``: WGMMA on Hopper, its operands brought into shared memory by the software pipeline), gets its bias
-  and soft cap, and is reduced on chip to the row statistics of :func:`lce_flax._math.tile_stats`, merged into the
-  running ones as :func:`lce_flax._math.merge_stats` does (online logsumexp). 4 float32 per token and split leave
-  the chip; JAX merges the splits and finalises with ``_math`` (:func:`lce_flax._impl.pallas_triton.merge_splits`).
-
-Backward (``_dz_kernel`` inside :func:`lce_flax._impl.pallas_triton.lean_with`)
-  The recompute ``jax.custom_vjp`` of ``pallas_triton`` with this module's launchers: per vocabulary chunk the
-  dz kernel recomputes the chunk's logits tile by tile (grouped tile order for L2 reuse) and writes the logit
-  gradient of :func:`lce_flax._math.dlogits` in the input dtype (and per row block column sums for dbias); XLA
-  matmuls then write the chunk's dw columns and add into a float32 dx. ``Config(dx_kernel=True)`` and
-  ``Config(low_memory=True)`` are ``pallas_triton``'s variants with this module's dz kernel (their in-place dx
-  accumulation is ``pallas_triton``'s Pallas kernel).
-
-The tile math is the ``_math`` formulas written out in ``triton.language`` (Triton kernels cannot call ``jnp``);
-the GPU tests (``tests/test_triton_kernels.py``) check every option against the float64 oracle.
+The tile math is the ``_math`` formulas written out in ``triton.language`` (Triton kernels cannot call ``jnp``):
+:func:`lce_flax._math.tile_stats` and :func:`~lce_flax._math.merge_stats` (online logsumexp) in the forward,
+:func:`lce_flax._math.dlogits` in the backward; the GPU tests check every option against the float64 oracle.
 
 Why pointer loads and not TMA: jax-triton 0.3.1 builds its ``TritonKernel`` without the kernel's
 ``global_scratch_size`` (jaxlib has accepted it since 0.10, but jax-triton does not pass it), so a kernel that
 creates device-side tensor descriptors (``tl.make_tensor_descriptor``) would get a null scratch pointer, and host
-descriptors are not among the argument types ``triton_call`` accepts. See ``benchmarks/NOTES_triton_raw.md``.
+descriptors are not among the argument types ``triton_call`` accepts.
 
-Precision: float32 accumulation everywhere. bf16/fp16 inputs multiply on the tensor cores. Float32 inputs follow
-``jax.default_matmul_precision`` like ``pallas_triton``: TF32 by default, exact IEEE float32 products (FMA, slow)
-under ``"highest"``/``"float32"``.
-
-Needs ``jax_triton`` (the ``[gpu]`` extra) and a CUDA GPU; elsewhere :func:`supported` raises
-``NotImplementedError`` naming what is missing, so ``impl="auto"`` skips this backend.
+Importing this module never fails: without ``triton`` the kernels are not defined (``triton`` is None and
+:data:`KERNELS` is None), and :func:`jax_triton` raises ``NotImplementedError`` naming the missing package.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from lce_flax import _device, _math
-from lce_flax._impl import common, pallas_triton
-from lce_flax._impl.common import F32
-
-fast = None  # api.py runs ``lean`` and reduces; the gradient comes from the recompute backward
+from lce_flax import _math
+from lce_flax._impl import common
+from lce_flax._impl.common import F32, cdiv
+from lce_flax._impl.pallas_triton import op as pallas_triton_op
 
 try:
   import triton
   import triton.language as tl
   from triton.language.extra import libdevice
-except ImportError as _e:  # no triton: supported() says so
+except ImportError as _e:  # no triton: op.supported() says so
   triton = None
-  _TRITON_IMPORT_ERROR = _e
+  TRITON_IMPORT_ERROR = _e
 else:
-  _TRITON_IMPORT_ERROR = None
+  TRITON_IMPORT_ERROR = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Config(pallas_triton.Config):
-  """``pallas_triton``'s configuration (same fields and heuristic: :func:`lce_flax._impl.pallas_triton.plan`, including
-  ``dx_kernel`` and ``low_memory``, whose backward is shared), plus:
-
-  Attributes:
-    bwd_num_stages: pipelining stages of the backward dz kernel (default: ``num_stages``, itself 3 here).
-  """
-
-  bwd_num_stages: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan(pallas_triton.Plan):
-  """A resolved :class:`Config` (hashable): ``pallas_triton``'s plan plus the raw kernels' own fields."""
-
-  bwd_num_stages: int = 3
-  input_precision: str = "tf32"  # tl.dot's for float32 inputs: "tf32" or "ieee"
-
-
-def _input_precision() -> str:
-  prec = jax.config.jax_default_matmul_precision
-  return "ieee" if prec is not None and str(prec).lower() in ("highest", "float32") else "tf32"
-
-
-def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: Config | None = None) -> Plan:
-  """Block sizes for one shape: ``pallas_triton``'s heuristic (the same tiles) but 3 pipeline stages, any
-  ``config`` field first."""
-  c = config or Config()
-  base = pallas_triton.plan(num_tokens, hidden, vocab, dtype, c)
-  # 3 stages on every GPU: on the H100 (llama3-8b, run 1) 3 stages beat pallas_triton's SM90 default of 4 by
-  # 0.9 ms in the forward and 0.5 ms in the dz kernels (benchmarks/NOTES_triton_raw.md).
-  stages = c.num_stages or 3
-  fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-  return Plan(**dict(fields, num_stages=stages), bwd_num_stages=c.bwd_num_stages or stages,
-              input_precision=_input_precision())
-
-
-def _jax_triton():
+def jax_triton():
+  """The ``jax_triton`` module, or ``NotImplementedError`` naming the package to install."""
   try:
-    import jax_triton  # pylint: disable=g-import-not-at-top
+    import jax_triton as jt  # (optional dependency, imported on first use)
   except ImportError as e:
     raise NotImplementedError(
         f"impl='triton' needs the jax-triton package (pip install 'lce_flax[gpu]') and a CUDA build of jaxlib: "
         f"{e}") from e
-  return jax_triton
+  return jt
 
-
-def supported(spec: common.Spec, platform: str) -> None:
-  """Raises ``NotImplementedError`` unless raw Triton kernels can run here (CUDA GPU, SM80+, jax-triton)."""
-  if platform != "gpu" or spec.interpret:
-    raise NotImplementedError(
-        f"impl='triton' runs raw Triton kernels, which need an NVIDIA GPU (platform={platform!r}, "
-        f"interpret={spec.interpret}); it has no interpret mode: use impl='pallas_triton' (interpret=True) or "
-        "impl='chunked' here")
-  if triton is None:
-    raise NotImplementedError(f"impl='triton' needs the triton package: {_TRITON_IMPORT_ERROR}")
-  _jax_triton()
-  cc = _device.compute_capability()
-  if cc is None or cc < (8, 0):
-    raise NotImplementedError(f"impl='triton' needs an NVIDIA GPU with compute capability >= 8.0, got {cc}")
-
-
-# ------------------------------------------------------------------------------------------------ kernels
 
 if triton is not None:
 
@@ -187,7 +112,7 @@ if triton is not None:
 
   @triton.jit
   def _finite(m):
-    return (m == m) & (tl.abs(m) < float("inf"))
+    return (m == m) & (tl.abs(m) < float("inf"))  # noqa: PLR0124  (m == m: not NaN)
 
   @triton.jit
   def _fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr, s_ptr, t_ptr, zs_ptr,
@@ -265,7 +190,7 @@ if triton is not None:
     i = first + local % gsize
     t = local // gsize
     # The chunk's first column as loaded index × constexpr chunk: Triton sees that it is a multiple of CHUNK
-    # and vectorises the loads of w (see NOTES_triton.md on the loaded-offset slowdown).
+    # and vectorises the loads of w (a loaded offset made the backward ~3× slower on an H100).
     off = tl.load(k_ptr) * CHUNK
     rows = i * BT + tl.arange(0, BT)
     rmask = rows < B
@@ -313,20 +238,22 @@ if triton is not None:
 
 def _kernel_options(spec: common.Spec, has_bias: bool, b: int, h: int) -> dict:
   opts = spec.opts
-  return dict(B=b, H=h, V=opts.vocab_size, HV=spec.w_layout == "hv", HAS_BIAS=has_bias,
-              HAS_CAP=opts.logit_softcap is not None,
-              CAP=1.0 if opts.logit_softcap is None else float(opts.logit_softcap))
+  return {"B": b, "H": h, "V": opts.vocab_size, "HV": spec.w_layout == "hv", "HAS_BIAS": has_bias,
+          "HAS_CAP": opts.logit_softcap is not None,
+          "CAP": 1.0 if opts.logit_softcap is None else float(opts.logit_softcap)}
 
 
 def _bias_or_dummy(bias):
-  # triton_call flattens its arguments as a pytree, where None is no leaf: pass a placeholder instead.
+  # triton_call flattens its arguments as a pytree, where None is no leaf, and a Triton kernel has one fixed
+  # signature: a placeholder takes the bias's place (HAS_BIAS=False: never read).
   return jnp.zeros((1,), F32) if bias is None else bias
 
 
-def _forward(x, w, bias, labels, spec: common.Spec, p: Plan) -> _math.TokenOut:
-  jt = _jax_triton()
+def forward(x, w, bias, labels, spec: common.Spec, p) -> _math.TokenOut:
+  """Per-token loss, lse and correctness of the whole vocabulary (``p``: a :class:`lce_flax._impl.triton.op.Plan`)."""
+  jt = jax_triton()
   b, h = x.shape
-  nb = pallas_triton._cdiv(b, p.block_t)  # pylint: disable=protected-access
+  nb = cdiv(b, p.block_t)
   n = p.num_splits * nb * p.block_t
   outs = jt.triton_call(
       x, w, _bias_or_dummy(bias), labels,
@@ -340,22 +267,22 @@ def _forward(x, w, bias, labels, spec: common.Spec, p: Plan) -> _math.TokenOut:
       BT=p.block_t, BV=p.block_v, BK=p.block_k, S=p.num_splits, PREC=p.input_precision,
       **_kernel_options(spec, bias is not None, b, h),
   )
-  return pallas_triton.merge_splits(outs, b, p, labels, spec.opts)
+  return common.merge_splits([o.reshape(p.num_splits, nb * p.block_t)[:, :b] for o in outs], labels, spec.opts)
 
 
-def _dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p: Plan):
-  """(dz [B, width] in x.dtype, dbias [width] float32 or None) of the columns [k·chunk, k·chunk + width)."""
-  jt = _jax_triton()
+def dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p):
+  """(dz [B, width] in x.dtype, per-row-block column sums [row_blocks, ≥ width] float32 or None) of the columns
+  ``[k·chunk, k·chunk + width)``."""
+  jt = jax_triton()
   b, h = x.shape
-  nb = pallas_triton._cdiv(b, p.block_t)  # pylint: disable=protected-access
-  nct = pallas_triton._cdiv(width, p.block_v)  # pylint: disable=protected-access
-  out_shape = [jax.ShapeDtypeStruct((b, width), x.dtype), jax.ShapeDtypeStruct((nb * nct * p.block_v,), F32)]
-  if bias is None:
-    out_shape[1] = jax.ShapeDtypeStruct((1,), F32)  # unused
+  nb = cdiv(b, p.block_t)
+  nct = cdiv(width, p.block_v)
+  # without a bias the column sums' output is a placeholder too (the kernel's signature is fixed)
+  db_size = nb * nct * p.block_v if bias is not None else 1
   dz, db = jt.triton_call(
       jnp.reshape(k, (1,)).astype(jnp.int32), x, w, _bias_or_dummy(bias), labels, lse, g_loss, g_lse,
       kernel=_dz_kernel,
-      out_shape=out_shape,
+      out_shape=[jax.ShapeDtypeStruct((b, width), x.dtype), jax.ShapeDtypeStruct((db_size,), F32)],
       grid=(nb * nct,),
       num_warps=p.num_warps,
       num_stages=p.bwd_num_stages,
@@ -365,16 +292,7 @@ def _dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: commo
       BT=p.block_t, BV=p.block_v, BK=p.block_k, PREC=p.input_precision,
       **_kernel_options(spec, bias is not None, b, h),
   )
-  if bias is None:
-    return dz, None
-  return dz, db.reshape(nb, nct * p.block_v)[:, :width].sum(0)
+  return dz, (db.reshape(nb, nct * p.block_v) if bias is not None else None)
 
 
-KERNELS = pallas_triton.Kernels(_forward, _dz_chunk) if triton is not None else None
-
-
-def lean(x, w, bias, labels, spec: common.Spec, config: Config | None = None) -> _math.TokenOut:
-  """Per-token loss, lse and correctness; differentiable in x, w and bias with any cotangent on loss and lse."""
-  supported(spec, _device.platform())
-  p = plan(x.shape[0], x.shape[1], spec.opts.vocab_size, x.dtype, config)
-  return pallas_triton.lean_with(KERNELS, x, w, bias, labels, spec, p)
+KERNELS = pallas_triton_op.Kernels(forward, dz_chunk) if triton is not None else None

@@ -1,0 +1,9 @@
+"""``impl="pallas_triton"``: Pallas kernels lowered through Triton (NVIDIA SM80+; interpret mode elsewhere).
+
+``op.py``: the configuration, the plan heuristic, the backend protocol and the recompute ``custom_vjp``;
+``kernels.py``: the Pallas kernels (forward statistics, logit gradient, in-place dx) and their launchers.
+"""
+
+from lce_flax._impl.pallas_triton.op import Config, design, fast, lean, supported
+
+__all__ = ["Config", "design", "fast", "lean", "supported"]
