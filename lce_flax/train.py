@@ -6,9 +6,10 @@ Shardings come from the parameters' *logical* axis names (``nn.with_logical_part
 ``LogicallyPartitioned``, NNX ``Variable``), so the optimizer state inherits the names of the parameters it
 mirrors and is sharded the same way.
 
-Example (linen; the model's loss calls :func:`lce_flax.sharding.sharded_linear_cross_entropy` with ``mesh``)::
+Example (linen; the model's head is :class:`lce_flax.linen.LMHead`, which runs per shard by itself on a mesh of
+``AxisType.Explicit`` axes)::
 
-  mesh = make_mesh(data=-1, fsdp=2, tensor=2)
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
   params = model.init(key, tokens, labels)["params"]          # boxed with logical names
   opt = optax.adamw(3e-4)
   state = TrainState.create(params, opt, mesh=mesh)           # placed by the rules
@@ -24,6 +25,14 @@ NNX: split once and merge inside the loss::
   state = TrainState.create(params, opt, mesh=mesh)
 
 (Variables other than ``nnx.Param`` — batch statistics, RNG counters — are not carried by this step.)
+
+Several processes (one per host, or several on one host): call ``jax.distributed.initialize`` first, build the mesh
+over ``jax.devices()`` (all processes' devices), give every process the same initial parameters (same key), and
+turn each process's own rows of the batch into global arrays with :func:`global_batch`; the step is unchanged::
+
+  jax.distributed.initialize(coordinator_address="localhost:1234", num_processes=2, process_id=i)
+  state = TrainState.create(params, opt, mesh=mesh)               # params: the same numbers on every process
+  state, metrics = step(state, global_batch(local_rows, mesh))    # local_rows: this process's B / 2 rows
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import optax
 from flax import linen as nn
 from flax import nnx, struct
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lce_flax.sharding import DEFAULT_RULES
@@ -65,7 +74,64 @@ class TrainState(struct.PyTreeNode):
     if mesh is None:
       return jax.jit(init)(params)
     abstract = jax.eval_shape(init, params)
-    return jax.jit(init, out_shardings=state_shardings(abstract, mesh, rules))(params)
+    if jax.process_count() > 1:
+      params = _replicated_global(params, mesh)
+    with jax.set_mesh(mesh):
+      return jax.jit(init, out_shardings=state_shardings(abstract, mesh, rules))(params)
+
+
+def _replicated_global(tree: Any, mesh: Mesh) -> Any:
+  """Leaves that are not yet global arrays of ``mesh`` become replicated global arrays built from this process's
+  copy (every process must hold the same numbers, e.g. parameters initialised from the same key)."""
+  repl = NamedSharding(mesh, P())
+
+  def put(a):
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+      return a  # already global
+    host = np.asarray(a)
+    return jax.make_array_from_callback(host.shape, repl, lambda idx: host[idx])
+
+  return jax.tree.map(put, tree)
+
+
+def is_explicit(mesh: Mesh | None) -> bool:
+  """Whether ``mesh`` has ``AxisType.Explicit`` axes (shardings live in the arrays' types)."""
+  return mesh is not None and any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _constrain(x: Any, sharding: Any, mesh: Mesh) -> Any:
+  """``with_sharding_constraint`` on Auto meshes; ``reshard`` on Explicit ones (where the former only asserts)."""
+  if is_explicit(mesh):
+    return jax.tree.map(jax.sharding.reshard, x, sharding)
+  return lax.with_sharding_constraint(x, sharding)
+
+
+def batch_sharding(mesh: Mesh, rules: Rules | None = None) -> NamedSharding:
+  """Where :func:`make_train_step` expects the batch: dim 0 split over the batch axes (:func:`batch_axes`)."""
+  baxes = batch_axes(mesh, rules)
+  return NamedSharding(mesh, P((baxes[0] if len(baxes) == 1 else baxes) if baxes else None))
+
+
+def process_rows(mesh: Mesh, batch_size: int, rules: Rules | None = None) -> slice:
+  """The rows of a global batch of ``batch_size`` that this process's devices hold under :func:`batch_sharding`
+  (one contiguous block; what this process loads and passes to :func:`global_batch`)."""
+  index = batch_sharding(mesh, rules).addressable_devices_indices_map((batch_size,))
+  rows = sorted({r for idx in index.values() for r in range(*idx[0].indices(batch_size))})
+  if not rows or rows != list(range(rows[0], rows[-1] + 1)):
+    raise ValueError(f"this process's devices hold rows {rows} of the batch: not one contiguous block (order the "
+                     "mesh's devices so each process's devices are adjacent along the batch axes)")
+  return slice(rows[0], rows[-1] + 1)
+
+
+def global_batch(local: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+  """This process's rows of the batch (a pytree of ``[b, ...]`` host arrays) → global ``[b·P, ...]`` arrays split
+  over the batch axes, for :func:`make_train_step` with several processes (``jax.make_array_from_process_local_data``).
+
+  ``local`` must be the rows :func:`process_rows` names for this process. With one process this is a
+  ``device_put`` of the whole batch.
+  """
+  sharding = batch_sharding(mesh, rules)
+  return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), local)
 
 
 def _is_box(node) -> bool:
@@ -160,12 +226,20 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       loss, aux, grads = value_and_grad(state.params, batch)
     else:
       # [B, ...] -> [A, B/A, ...] taking rows i::A: a device's rows stay on it (no resharding of the batch)
-      micro = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(a.shape[0] // accum, accum, *a.shape[1:]), 0, 1), batch)
+      def split(a):
+        shape = (a.shape[0] // accum, accum, *a.shape[1:])
+        if is_explicit(mesh):  # keep dim 0's sharding on the outer factor (each device keeps its own rows)
+          a = jnp.reshape(a, shape, out_sharding=NamedSharding(mesh, P(bspec)))
+        else:
+          a = a.reshape(shape)
+        return jnp.swapaxes(a, 0, 1)
+
+      micro = jax.tree.map(split, batch)
       zeros = jax.tree.map(jnp.zeros_like, state.params)
       if mesh is not None:
-        micro = jax.tree.map(lambda a: lax.with_sharding_constraint(a, NamedSharding(mesh, P(None, bspec))), micro)
+        micro = jax.tree.map(lambda a: _constrain(a, NamedSharding(mesh, P(None, bspec)), mesh), micro)
         # the accumulator lives where the parameters live (1/n of them under FSDP / tensor parallelism)
-        zeros = lax.with_sharding_constraint(zeros, state_shardings(state.params, mesh, rules))
+        zeros = _constrain(zeros, state_shardings(state.params, mesh, rules), mesh)
 
       def body(carry, mb):
         gsum, lsum = carry

@@ -9,12 +9,15 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lce_flax import linear_cross_entropy
-from lce_flax.sharding import make_mesh, sharded_linear_cross_entropy
-from lce_flax.train import TrainState, make_train_step, state_shardings
-from tests.reference_np import rel_err
+import lce_flax.linen
+import lce_flax.nnx
+from lce_flax import LossOptions, linear_cross_entropy
+from lce_flax.sharding import DEFAULT_RULES, make_mesh, sharded_linear_cross_entropy
+from lce_flax.train import TrainState, batch_sharding, global_batch, make_train_step, state_shardings
+from tests.reference_np import linear_cross_entropy_np, rel_err
 
 V, H, B, T = 64, 16, 8, 6
 OPTS = dict(z_loss=1e-3, label_smoothing=0.05)
@@ -181,3 +184,117 @@ def test_vocab_parallel_train_step_never_holds_the_head():
   hlo = step.lower(state, b).compile().as_text()
   assert f"f32[{H},{V // 8}]" in hlo  # the head shard is there...
   assert f"f32[{H},{V}]" not in hlo  # ...and the whole head never is
+
+
+# ------------------------------------------------------------------ the library's heads on an Explicit-axes mesh
+
+
+def _explicit_mesh():
+  """data × tensor = 2 × 4 (an "fsdp" axis of size 1 too, so every axis DEFAULT_RULES names exists)."""
+  return jax.make_mesh((2, 1, 4), ("data", "fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 3)
+
+
+def _head_problem(seed):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(B, T, H)).astype(np.float32)
+  labels = rng.integers(0, V, (B, T)).astype(np.int32)
+  labels = np.where(rng.random((B, T)) < 0.2, -100, labels).astype(np.int32)
+  return x, labels
+
+
+def _check_head(loss, grads, kernel, bias, x, labels, grad_x):
+  ref = linear_cross_entropy_np(np.asarray(x, np.float64), np.asarray(kernel, np.float64), labels,
+                                bias=np.asarray(bias, np.float64), **OPTS)
+  assert rel_err(loss, ref["loss"]) <= 1e-5, (float(loss), ref["loss"])
+  assert rel_err(grads["kernel"], ref["dw"]) <= 1e-5
+  assert rel_err(grads["bias"], ref["dbias"]) <= 1e-5
+  assert rel_err(grad_x, ref["dx"]) <= 1e-5
+
+
+@pytest.mark.parametrize("kernel_axes", [("embed", "vocab"), ("fsdp", "tensor")], ids=["logical", "mesh-names"])
+def test_linen_lmhead_on_explicit_mesh_matches_one_device(kernel_axes):
+  """linen.LMHead under jit on a 2×4 Explicit mesh, parameters placed by their names through DEFAULT_RULES:
+  the float64 NumPy loss and gradients, with the kernel's gradient left sharded like the kernel."""
+  mesh = _explicit_mesh()
+  x, labels = _head_problem(1)
+  head = lce_flax.linen.LMHead(V, use_bias=True, kernel_axes=kernel_axes, bias_axes=kernel_axes[1:],
+                               bias_init=nn.initializers.normal(0.5), options=LossOptions(**OPTS))
+  boxed = head.init(jax.random.key(0), x, labels)["params"]
+  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, DEFAULT_RULES)
+  params = jax.device_put(nn.unbox(boxed), shardings)
+  assert params["kernel"].sharding.spec == P("fsdp", "tensor")
+  assert params["bias"].sharding.spec == P("tensor")
+  xs = jax.device_put(x, batch_sharding(mesh))
+  ys = jax.device_put(labels, batch_sharding(mesh))
+
+  def loss_fn(p, x):
+    return head.apply({"params": p}, x, labels=ys)
+
+  with jax.set_mesh(mesh):
+    loss, (grads, gx) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(params, xs)
+  assert jax.typeof(grads["kernel"]).sharding.spec == P("fsdp", "tensor")
+  un = nn.unbox(boxed)
+  _check_head(loss, grads, un["kernel"], un["bias"], x, labels, gx)
+
+
+@pytest.mark.parametrize("kernel_axes", [("embed", "vocab"), ("fsdp", "tensor")], ids=["logical", "mesh-names"])
+def test_nnx_lmhead_on_explicit_mesh_matches_one_device(kernel_axes):
+  """nnx.LMHead the same way: split, place the state by its names, merge inside jit."""
+  mesh = _explicit_mesh()
+  x, labels = _head_problem(2)
+  head = lce_flax.nnx.LMHead(H, V, use_bias=True, kernel_axes=kernel_axes, bias_axes=kernel_axes[1:],
+                             bias_init=nnx.initializers.normal(0.5), options=LossOptions(**OPTS), rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(head)
+  kernel, bias = np.asarray(head.kernel[...]), np.asarray(head.bias[...])
+  shardings = nn.logical_to_mesh_sharding(nnx.get_partition_spec(state), mesh, DEFAULT_RULES)
+  state = jax.device_put(state, shardings)
+  assert state["kernel"].get_value().sharding.spec == P("fsdp", "tensor")
+  xs = jax.device_put(x, batch_sharding(mesh))
+  ys = jax.device_put(labels, batch_sharding(mesh))
+
+  def loss_fn(st, x):
+    return nnx.merge(graphdef, st)(x, ys)
+
+  with jax.set_mesh(mesh):
+    loss, (grads, gx) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(state, xs)
+  assert jax.typeof(grads["kernel"].get_value()).sharding.spec == P("fsdp", "tensor")
+  grads = {k: np.asarray(grads[k].get_value()) for k in ("kernel", "bias")}
+  _check_head(loss, grads, kernel, bias, x, labels, gx)
+
+
+class HeadLM(nn.Module):
+  """Embedding (one-hot matmul) → Dense + tanh → linen.LMHead; the head's kernel carries logical names."""
+
+  @nn.compact
+  def __call__(self, tokens, labels):
+    table = self.param("embed", nn.initializers.normal(1.0), (V, H))
+    h = jax.nn.one_hot(tokens, V, dtype=table.dtype) @ table
+    h = jnp.tanh(nn.Dense(H)(h))
+    return lce_flax.linen.LMHead(V, kernel_init=nn.initializers.normal(0.3), options=LossOptions(**OPTS))(h, labels)
+
+
+def test_train_step_with_lmhead_on_explicit_mesh_matches_one_device():
+  """make_train_step + linen.LMHead on the 2×4 Explicit mesh, with global_batch: the unsharded run's losses and
+  parameters after three AdamW steps."""
+  mesh = _explicit_mesh()
+  batches = _batches(1) * 3  # one batch, three times: the loss must fall
+  model = HeadLM()
+  params = model.init(jax.random.key(0), batches[0]["tokens"], batches[0]["labels"])["params"]
+  opt = optax.adamw(1e-2)
+  loss_fn = lambda p, b: model.apply({"params": p}, b["tokens"], b["labels"])  # noqa: E731
+  runs = {}
+  for name, m in (("one", None), ("mesh", mesh)):
+    state = TrainState.create(params, opt, mesh=m)
+    step = make_train_step(loss_fn, opt, mesh=m)
+    losses = []
+    for b in batches:
+      state, metrics = step(state, b if m is None else global_batch(jax.tree.map(np.asarray, b), m))
+      losses.append(float(metrics["loss"]))
+    runs[name] = (losses, state)
+  (l0, s0), (l1, s1) = runs["one"], runs["mesh"]
+  assert l0[-1] < l0[0]
+  for a, b in zip(l1, l0):
+    assert rel_err(a, b) <= 1e-5, (l1, l0)
+  for a, b in zip(jax.tree.leaves(nn.unbox(s1.params)), jax.tree.leaves(nn.unbox(s0.params))):
+    assert rel_err(a, b) <= 1e-5
+  assert s1.params["LMHead_0"]["kernel"].value.sharding.spec == P("fsdp", "tensor")
