@@ -2,9 +2,9 @@
 
 On CPU the Mosaic GPU kernels run under Mosaic GPU's interpreter (``plgpu.InterpretGPUParams``: simulated GMEM,
 SMEM, TMA copies and barriers), with the WGMMA instruction replaced by ``jnp.dot`` of the same shared-memory tiles
-(the interpreter has no WGMMA; see ``lce_flax/pallas_mosaic.py``). Small tiles (64×64, 2 stages, 3 splits,
-backward chunks of 128 columns) make every loop run several times and end ragged. The ``gpu``-marked tests run
-the compiled kernels (``pytest -m gpu`` on an SM90 machine).
+(the interpreter has no WGMMA; see ``lce_flax/_impl/pallas_mosaic/kernels.py``). Small tiles (64×64, 2 stages,
+3 splits, backward chunks of 128 columns) make every loop run several times and end ragged. The ``gpu``-marked
+tests run the compiled kernels (``pytest -m gpu`` on an SM90 machine).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from lce_flax import _device, _math, linear_cross_entropy
-from lce_flax._impl import common, pallas_mosaic
-from lce_flax._impl.pallas_mosaic import Config
+from lce_flax._impl import chunked, common, pallas_mosaic
+from lce_flax._impl.pallas_mosaic import Config, epilogue, kernels_ws, op
 from tests.reference_np import linear_cross_entropy_np, rel_err
 from tests.test_api import OPTIONS, check_bad_and_ignored_labels, check_impl, check_lse_cotangent, make_inputs
 
@@ -47,17 +47,21 @@ def test_dtypes_and_layouts(dtype, w_layout):
   check(dtype=dtype, w_layout=w_layout, batch_shape=(3, 13), v=333, seed=7, bias=w_layout == "vh")
 
 
-def test_float32_inputs_default_is_exact():
-  """fp32 inputs keep the package's fp32 accuracy (they run the chunked implementation)."""
-  check(dtype=jnp.float32, w_layout="vh", bias=True, seed=12)
-
-
-def test_float32_inputs_run_in_bf16():
-  """With fp32_inputs="bf16", fp32 x, w are rounded to bf16 for the kernels: the result is the oracle's on the
-  rounded inputs, to fp32 accumulation accuracy, and gradients come back in fp32."""
+def test_float32_inputs_are_refused_and_run_with_dtype_bf16():
+  """WGMMA has no float32 operands: float32 inputs are refused (no hidden fallback); with dtype=jnp.bfloat16 the
+  op rounds x and w to bf16 for the kernels: the result is the oracle's on the rounded inputs, to fp32
+  accumulation accuracy, and gradients come back in fp32."""
+  spec = common.Spec(_math.LossOptions(10), interpret=True)
+  for dtype in (jnp.float32, jnp.int32):
+    with pytest.raises(NotImplementedError, match="WGMMA has no float32 operands; pass dtype=jnp.bfloat16"):
+      pallas_mosaic.supported(spec, "cpu", dtype)
+    with pytest.raises(NotImplementedError, match="WGMMA has no float32"):
+      pallas_mosaic.design(64, 64, spec, dtype, "lean", None)
   (x, w, y, _), (xn, wn, yn, _) = make_inputs(11, (70,), 128, 200, jnp.float32)
-  cfg = dataclasses.replace(SMALL, fp32_inputs="bf16")
-  f = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=cfg)
+  with pytest.raises((NotImplementedError, ValueError), match="WGMMA has no float32"):
+    linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=SMALL)
+  f = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=SMALL,
+                                        dtype=jnp.bfloat16)
   loss, (dx, dw) = jax.value_and_grad(f, (0, 1))(x, w)
   rnd = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
   ref = linear_cross_entropy_np(rnd(xn), rnd(wn), yn)
@@ -105,26 +109,26 @@ def test_epilogue_math_matches_shared_math():
   cols = jnp.broadcast_to(cols1, (bt, bv))
   valid1 = cols1 >= 45
   labels = jnp.asarray(rng.integers(-1, v + 1, bt), jnp.int32).at[:3].set(jnp.array([50, 41, 63]))
-  got = pallas_mosaic.epilogue_stats(_math.softcap(z, opts.logit_softcap), cols, jnp.broadcast_to(valid1, (bt, bv)),
+  got = epilogue.epilogue_stats(_math.softcap(z, opts.logit_softcap), cols, jnp.broadcast_to(valid1, (bt, bv)),
                                      labels, opts)
   want = _math.tile_stats(_math.softcap(z, opts.logit_softcap), cols1, labels, valid1, opts)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=1e-6)
   other = _math.tile_stats(_math.softcap(z[:, ::-1], 5.0), cols1, labels, ~valid1, opts)
-  for a, b in zip(pallas_mosaic.merge(want, other), _math.merge_stats(want, other)):
+  for a, b in zip(epilogue.merge(want, other), _math.merge_stats(want, other)):
     np.testing.assert_allclose(a, b, rtol=1e-6)
   lse = jnp.asarray(rng.standard_normal(bt) + 4, jnp.float32)
   g_loss = jnp.asarray(rng.standard_normal(bt), jnp.float32)
   g_lse = jnp.asarray(rng.standard_normal(bt), jnp.float32)
-  coef, a, c = pallas_mosaic.row_coefficients(lse, labels, g_loss, g_lse, opts)
-  got = pallas_mosaic.epilogue_dlogits(z, cols, labels, lse, coef, a, c, opts)
+  coef, a, c = epilogue.row_coefficients(lse, labels, g_loss, g_lse, opts)
+  got = epilogue.epilogue_dlogits(z, cols, labels, lse, coef, a, c, opts)
   want = _math.dlogits(z, lse, labels, cols1, jnp.ones((bv,), bool), g_loss, g_lse, opts)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   assert np.isnan(got[labels >= v]).all()
 
 
 # ------------------------------------------------------------------------------------------------ fast mode
-FAST = dataclasses.replace(SMALL, fast_design="logits")
+FAST = dataclasses.replace(SMALL, fast_design="logits", chunk_size=None)  # no chunk loop: chunk_size is an error
 
 
 @pytest.mark.parametrize("opt,dtype,w_layout,bias", [
@@ -169,55 +173,89 @@ def test_fast_token_chunks(opt, w_layout, bias, chunk):
   check(mode="fast", config=cfg, w_layout=w_layout, bias=bias, options=OPTIONS[opt], where=True, seed=40 + chunk)
 
 
-def test_fast_design_choice_and_fp32():
+def test_fast_design_choice_and_errors():
   """The smaller buffer wins: B·V·2 bytes of stored logits, or H·V·4 of float32 dw + a c×V chunk of them."""
-  assert pallas_mosaic.fast_design(8192, 4096, 128256) == "logits"  # llama3-8b: 2.10 vs 3.15 GB
-  assert pallas_mosaic.fast_design(4096, 4096, 151936) == "logits"  # qwen3-8b: 1.24 vs 3.11 GB
-  assert pallas_mosaic.fast_design(8192, 2304, 256000) == "logits"  # gemma2-2b: 4.19 vs 4.46 GB
-  assert pallas_mosaic.fast_design(16384, 768, 50304) == "tokens"  # gpt2-small: 1.65 vs 0.26 GB
-  assert pallas_mosaic.token_chunk(16384, 768) == 4096
-  assert pallas_mosaic.token_chunk(1000, 768) == 256  # at most half the tokens
-  with pytest.raises(ValueError, match="fast_design='big'"):
-    linear_cross_entropy(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int),
-                         impl="pallas_mosaic", mode="fast", config=Config(fast_design="big"))
+  assert op.fast_design(8192, 4096, 128256) == "logits"  # llama3-8b: 2.10 vs 3.15 GB
+  assert op.fast_design(4096, 4096, 151936) == "logits"  # qwen3-8b: 1.24 vs 3.11 GB
+  assert op.fast_design(8192, 2304, 256000) == "logits"  # gemma2-2b: 4.19 vs 4.46 GB
+  assert op.fast_design(16384, 768, 50304) == "tokens"  # gpt2-small: 1.65 vs 0.26 GB
+  assert op.token_chunk(16384, 768) == 4096
+  assert op.token_chunk(1000, 768) == 256  # at most half the tokens
+  args = (jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int))
+  for design, match in (("big", "fast_design='big'"), ("chunked", "fast_design='chunked'.*impl='chunked'")):
+    with pytest.raises(ValueError, match=match):
+      linear_cross_entropy(*args, impl="pallas_mosaic", mode="fast", interpret=True,
+                           config=Config(fast_design=design))
   with pytest.raises(ValueError, match="chunk_size=100 .*block_t=64"):
-    linear_cross_entropy(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int),
-                         impl="pallas_mosaic", mode="fast", interpret=True,
+    linear_cross_entropy(*args, impl="pallas_mosaic", mode="fast", interpret=True,
                          config=dataclasses.replace(SMALL, fast_design="tokens", chunk_size=100))
-  # float32 inputs keep the package's float32 contract in fast mode too (chunked's exact path)
-  check(mode="fast", config=FAST, dtype=jnp.float32, seed=33)
+  with pytest.raises(ValueError, match="chunk_size=128: the 'logits' fast design has no chunk loop"):
+    linear_cross_entropy(*args, impl="pallas_mosaic", mode="fast", interpret=True,
+                         config=dataclasses.replace(SMALL, fast_design="logits"))
+
+
+def test_design_protocol():
+  """design(): names, resolved plans (what lean/fast take), memory bounds, and the errors of bad configs."""
+  spec = common.Spec(_math.LossOptions(128256))
+  lean = pallas_mosaic.design(8192, 4096, spec, jnp.bfloat16, "lean", None)
+  assert (lean.impl, lean.mode, lean.name) == ("pallas_mosaic", "lean", "recompute")
+  assert lean.config == op.plan(8192, 4096, 128256) and "chunks of 2048 columns" in lean.chunking
+  # dz (B·chunk·2) + float32 dx and XLA's product (2·B·H·4) + a chunk of w + stats and bias (a few MiB)
+  floor = 8192 * 2048 * 2 + 2 * 8192 * 4096 * 4 + 4096 * 2048 * 2
+  assert floor <= lean.memory_bytes <= floor + 8 * 2**20
+  fast = pallas_mosaic.design(8192, 4096, spec, jnp.bfloat16, "fast", None)
+  assert (fast.name, fast.config.fast_design, fast.config.chunk_size) == ("logits", "logits", None)
+  floor = 8192 * 128256 * 2 + 8192 * (128256 // 128) * 4  # B·V·itemsize + B·⌈V/bv⌉·4
+  assert floor <= fast.memory_bytes <= floor + 300 * 2**20
+  gpt2 = common.Spec(_math.LossOptions(50304))
+  tok = pallas_mosaic.design(16384, 768, gpt2, jnp.bfloat16, "fast", None)
+  assert (tok.name, tok.config.chunk_size) == ("tokens", 4096) and "token chunks of 4096" in tok.chunking
+  floor = 768 * 50304 * 4 + 4096 * 50304 * 2  # H·V·4 + c·V·itemsize
+  assert floor <= tok.memory_bytes <= floor + 100 * 2**20 and tok.memory_bytes < fast.memory_bytes
+  for mode in ("lean", "fast"):  # an empty batch plans without dividing by zero
+    assert pallas_mosaic.design(0, 4096, spec, jnp.bfloat16, mode, None).memory_bytes >= 0
+  with pytest.raises(TypeError, match="pallas_mosaic"):
+    pallas_mosaic.design(64, 64, spec, jnp.bfloat16, "lean", chunked.Config())
+  with pytest.raises(ValueError, match="chunk_size=0 "):
+    pallas_mosaic.design(64, 64, spec, jnp.bfloat16, "lean", Config(chunk_size=0))
+  with pytest.raises(ValueError, match="semantics='lane' cannot run the warp-specialised"):
+    pallas_mosaic.design(64, 64, spec, jnp.bfloat16, "lean", Config(semantics="lane", warp_specialized=True))
+  with pytest.raises(ValueError, match="cannot run mode='fast'"):  # a lean plan handed to fast
+    pallas_mosaic.fast(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), None,
+                       jnp.zeros(4, jnp.int32), jnp.ones(4), common.Spec(_math.LossOptions(10), interpret=True),
+                       op.plan(4, 64, 10, interpret=True))
 
 
 def test_bias_pads_vocab_to_aligned_chunks():
   """With a bias, V is padded to 64 columns in both layouts: every chunk's bias slice then starts 256-byte aligned
   (Mosaic GPU refused the clamped last chunk's slice at V=5003 and 5008 with w_layout="vh" on the H100)."""
-  p = pallas_mosaic.plan(1000, 512, 5003)
+  p = op.plan(1000, 512, 5003)
   for v in (5003, 5008):
     spec = common.Spec(_math.LossOptions(v), "vh")
     x, w, y = jnp.zeros((1000, 512), jnp.bfloat16), jnp.zeros((v, 512), jnp.bfloat16), jnp.zeros(1000, jnp.int32)
-    assert pallas_mosaic._prepare(x, w, None, y, spec, p)[-1].vp == 5008  # no bias: w is not copied for V=5008
-    d = pallas_mosaic._prepare(x, w, jnp.zeros(v), y, spec, p)[-1]
+    assert op.prepare(x, w, None, y, spec, p)[-1].vp == 5008  # no bias: w is not copied for V=5008
+    d = op.prepare(x, w, jnp.zeros(v), y, spec, p)[-1]
     assert d.vp == 5056 and (d.vp - p.chunk_size) * 4 % 256 == 0
 
 
 def test_supported_and_plan():
   pallas_mosaic.supported(common.Spec(_math.LossOptions(10), interpret=True), "cpu")
+  pallas_mosaic.supported(common.Spec(_math.LossOptions(10), interpret=True), "cpu", jnp.float16)
   with pytest.raises(NotImplementedError, match="platform='cpu'"):
     pallas_mosaic.supported(common.Spec(_math.LossOptions(10)), "cpu")
   if not on_sm90:
     with pytest.raises(ValueError, match="pallas_mosaic"):
-      linear_cross_entropy(jnp.ones((4, 64)), jnp.ones((64, 10)), jnp.zeros(4, int), impl="pallas_mosaic",
-                           interpret=False)
-  p = pallas_mosaic.plan(8192, 4096, 128256)
+      linear_cross_entropy(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int),
+                           impl="pallas_mosaic", interpret=False)
+  p = op.plan(8192, 4096, 128256)
   assert (p.block_t, p.block_v, p.block_k) == (128, 128, 64) and p.chunk_size == 2048
   assert 64 * p.num_splits >= 8 * 132  # about 8 waves of forward CTAs
   with pytest.raises(ValueError, match="block_v=96"):
-    pallas_mosaic.plan(64, 64, 1000, Config(block_v=96))
-  with pytest.raises(ValueError, match="chunk_size=100"):
-    pallas_mosaic.plan(64, 64, 1000, Config(chunk_size=100))
-  with pytest.raises(ValueError, match="fp32_inputs='tf32'"):
-    linear_cross_entropy(jnp.ones((4, 64)), jnp.ones((64, 10)), jnp.zeros(4, int), impl="pallas_mosaic",
-                         config=Config(fp32_inputs="tf32"))
+    op.plan(64, 64, 1000, Config(block_v=96))
+  with pytest.raises(ValueError, match="chunk_size=100 must be a positive multiple of block_v=128"):
+    op.plan(64, 64, 1000, Config(chunk_size=100))
+  with pytest.raises(TypeError, match="unexpected keyword argument 'fp32_inputs'"):
+    Config(fp32_inputs="bf16")  # gone: float32 inputs are refused, dtype=jnp.bfloat16 rounds them
 
 
 @pytest.mark.gpu
@@ -245,7 +283,7 @@ def test_gpu_llama3_against_xla(w_layout, mode):
 @pytest.mark.skipif(not on_sm90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("design", ["logits", "tokens"])
 def test_gpu_fast_designs_compiled(design):
-  cfg = Config(fast_design=design, chunk_size=256 if design == "tokens" else None)
+  cfg = Config(fast_design=design, chunk_size=256 if design == "tokens" else None)  # (the GPU's block_t: 128)
   check(config=cfg, mode="fast", h=512, v=5003, batch_shape=(1000,), options=OPTIONS["all"], bias=True,
         interpret=False)
 
@@ -268,16 +306,17 @@ def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
           sds((v,), jnp.float32) if bias else None, sds((b,), jnp.int32))
 
   def f(x, w, bias, y):
-    out = pallas_mosaic.lean(x, w, bias, y, spec, Config(warp_specialized=True))
+    out = pallas_mosaic.lean(x, w, bias, y, spec, pallas_mosaic.design(b, h, spec, x.dtype, "lean", Config(
+        warp_specialized=True)).config)
     return jnp.sum(out.loss) + jnp.sum(out.lse)
 
   text = jax.jit(jax.grad(f, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 2  # the forward and the dz kernel
 
   def g(x, w, bias, y):  # the fast forward: tile stores through SMEM + TMA on top of the statistics
-    p = pallas_mosaic.plan(b, h, v, Config(warp_specialized=True))
-    xp, wp, bp, yp, d = pallas_mosaic._prepare(x, w, bias, y, spec, p, store=True)
-    out, (zb, mt) = pallas_mosaic._forward_ws(xp, wp, bp, yp, d, p, opts)
+    p = op.plan(b, h, v, Config(warp_specialized=True), mode="fast")
+    xp, wp, bp, yp, d = op.prepare(x, w, bias, y, spec, p, store=True)
+    out, (zb, mt) = kernels_ws.forward_ws(xp, wp, bp, yp, d, p, opts)
     return out.loss.sum() + zb.sum() + mt.sum()
 
   text = jax.jit(g).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -290,8 +329,8 @@ def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
 
 
 def test_plan_warp_specialization_follows_interpret():
-  assert pallas_mosaic.plan(1000, 512, 5003).warp_specialized
-  p = pallas_mosaic.plan(1000, 512, 5003, interpret=True)
+  assert op.plan(1000, 512, 5003).warp_specialized
+  p = op.plan(1000, 512, 5003, interpret=True)
   assert not p.warp_specialized and p.semantics == "lane"
   with pytest.raises(NotImplementedError, match="interpret"):
-    pallas_mosaic.plan(1000, 512, 5003, Config(warp_specialized=True), interpret=True)
+    op.plan(1000, 512, 5003, Config(warp_specialized=True), interpret=True)

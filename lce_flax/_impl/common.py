@@ -173,3 +173,12 @@ def absent_refs(kernel, *positions: int):
     return kernel(*refs, **kwargs)
 
   return wrapped
+
+
+def check_positive(config, names) -> None:
+  """Raises ``ValueError`` naming the first field of ``config`` among ``names`` that is set but is not a positive
+  int (None fields are left to the heuristic)."""
+  for name in names:
+    val = getattr(config, name)
+    if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+      raise ValueError(f"{name}={val!r} must be a positive int (or None)")

@@ -1,5 +1,12 @@
-"""``impl="pallas_mosaic"`` (being split by role; see op.py)."""
+"""``impl="pallas_mosaic"``: Pallas Mosaic GPU kernels (TMA + WGMMA) for Hopper GPUs; interpretable on CPU.
 
-from lce_flax._impl.pallas_mosaic.op import Config, fast, lean, supported
+``op.py``: the configuration, the plan heuristic, the backend protocol and the lean ``custom_vjp``;
+``epilogue.py``: the register-tile loss math; ``kernels.py``: the one-warpgroup kernels (interpretable) and what
+every kernel shares; ``kernels_ws.py``: the warp-specialised kernels (the GPU default); ``fast.py``: the fast
+designs ("logits", "tokens") and their dz pass.
+"""
 
-__all__ = ["Config", "fast", "lean", "supported"]
+from lce_flax._impl.pallas_mosaic.fast import fast
+from lce_flax._impl.pallas_mosaic.op import Config, design, lean, supported
+
+__all__ = ["Config", "design", "fast", "lean", "supported"]

@@ -180,7 +180,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: ConfigFields |
   Raises ``ValueError`` naming a field whose value is not allowed.
   """
   c = config or Config()
-  check_positive(c, POSITIVE_FIELDS)
+  common.check_positive(c, POSITIVE_FIELDS)
   itemsize = jnp.dtype(dtype).itemsize
   small = itemsize <= 2
   tokens = max(num_tokens, 1)  # an empty batch plans as one token (dispatch never runs it)
@@ -208,14 +208,6 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: ConfigFields |
   dx_chunk = c.dx_chunk or max(pow2_floor(LOW_MEMORY_BLOCK_BYTES // (itemsize * tb)), bv)
   dx_chunk = cdiv(dx_chunk, bv) * bv
   return Plan(bt, bv, bk, splits, chunk, warps, stages, c.group_t or 8, bool(c.dx_kernel) or low, low, tb, dx_chunk)
-
-
-def check_positive(config, names) -> None:
-  """Raises ``ValueError`` naming the first of ``names`` whose value is set but not a positive int."""
-  for name in names:
-    val = getattr(config, name)
-    if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
-      raise ValueError(f"{name}={val!r} must be a positive int (or None)")
 
 
 def check_dtype(impl: str, dtype) -> None:

@@ -76,7 +76,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: Config | None 
   """Block sizes for one shape: ``pallas_triton``'s heuristic (the same tiles) but 3 pipeline stages, any
   ``config`` field first."""
   c = config or Config()
-  pt.check_positive(c, ("bwd_num_stages",))
+  common.check_positive(c, ("bwd_num_stages",))
   base = pt.plan(num_tokens, hidden, vocab, dtype, c)
   # 3 stages on every GPU: on an H100 (llama3-8b) 3 stages beat pallas_triton's SM90 default of 4 by 0.9 ms in
   # the forward and 0.5 ms in the dz kernels.

@@ -1,0 +1,99 @@
+"""The loss math of :mod:`lce_flax._math`, written with the ops Mosaic GPU lowers on register tiles.
+
+The epilogues of ``impl="pallas_mosaic"``'s kernels run on a float32 ``[block_t, block_v]`` WGMMA accumulator
+that never leaves the registers. Per-row values enter a tile through ``lax.broadcast_in_dim`` (no reshapes, no
+``[:, None]``), and there is no ``isfinite``: only ``m = -inf`` is special-cased. The tests check every function
+here against :func:`lce_flax._math.tile_stats`, :func:`~lce_flax._math.merge_stats` and
+:func:`~lce_flax._math.dlogits` on random tiles.
+
+* forward: :func:`epilogue_stats` (a tile's row statistics), :func:`merge` (online logsumexp), and
+  :func:`shifted_logits` (what the fast forward stores of a tile);
+* backward: :func:`row_coefficients` (per-token factors of the logit gradient, computed once per call) and
+  :func:`epilogue_dlogits` / :func:`dlogits_capped` (a tile's logit gradient from them).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from lce_flax import _math
+from lce_flax._impl.common import F32
+
+
+def bcast_rows(v, shape):
+  """A per-row vector [bt] as a [bt, bv] tile."""
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def bcast_cols(v, shape):
+  """A per-column vector [bv] as a [bt, bv] tile."""
+  return lax.broadcast_in_dim(v, shape, [1])
+
+
+def epilogue_stats(zc, cols, valid, labels, opts: _math.LossOptions):
+  """``_math.tile_stats`` of the capped tile ``zc`` [bt, bv]; ``cols``/``valid`` are [bt, bv], labels [bt]."""
+  masked = jnp.where(valid, zc, -jnp.inf)
+  m = masked.max(axis=1)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
+  s = jnp.exp(masked - bcast_rows(m_safe, zc.shape)).sum(axis=1)
+  hit = valid & (cols == bcast_rows(labels, zc.shape))
+  target = jnp.where(hit, zc, 0.0).sum(axis=1)
+  zsum = jnp.where(valid, zc, 0.0).sum(axis=1) if opts.needs_logit_sum else jnp.zeros_like(m)
+  return _math.RowStats(m, s, target, zsum)
+
+
+def shifted_logits(zc, m):
+  """What the fast forward stores of a capped tile: ``zc - m`` with ``m`` the tile's row max (finite).
+
+  Stored in bf16/fp16, the entries that carry the softmax mass (``zc`` near the row max) are near 0, so their
+  rounding error is absolute ~2⁻⁹·|zc - m| instead of ~2⁻⁹·|zc| (as for rounded logits): an entry's
+  probability keeps a relative error ≤ 2⁻⁹·(m - zc), which is only large where the probability is
+  ~e^{-(m - zc)} small.
+  """
+  return zc - bcast_rows(jnp.where(m == -jnp.inf, 0.0, m), zc.shape)
+
+
+def merge(a: _math.RowStats, b: _math.RowStats) -> _math.RowStats:
+  """``_math.merge_stats`` for registers (Mosaic GPU has no ``isfinite``: only ``m = -inf`` is special-cased).
+
+  Differs from it only for infinite logits (+inf), where both are meaningless anyway.
+  """
+  m = jnp.maximum(a.m, b.m)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  s = a.s * jnp.exp(a.m - m_safe) + b.s * jnp.exp(b.m - m_safe)
+  return _math.RowStats(m, s, a.target + b.target, a.zsum + b.zsum)
+
+
+def row_coefficients(lse, labels, g_loss, g_lse, opts: _math.LossOptions):
+  """Per-token factors of :func:`lce_flax._math.dlogits`: ``dz' = p·coef - [v = y]·a - c``.
+
+  ``coef = g·(1 + 2λ_z·lse) + g_lse``, ``a = (1-ε)·g``, ``c = ε/V·g`` with ``g`` the loss cotangent of counted
+  tokens (0 otherwise); ``coef`` is NaN for out-of-range labels, so their whole gradient row is NaN.
+  """
+  counted = labels >= 0
+  g = jnp.where(counted, g_loss.astype(F32), 0.0)
+  coef = g * (1.0 + 2.0 * opts.z_loss * lse) if opts.z_loss else g
+  coef = coef + g_lse.astype(F32)
+  coef = jnp.where(labels >= opts.vocab_size, jnp.nan, coef)
+  a = (1.0 - opts.label_smoothing) * g
+  c = (opts.label_smoothing / opts.vocab_size) * g
+  return coef, a, c
+
+
+def epilogue_dlogits(z, cols, labels, lse, coef, a, c, opts: _math.LossOptions):
+  """The logit gradient of a tile from :func:`row_coefficients` (``cols`` [bt, bv] global column ids)."""
+  return dlogits_capped(_math.softcap(z, opts.logit_softcap), cols, labels, lse, coef, a, c, opts)
+
+
+def dlogits_capped(zc, cols, labels, lse, coef, a, c, opts: _math.LossOptions):
+  """:func:`epilogue_dlogits` of the already capped tile ``zc``."""
+  shape = zc.shape
+  p = jnp.exp(zc - bcast_rows(lse, shape))
+  dz = p * bcast_rows(coef, shape) - jnp.where(cols == bcast_rows(labels, shape), bcast_rows(a, shape), 0.0)
+  if opts.label_smoothing:
+    dz = dz - bcast_rows(c, shape)
+  if opts.logit_softcap is not None:
+    r = zc * (1.0 / opts.logit_softcap)
+    dz = dz * (1.0 - r * r)
+  return dz

@@ -1,0 +1,159 @@
+"""The fast designs of ``impl="pallas_mosaic"`` (``mode="fast"``, 6·B·H·V FLOPs) and their dz pass.
+
+The forward kernel (:func:`.op.run_forward` with ``Dims.store``) also stores every logit tile, shifted by its
+row max, in the input dtype, and its row maxima; once lse is known, one elementwise kernel (:func:`_dz_pass`)
+turns the stored tiles into dz in place. Two designs (``Plan.fast_design``, chosen by :func:`.op.fast_design`):
+
+* ``"logits"``: all B tokens at once. The buffer is B×V in the input dtype (+ B·V/bv float32 maxima); the
+  backward forms dx = dz wᵀ and dw = xᵀ dz as two whole matmuls (the largest, most efficient shapes the problem
+  has; no accumulation across chunks: every product accumulates in float32 inside one matmul).
+* ``"tokens"``: chunks of c tokens (a c×V buffer); each chunk's dx rows are complete at once and its xᵀdz adds
+  into an H×V float32 dw: the choice when H·V·4 + c·V·2 is smaller than B·V·2 (small H, many tokens:
+  gpt2-small).
+
+Only the reduced loss is differentiable (the per-token outputs' cotangents must be symbolic zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from lce_flax import _math
+from lce_flax._impl import common
+from lce_flax._impl.common import F32, cdiv
+from lce_flax._impl.pallas_mosaic import epilogue, kernels, op
+
+
+def _dz_pass_body(zb_ref, mt_ref, lse_ref, y_ref, coef_ref, a_ref, c_ref, o_ref, db_ref, *, opts, v: int):
+  """One [bt, bv] block of stored tiles → dz, in place (Pallas Triton on the GPU; interpreted on CPU)."""
+  bt, bv = zb_ref.shape
+  j = pl.program_id(1)
+  shape = (bt, bv)
+  zc = zb_ref[...].astype(F32) + epilogue.bcast_rows(mt_ref[0, :], shape)
+  cols = lax.broadcasted_iota(jnp.int32, shape, 1) + j * bv
+  dz = epilogue.dlogits_capped(zc, cols, y_ref[...], lse_ref[...], coef_ref[...], a_ref[...], c_ref[...], opts)
+  dz = jnp.where(cols < v, dz, 0.0)
+  o_ref[...] = dz.astype(o_ref.dtype)
+  if db_ref is not None:
+    db_ref[0, :] = dz.sum(axis=0)
+
+
+def _dz_pass(zb, mt, lse, yp, coef, a, c, d: kernels.Dims, p: op.Plan, opts):
+  """dz from the stored tiles, written over them (``input_output_aliases``: no second B×V buffer), and the
+  column sums for dbias. An elementwise Pallas kernel, so that XLA can neither keep both buffers nor fuse this
+  pass into the two matmuls that read dz (which it does at some shapes, then holding zb and dz at once)."""
+  bt, bv = p.block_t, p.block_v
+  grid = (d.b // bt, d.vp // bv)
+  vec = pl.BlockSpec((bt,), lambda i, j: (i,))
+  out_shape = [jax.ShapeDtypeStruct(zb.shape, zb.dtype)]
+  out_specs = [pl.BlockSpec((bt, bv), lambda i, j: (i, j))]
+  if d.has_bias:
+    out_shape.append(jax.ShapeDtypeStruct((grid[0], d.vp), F32))
+    out_specs.append(pl.BlockSpec((1, bv), lambda i, j: (i, j)))
+  body = functools.partial(_dz_pass_body, opts=opts, v=opts.vocab_size)
+  out = pl.pallas_call(
+      body if d.has_bias else common.absent_refs(body, 8), grid=grid,
+      in_specs=[pl.BlockSpec((bt, bv), lambda i, j: (i, j)), pl.BlockSpec((1, bt), lambda i, j: (j, i)),
+                vec, vec, vec, vec, vec],
+      out_specs=out_specs, out_shape=out_shape, input_output_aliases={0: 0}, interpret=d.interpret,
+      compiler_params=None if d.interpret else pltriton.CompilerParams(num_warps=4, num_stages=1),
+      name="lce_mosaic_dz_pass",
+  )(zb, mt, lse, yp, coef, a, c)
+  return out[0], (out[1].sum(axis=0) if d.has_bias else None)
+
+
+def _stored_dz(xp, wp, bp, yp, wts, d: kernels.Dims, p: op.Plan, opts):
+  """Forward kernel with stores + the dz pass over rows ``xp``: (TokenOut, dz [rows, vp] in x's dtype, dbias)."""
+  out, (zb, mt) = op.run_forward(xp, wp, bp, yp, d, p, opts)
+  coef, a, c = epilogue.row_coefficients(out.lse, yp, wts, jnp.zeros_like(wts), opts)
+  dz, db = _dz_pass(zb, mt, out.lse, yp, coef, a, c, d, p, opts)
+  return out, dz, db
+
+
+def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
+  """(Σ weights·loss, TokenOut, residuals) of the design ``p.fast_design``."""
+  opts = spec.opts
+  b = x.shape[0]
+  xp, wp, bp, yp, d = op.prepare(x, w, bias, labels, spec, p, store=True)
+  wts = jnp.pad(weights.astype(F32), (0, d.b - b))  # padding rows: weight 0 (and label -1): dz = 0
+  if p.fast_design == "logits":
+    out, dz, db = _stored_dz(xp, wp, bp, yp, wts, d, p, opts)
+    res = (dz, xp, wp, None, None, db)
+  else:
+    chunk = p.chunk_size
+    n = cdiv(d.b, chunk)
+    pad = n * chunk - d.b
+    xs = jnp.pad(xp, ((0, pad), (0, 0))).reshape(n, chunk, d.h)
+    ys = jnp.pad(yp, (0, pad), constant_values=_math.IGNORED).reshape(n, chunk)
+    ws = jnp.pad(wts, (0, pad)).reshape(n, chunk)
+    dc = dataclasses.replace(d, b=chunk)
+
+    def body(carry, rows):
+      dw, db = carry
+      xc, yc, wc = rows
+      out, dz, dbc = _stored_dz(xc, wp, bp, yc, wc, dc, p, opts)
+      dw = dw + common.grad_w(xc, dz, spec.w_layout)
+      return (dw, None if db is None else db + dbc), (common.grad_x(dz, wp, spec.w_layout, out_dtype=xp.dtype), out)
+
+    init = (jnp.zeros(wp.shape, F32), None if bp is None else jnp.zeros(bp.shape, F32))
+    (dw, db), (dx, out) = lax.scan(body, init, (xs, ys, ws))
+    out = jax.tree.map(lambda t: t.reshape(n * chunk), out)
+    res = (None, None, None, dx.reshape(n * chunk, d.h), dw, db)
+  out = _math.TokenOut(*(t[:b] for t in out))
+  total = jnp.sum(weights.astype(F32) * out.loss)
+  return total, out, res
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _fast(x, w, bias, labels, weights, spec, p, meta):
+  del meta  # (H, bias dtype): what the backward needs to undo prepare's padding
+  total, out, _ = _fast_forward(x, w, bias, labels, weights, spec, p)
+  return total, out
+
+
+def _fast_fwd(x, w, bias, labels, weights, spec, p, meta):
+  del meta
+  # symbolic_zeros=True wraps each array argument in a CustomVJPPrimal (None stays None).
+  total, out, res = _fast_forward(x.value, w.value, None if bias is None else bias.value, labels.value,
+                                  weights.value, spec, p)
+  return (total, out), (res, labels.value)
+
+
+def _fast_bwd(spec, p, meta, residuals, g):
+  del p
+  (dz, xp, wp, dx, dw, db), labels = residuals
+  g_total, g_out = g
+  common.check_fast_cotangents(g_out)
+  gt = g_total.astype(F32)
+  (h, bias_dtype), b, v = meta, labels.shape[0], spec.opts.vocab_size
+  scale = lambda t, dtype: (t.astype(F32) * gt).astype(dtype)
+  if dz is not None:  # "logits": the two matmuls now
+    # The cotangent enters dw through x (exact when it is 1, as for a loss): the matmul writes dw in its final
+    # dtype, with no H×V float32 product.
+    dw = common.grad_w(scale(xp, xp.dtype), dz, spec.w_layout, out_dtype=wp.dtype)
+    dx = scale(common.grad_x(dz, wp, spec.w_layout), xp.dtype)
+  else:  # "tokens": formed in the forward (x and w share the kernels' dtype)
+    dx, dw = scale(dx, dx.dtype), scale(dw, dx.dtype)
+  dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
+  dbias = None if db is None else scale(db, bias_dtype)[:v]
+  return dx[:b, :h], dw, dbias, None, None
+
+
+_fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
+
+
+def fast(x, w, bias, labels, weights, spec: common.Spec, config: op.Plan | op.Config | None = None):
+  """``(Σ weights·loss, TokenOut)``, differentiable in x, w, bias through the scalar only (6·B·H·V FLOPs).
+
+  x and w are bf16 or fp16 (one dtype); ``config`` is ``design(..., mode="fast", ...).config``, whose
+  ``fast_design`` says which design runs (an unresolved :class:`~.op.Config` or None is resolved through
+  :func:`.op.design` first)."""
+  p = op.resolve(x, w, spec, config, "fast")
+  return _fast(x, w, bias, labels, weights, spec, p, (x.shape[1], None if bias is None else bias.dtype))
