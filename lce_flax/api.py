@@ -10,6 +10,7 @@ once, and :func:`explain` reports it before anything runs.
 from __future__ import annotations
 
 import importlib
+import math
 import warnings
 from typing import Any, NamedTuple
 
@@ -217,7 +218,7 @@ def explain(x, w, labels=None, *, bias=None, w_layout: str = "hv", options: Loss
   _check(x, w, labels, bias, None, w_layout)
   platform = _device.platform()
   dtype = _compute_dtype(x.dtype, w.dtype, opts, platform)
-  num_tokens = int(jnp.size(labels)) if labels.shape else 1
+  num_tokens = math.prod(labels.shape)
   _, _, design = _dispatch(num_tokens, x.shape[-1], common.vocab_size(w, w_layout), dtype, w_layout, opts, platform)
   if dtype != jnp.promote_types(x.dtype, w.dtype) or x.dtype != w.dtype:
     design = common.Design(*[getattr(design, f) for f in ("impl", "mode", "name", "config", "chunking",
@@ -293,6 +294,10 @@ def linear_cross_entropy(
     from lce_flax import sharding  # pylint: disable=g-import-not-at-top
     return sharding.from_types(x, w, labels, bias=bias, where=where, w_layout=w_layout, return_aux=return_aux,
                                options=opts)
+  from lce_flax import _partition  # pylint: disable=g-import-not-at-top
+  if _partition.auto_mesh_active():  # Auto mesh axes: XLA partitions the op by its custom_partitioning rule
+    return _partition.linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=w_layout,
+                                           return_aux=return_aux, options=opts)
   return local_linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=w_layout,
                                     return_aux=return_aux, options=opts)
 

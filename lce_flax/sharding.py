@@ -15,18 +15,18 @@ Layout it expects (it reshards to it if the arrays are placed otherwise):
 
 What each device does:
 
-* **data parallel** (``batch_axes``): runs the op (any implementation, kernels included) on its own tokens.
-  ``mean`` divides the psum of the local sums by the psum of the local counts of counted tokens, so it is the
-  global token mean (not a mean of means). ``w`` is replicated over these axes, so its gradient is summed over
-  them: shard_map's transpose psums the cotangent of an input replicated over an axis. This path runs with
-  ``check_vma=False``, because the kernel backends' ``pallas_call`` outputs do not declare how they vary over
-  manual mesh axes (which ``check_vma=True`` requires); the tests check every reduction and mesh against one
-  device, with the chunked and (interpret-mode) Pallas backends.
+* **data parallel** (``batch_axes``): runs the op (any implementation, kernels included) on its own tokens,
+  through the per-shard body of :mod:`lce_flax._partition` (the one the automatic, custom-partitioned path of
+  :func:`lce_flax.linear_cross_entropy` lowers per device under Auto mesh axes): ``mean`` divides the local sums
+  by the psum of the local counts of counted tokens (the global token mean, not a mean of means), then psums;
+  dw and dbias are computed per shard inside a ``jax.custom_vjp`` and psum'd over the batch axes. This path runs
+  with ``check_vma=False``: the kernel backends' ``pallas_call`` outputs do not declare how they vary over
+  manual mesh axes; the tests check every reduction and mesh against one device.
 * **FSDP** (``fsdp_axis``, also a batch axis by default): ``w`` is stored split over H and all-gathered *once
   per call* to [H, V/t] before the op runs. Each logit contracts over the whole of H, so a device needs every row
   of H for the columns it computes; gathering once keeps the op (and its GPU kernels) unchanged and costs a
   transient H·V/t buffer per device (t = vocab-axis size), while the stored weight, its optimizer state and its
-  gradient stay 1/(fsdp·t). The gradient leaves through the all-gather's transpose, a reduce-scatter. Gathering
+  gradient stay 1/(fsdp·t). The gradient leaves through a reduce-scatter (the all-gather's transpose). Gathering
   per vocab chunk instead would bound the transient buffer to H·chunk, but it would have to live inside every
   backend's chunk loop (kernels included), repeat for each pass over the chunks (twice in the lean design), and
   put a collective in each chunk's critical path; not done.
@@ -64,7 +64,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lce_flax import _math, api
+from lce_flax import _math, _partition, api
 from lce_flax.options import LossOptions, resolve
 from lce_flax._impl import chunked, common
 
@@ -221,44 +221,51 @@ def sharded_linear_cross_entropy(
     raise ValueError(f"impl={opts.impl!r}: the vocab-parallel head (vocab_axis={vocab_axis!r} of size {nv}) runs "
                      "the chunked designs; use impl='auto' or 'chunked'")
 
+  explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+  if vaxis is None:
+    # data / FSDP: the per-shard body of the automatic path (lce_flax._partition), under shard_map
+    args = (x, w, bias, labels, where)
+    if explicit:  # an Explicit mesh types every array's sharding, and shard_map then refuses to reshard implicitly
+      specs = (tok_spec, w_spec, P(), tok_spec, tok_spec)
+      args = tuple(None if a is None else jax.sharding.reshard(a, NamedSharding(mesh, sp))
+                   for a, sp in zip(args, specs))
+    s = _partition.Static(opts, w_layout, vocab)
+    lay = _partition.Layout(batch, (faxis,) if faxis else ())
+    loss, tok, lse, correct, count = _partition.run_shard_map(*args, s, (mesh, lay))
+    aux = api.Aux(tok, lse, correct, count)
+    return (loss, aux) if return_aux else loss
+
   def local(x, w, bias, labels, where):
     if faxis is not None:  # FSDP: the whole H for this device's columns, once per call
       w = lax.all_gather(w, faxis, axis=h_dim, tiled=True)
-    if vaxis is not None:
-      # w (and bias) replicated over the batch axes: the transpose of this cast psums dw over them. x and labels
-      # stay invariant over the vocab axis, so the loss and lse built from the combined stats are too.
-      w, bias = common.vary(w, batch), common.vary(bias, batch)
+    # w (and bias) replicated over the batch axes: the transpose of this cast psums dw over them. x and labels
+    # stay invariant over the vocab axis, so the loss and lse built from the combined stats are too.
+    w, bias = common.vary(w, batch), common.vary(bias, batch)
     norm = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1) != 0,
                                   opts.ignore_index, vocab)
     count = lax.psum((norm != _math.IGNORED).sum(dtype=jnp.int32), batch) if batch else (
         (norm != _math.IGNORED).sum(dtype=jnp.int32))
-    if vaxis is None:
-      # local sum; divided by the global count below (a mean of local means would weight devices, not tokens)
-      red = "none" if reduction == "none" else "sum"
-      loss, aux = api.local_linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=w_layout,
-                                                 return_aux=True, options=opts.replace(reduction=red))
-      tok_loss, lse, correct = aux.token_loss, aux.lse, aux.num_correct
+    # vocab parallel: the chunked designs with the row stats combined across the axis
+    x2 = x.reshape(-1, hidden)
+    spec = common.Spec(math_opts, w_layout)
+    dtype = opts.dtype or jnp.promote_types(x.dtype, w.dtype)
+    x2, w = x2.astype(dtype), w.astype(dtype)
+    if mode == "fast":
+      weights = (norm != _math.IGNORED).astype(jnp.float32)
+      if reduction == "mean":  # the global count: the division happens inside, before the psum below
+        weights = weights / jnp.maximum(count, 1).astype(jnp.float32)
+      c = chunked.fast_chunk(x2.shape[0], hidden, vocab // nv, chunk_size)
+      loss, out = chunked._fast(x2, w, bias, norm, weights, spec, c, vaxis)
     else:
-      x2 = x.reshape(-1, hidden)
-      spec = common.Spec(math_opts, w_layout)
-      dtype = opts.dtype or jnp.promote_types(x.dtype, w.dtype)
-      x2, w = x2.astype(dtype), w.astype(dtype)
-      if mode == "fast":
-        weights = (norm != _math.IGNORED).astype(jnp.float32)
-        if reduction == "mean":  # the global count: the division happens inside, before the psum below
-          weights = weights / jnp.maximum(count, 1).astype(jnp.float32)
-        c = chunked.fast_chunk(x2.shape[0], hidden, vocab // nv, chunk_size)
-        loss, out = chunked._fast(x2, w, bias, norm, weights, spec, c, vaxis)
-      else:
-        c = chunked.lean_chunk(x2.shape[0], vocab // nv, chunk_size)
-        out = chunked._lean(x2, w, bias, norm, spec, c, vaxis)
-        loss = out.loss.reshape(labels.shape) if reduction == "none" else out.loss.sum()
-      tok_loss, lse = out.loss.reshape(labels.shape), out.lse.reshape(labels.shape)
-      correct = out.correct.sum(dtype=jnp.int32)
+      c = chunked.lean_chunk(x2.shape[0], vocab // nv, chunk_size)
+      out = chunked._lean(x2, w, bias, norm, spec, c, vaxis)
+      loss = out.loss.reshape(labels.shape) if reduction == "none" else out.loss.sum()
+    tok_loss, lse = out.loss.reshape(labels.shape), out.lse.reshape(labels.shape)
+    correct = out.correct.sum(dtype=jnp.int32)
     if reduction != "none":
       if batch:
         loss = lax.psum(loss, batch)
-      if reduction == "mean" and not (vaxis is not None and mode == "fast"):
+      if reduction == "mean" and mode != "fast":
         loss = loss / jnp.maximum(count, 1).astype(jnp.float32)
     if batch:
       correct = lax.psum(correct, batch)
@@ -269,9 +276,9 @@ def sharded_linear_cross_entropy(
   # jit: eager shard_map does not run custom_vjps with symbolic zeros (the fast designs); inside an outer jit
   # this is inlined
   fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, w_spec, P(vaxis), tok_spec, tok_spec),
-                             out_specs=out_specs, check_vma=vaxis is not None))
+                             out_specs=out_specs, check_vma=True))
   args = (x, w, bias, labels, where)
-  if any(t == AxisType.Explicit for t in mesh.axis_types):
+  if explicit:
     # an Explicit mesh types every array's sharding, and shard_map then refuses to reshard implicitly
     specs = (tok_spec, w_spec, P(vaxis), tok_spec, tok_spec)
     args = tuple(None if a is None else jax.sharding.reshard(a, NamedSharding(mesh, sp)) for a, sp in zip(args, specs))

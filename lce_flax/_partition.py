@@ -1,0 +1,350 @@
+"""The op under Auto mesh axes: a ``custom_partitioning`` rule, so XLA runs the kernels on each device's shard.
+
+Why: the kernel implementations lower to Triton / Mosaic custom calls that XLA's SPMD partitioner cannot split.
+Under ``jit`` with Auto axes (``NamedSharding``-placed inputs, ``in_shardings``, ``with_sharding_constraint``,
+``jax.set_mesh``) XLA would gather ``x`` and ``w`` and every device would compute every token. Here the op is a
+``jax.experimental.custom_partitioning`` function: the partitioner asks :func:`_partition` for a per-device
+lowering once it knows the operands' shardings, and each device runs the ordinary single-device op on its shard.
+:func:`lce_flax.linear_cross_entropy` routes here when a context mesh (``jax.set_mesh``) has an Auto axis of size
+> 1: without one, ``jit`` gives no sign at trace time that the inputs are sharded, and the op runs as on one device.
+
+Design (one per-shard body, :func:`shard_forward` / :func:`shard_grads` / :func:`shard_backward`, shared with the
+explicit ``shard_map`` form :func:`lce_flax.sharding.sharded_linear_cross_entropy` for data / FSDP layouts):
+
+* ``custom_partitioning`` does not differentiate, so the op is a ``jax.custom_vjp`` around partitioned
+  primitives. Primal (no gradient asked): the *forward* primitive (loss, per-token loss and lse, counts).
+* ``reduction`` mean/sum (one scalar cotangent): the vjp's forward runs the *grads* primitive, whose per-shard
+  body is ``jax.value_and_grad`` of :func:`lce_flax.api.local_linear_cross_entropy` (the implementation's own
+  fast or lean design) with the global counted-token total; dx, dw, dbias come back as residuals and the
+  backward multiplies them by the cotangent. Same FLOPs as the single-device op; residuals are the grads.
+* ``reduction="none"`` (per-token cotangents): the forward primitive, then a *backward* primitive whose per-shard
+  body is ``jax.vjp`` of the local op applied to the incoming per-token cotangents. That backward re-runs the
+  local forward inside ``jax.vjp`` (one extra 2·B·H·V pass on top of the design's own backward: 10·B·H·V FLOPs
+  for a lean design instead of 8) — the price of keeping only O(B) residuals between the passes.
+* Cotangents of ``Aux`` outputs: for ``"none"`` the cotangent of ``aux.token_loss`` is added to the loss's (they
+  are the same values); cotangents of ``aux.lse`` are not propagated (as in the fast designs of the op).
+
+Layouts (read from the operand shardings XLA chose; anything else is resharded to the nearest of these by the
+partitioner, by returning the wanted ``arg_shardings`` from :func:`_partition`):
+
+* tokens: the first dim of the (flattened) x / labels / where over any mesh axes — those of x's first dim;
+* ``w`` replicated, or its H dim over one or more mesh axes (FSDP): all-gathered inside the per-shard body
+  once per call, dw leaves through a reduce-scatter (``psum_scatter``) over those axes, or a slice where the
+  tokens are replicated over them; dw and dbias are psum'd over the other token axes;
+* x's H dim sharded: x is resharded to H-replicated (an all-gather of each device's own tokens' H slices, not of
+  other devices' tokens);
+* ``w``'s V dim sharded (vocab parallel): no rule here — it raises, naming the Explicit-axis and
+  :func:`~lce_flax.sharding.sharded_linear_cross_entropy` forms that run the vocab-parallel head; it never
+  silently gathers the head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lce_flax import _math
+from lce_flax.options import LossOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """What the primitives are specialised on (hashable)."""
+
+  opts: LossOptions
+  w_layout: str
+  vocab: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Mesh axes of one call, per shard: tokens over ``tok``, w's H dim over ``wh``."""
+
+  tok: tuple[str, ...]
+  wh: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------------------- per-shard bodies
+
+
+def _h_dim(s: Static) -> int:
+  return 0 if s.w_layout == "hv" else 1
+
+
+def _gather_w(w, s: Static, lay: Layout):
+  return lax.all_gather(w, lay.wh, axis=_h_dim(s), tiled=True) if lay.wh else w
+
+
+def _reduce_dw(dw, s: Static, lay: Layout):
+  """dw of the gathered, token-replicated w: summed over the token axes, back to this device's H slice."""
+  other = tuple(a for a in lay.tok if a not in lay.wh)
+  if other:
+    dw = lax.psum(dw, other)
+  if not lay.wh:
+    return dw
+  scat = tuple(a for a in lay.wh if a in lay.tok)
+  if scat == lay.wh:
+    return lax.psum_scatter(dw, lay.wh, scatter_dimension=_h_dim(s), tiled=True)
+  if scat:  # some H axes are token axes, others not: sum over all (identical on the others), then slice
+    dw = lax.psum(dw, scat)
+  n = math.prod(lax.axis_size(a) for a in lay.wh)
+  idx = 0
+  for a in lay.wh:
+    idx = idx * lax.axis_size(a) + lax.axis_index(a)
+  size = dw.shape[_h_dim(s)] // n
+  return lax.dynamic_slice_in_dim(dw, idx * size, size, axis=_h_dim(s))
+
+
+def _count(labels, where, s: Static, lay: Layout):
+  norm = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1) != 0,
+                                s.opts.ignore_index, s.vocab)
+  c = (norm != _math.IGNORED).sum(dtype=jnp.int32)
+  return lax.psum(c, lay.tok) if lay.tok else c
+
+
+def _local(x, w, bias, labels, where, s: Static, count):
+  from lce_flax import api  # pylint: disable=g-import-not-at-top
+  return api.local_linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=s.w_layout,
+                                        return_aux=True, options=s.opts, count=count)
+
+
+def _finish(loss, aux, count, s: Static, lay: Layout):
+  correct = aux.num_correct
+  if lay.tok:
+    correct = lax.psum(correct, lay.tok)
+    if s.opts.reduction != "none":  # local sums (divided by the global count for mean): the global value
+      loss = lax.psum(loss, lay.tok)
+  return loss, aux.token_loss, aux.lse, correct, count
+
+
+def shard_forward(x, w, bias, labels, where, s: Static, lay: Layout):
+  """(loss, token_loss, lse, num_correct, num_tokens) of this shard; loss and counts are global."""
+  count = _count(labels, where, s, lay)
+  loss, aux = _local(x, _gather_w(w, s, lay), bias, labels, where, s, count)
+  return _finish(loss, aux, count, s, lay)
+
+
+def shard_grads(x, w, bias, labels, where, s: Static, lay: Layout):
+  """The forward's outputs and (dx, dw, dbias) of the global loss (reduction mean/sum), for cotangent 1."""
+  count = _count(labels, where, s, lay)
+  f = lambda x, w, bias: _local(x, w, bias, labels, where, s, count)
+  (loss, aux), (dx, dw, db) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
+      x, _gather_w(w, s, lay), bias)
+  dw = _reduce_dw(dw, s, lay)
+  if db is not None and lay.tok:
+    db = lax.psum(db, lay.tok)
+  return (*_finish(loss, aux, count, s, lay), dx, dw, db)
+
+
+def shard_backward(x, w, bias, labels, where, g, s: Static, lay: Layout):
+  """(dx, dw, dbias) for per-token cotangents ``g`` (reduction="none"); re-runs the local forward."""
+  f = lambda x, w, bias: _local(x, w, bias, labels, where, s, None)[0]
+  _, vjp = jax.vjp(f, x, _gather_w(w, s, lay), bias)
+  dx, dw, db = vjp(g.astype(jnp.float32))
+  dw = _reduce_dw(dw, s, lay)
+  if db is not None and lay.tok:
+    db = lax.psum(db, lay.tok)
+  return dx, dw, db
+
+
+# ------------------------------------------------------------------------------- the partitioned primitives
+
+
+def _axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _spec(sharding, ndim):
+  spec = tuple(getattr(sharding, "spec", ()) or ())
+  return spec + (None,) * (ndim - len(spec))
+
+
+def _layout(s: Static, mesh, x, w) -> Layout:
+  xs, ws = _spec(x.sharding, 2), _spec(w.sharding, 2)
+  v_dim = 1 - _h_dim(s)
+  vax = tuple(a for a in _axes(ws[v_dim]) if mesh.shape[a] > 1)
+  if vax:
+    raise NotImplementedError(
+        f"lce_flax: w's vocabulary dim is sharded over {vax} (w sharding {w.sharding}) under Auto mesh axes; the "
+        "vocab-parallel head has no custom_partitioning rule. Use Explicit mesh axes (jax.make_mesh default, "
+        "the op then runs lce_flax.sharding.sharded_linear_cross_entropy from the types), call "
+        "sharded_linear_cross_entropy(..., vocab_axis=...) yourself, or replicate w's V dim.")
+  tok = tuple(a for a in _axes(xs[0]) if mesh.shape[a] > 1)
+  wh = tuple(a for a in _axes(ws[_h_dim(s)]) if mesh.shape[a] > 1)
+  return Layout(tok, wh)
+
+
+def _shardings(s: Static, mesh, lay: Layout, has_bias, has_where):
+  tok = P(lay.tok or None)
+  wspec = P(lay.wh or None, None) if s.w_layout == "hv" else P(None, lay.wh or None)
+  ns = lambda p: NamedSharding(mesh, p)
+  args = (ns(P(lay.tok or None, None)), ns(wspec), ns(P()) if has_bias else None, ns(tok),
+          ns(tok) if has_where else None)
+  return args, ns(tok), ns(P()), ns(wspec)
+
+
+def _fwd_outs(s, mesh, lay, tok, scal):
+  return (tok if s.opts.reduction == "none" else scal, tok, tok, scal, scal)
+
+
+def _partition_fwd(s: Static, mesh, arg_shapes, result_shape):
+  x, w, bias, _, where = arg_shapes
+  lay = _layout(s, mesh, x, w)
+  args, tok, scal, _ = _shardings(s, mesh, lay, bias is not None, where is not None)
+  lower = lambda x, w, bias, labels, where: shard_forward(x, w, bias, labels, where, s, lay)
+  return mesh, lower, _fwd_outs(s, mesh, lay, tok, scal), args
+
+
+def _partition_grads(s: Static, mesh, arg_shapes, result_shape):
+  x, w, bias, _, where = arg_shapes
+  lay = _layout(s, mesh, x, w)
+  args, tok, scal, wsh = _shardings(s, mesh, lay, bias is not None, where is not None)
+  lower = lambda x, w, bias, labels, where: shard_grads(x, w, bias, labels, where, s, lay)
+  outs = (*_fwd_outs(s, mesh, lay, tok, scal), args[0], wsh, scal if bias is not None else None)
+  return mesh, lower, outs, args
+
+
+def _partition_bwd(s: Static, mesh, arg_shapes, result_shape):
+  x, w, bias, _, where, _ = arg_shapes
+  lay = _layout(s, mesh, x, w)
+  args, tok, scal, wsh = _shardings(s, mesh, lay, bias is not None, where is not None)
+  lower = lambda x, w, bias, labels, where, g: shard_backward(x, w, bias, labels, where, g, s, lay)
+  return mesh, lower, (args[0], wsh, scal if bias is not None else None), (*args, tok)
+
+
+def _rule(s: Static, has_bias, has_where, results: str, extra: str = "") -> str:
+  # x's H ("h") and w's H ("k") are separate factors: w's FSDP sharding is not propagated onto x's H dim.
+  w = "k v" if s.w_layout == "hv" else "v k"
+  ops = ["n h", w] + (["v"] if has_bias else []) + ["n"] + (["n"] if has_where else []) + ([extra] if extra else [])
+  return ", ".join(ops) + " -> " + results
+
+
+def _fwd_results(s):
+  return ("n" if s.opts.reduction == "none" else "") + ", n, n, , "
+
+
+@functools.cache
+def _primitives(s: Static, has_bias: bool, has_where: bool):
+  w = "k v" if s.w_layout == "hv" else "v k"
+  b = "v" if has_bias else None
+
+  def fwd_global(x, w, bias, labels, where):
+    return shard_forward(x, w, bias, labels, where, s, Layout((), ()))
+
+  def grads_global(x, w, bias, labels, where):
+    return shard_grads(x, w, bias, labels, where, s, Layout((), ()))
+
+  def bwd_global(x, w, bias, labels, where, g):
+    return shard_backward(x, w, bias, labels, where, g, s, Layout((), ()))
+
+  fwd = custom_partitioning(fwd_global)
+  fwd.def_partition(functools.partial(_partition_fwd, s), sharding_rule=_rule(s, has_bias, has_where,
+                                                                                 _fwd_results(s)))
+  grads = custom_partitioning(grads_global)
+  gres = _fwd_results(s) + ", n h, " + w + (", " + b if b else "")
+  grads.def_partition(functools.partial(_partition_grads, s), sharding_rule=_rule(s, has_bias, has_where, gres))
+  bwd = custom_partitioning(bwd_global)
+  bres = "n h, " + w + (", " + b if b else "")
+  bwd.def_partition(functools.partial(_partition_bwd, s), sharding_rule=_rule(s, has_bias, has_where, bres, "n"))
+  return fwd, grads, bwd
+
+
+# ------------------------------------------------------------------------------------------ the op
+
+
+def _shard_map(kind, s: Static, run, *args):
+  """The per-shard body ``kind`` under ``jax.shard_map`` on ``run = (mesh, Layout)`` (the explicit form)."""
+  mesh, lay = run
+  has_bias, has_where = args[2] is not None, args[4] is not None
+  tok = P(lay.tok or None)
+  wspec = P(lay.wh or None, None) if s.w_layout == "hv" else P(None, lay.wh or None)
+  scal = P()
+  in_specs = (tok, wspec, scal, tok, tok) + ((tok,) if kind == "bwd" else ())
+  fwd_outs = (tok if s.opts.reduction == "none" else scal, tok, tok, scal, scal)
+  grads = (tok, wspec, scal if has_bias else None)
+  body = {"fwd": shard_forward, "grads": shard_grads, "bwd": shard_backward}[kind]
+  out_specs = {"fwd": fwd_outs, "grads": (*fwd_outs, *grads), "bwd": grads}[kind]
+  del has_where
+  return jax.shard_map(lambda *a: body(*a, s, lay), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)(*args)
+
+
+def _call(kind, s: Static, run, *args):
+  """One per-shard body (``kind``: fwd, grads, bwd): custom-partitioned (``run`` None) or under shard_map."""
+  if run is not None:
+    return tuple(_shard_map(kind, s, run, *args))
+  fwd, grads, bwd = _primitives(s, args[2] is not None, args[4] is not None)
+  return tuple({"fwd": fwd, "grads": grads, "bwd": bwd}[kind](*args))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _op(x, w, bias, labels, where, s: Static, run=None):
+  return _call("fwd", s, run, x, w, bias, labels, where)
+
+
+def _op_fwd(x, w, bias, labels, where, s: Static, run=None):
+  if s.opts.reduction == "none":
+    return _call("fwd", s, run, x, w, bias, labels, where), (x, w, bias, labels, where)
+  *out, dx, dw, db = _call("grads", s, run, x, w, bias, labels, where)
+  return tuple(out), (dx, dw, db, labels, where)
+
+
+def _op_bwd(s: Static, run, res, g):
+  g_loss, g_tok = g[0], g[1]
+  if s.opts.reduction == "none":
+    x, w, bias, labels, where = res
+    dx, dw, db = _call("bwd", s, run, x, w, bias, labels, where, g_loss + g_tok)
+  else:
+    dx, dw, db, labels, where = res
+    dx = (dx.astype(jnp.float32) * g_loss).astype(dx.dtype)
+    dw = (dw.astype(jnp.float32) * g_loss).astype(dw.dtype)
+    db = None if db is None else (db.astype(jnp.float32) * g_loss).astype(db.dtype)
+  return dx, dw, db, None, None
+
+
+# the explicit form's entry (eager shard_map does not run custom_vjps with symbolic zeros: jitted)
+run_shard_map = jax.jit(_op, static_argnums=(5, 6))
+
+
+_op.defvjp(_op_fwd, _op_bwd)
+
+
+def auto_mesh_active() -> bool:
+  """True under a context mesh (``jax.set_mesh``) with an Auto axis of size > 1."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return False
+  return any(t == jax.sharding.AxisType.Auto and mesh.shape[n] > 1
+             for n, t in zip(mesh.axis_names, mesh.axis_types))
+
+
+def linear_cross_entropy(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux=False,
+                         options: LossOptions):
+  """The op (validated arguments) as custom-partitioned primitives; :func:`lce_flax.linear_cross_entropy`
+  routes here under an Auto-axis mesh."""
+  from lce_flax import api  # pylint: disable=g-import-not-at-top
+  from lce_flax._impl import common  # pylint: disable=g-import-not-at-top
+  batch_shape = labels.shape
+  if x.ndim < 2 or labels.size == 0:
+    return api.local_linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=w_layout,
+                                          return_aux=return_aux, options=options)
+  s = Static(options, w_layout, common.vocab_size(w, w_layout))
+  n = math.prod(batch_shape)
+  x2, y2 = x.reshape(n, x.shape[-1]), labels.reshape(n)
+  wh2 = None if where is None else where.reshape(n)
+  loss, tok, lse, correct, count = _op(x2, w, bias, y2, wh2, s)
+  if options.reduction == "none":
+    loss = loss.reshape(batch_shape)
+  aux = api.Aux(tok.reshape(batch_shape), lse.reshape(batch_shape), correct, count)
+  return (loss, aux) if return_aux else loss
