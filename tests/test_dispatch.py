@@ -1,14 +1,22 @@
-"""``impl="auto"``: which backend runs where, and every GPU path forced on a GPU that can run it."""
+"""Dispatch: which implementation runs where, every fallback visible in ``explain``, configs and options checked,
+bad input refused with errors naming the argument; and every GPU path forced on a GPU that can run it."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from lce_flax import _device, _math, api
-from lce_flax._impl import common
-from tests.test_api import check_impl
+import lce_flax
+from lce_flax import LossOptions, _device, api, explain, linear_cross_entropy
+from tests._checks import check_impl, make_inputs
+from tests.reference_np import linear_cross_entropy_np, rel_err
+
+S = jax.ShapeDtypeStruct
+LLAMA = dict(x=S((8192, 4096), jnp.bfloat16), w=S((4096, 128256), jnp.bfloat16))
 
 
 @pytest.fixture
@@ -16,11 +24,8 @@ def fake_gpu(monkeypatch):
   def set_cc(cc):
     monkeypatch.setattr(_device, "platform", lambda: "gpu")
     monkeypatch.setattr(_device, "compute_capability", lambda: cc)
+    monkeypatch.setattr(_device, "default_interpret", lambda: False)
   return set_cc
-
-
-def _spec(**kw):
-  return common.Spec(_math.LossOptions(vocab_size=1000, **kw))
 
 
 @pytest.mark.parametrize("cc,first", [((9, 0), "pallas_mosaic"), ((8, 0), "pallas_triton"), ((7, 5), "chunked")])
@@ -30,24 +35,128 @@ def test_auto_order_by_compute_capability(fake_gpu, cc, first):
   assert api._auto_order()[-1] == "chunked"
 
 
-def test_auto_on_cpu_and_fast_mode_fallback(fake_gpu):
-  assert api._resolve("auto", _spec(), "cpu", "fast")[0] == "chunked"
-  assert api._resolve("auto", _spec(), "cpu", "lean")[0] == "chunked"
-  fake_gpu((8, 0))
-  lean_name, _ = api._resolve("auto", _spec(), "gpu", "lean")
-  fast_name, mod = api._resolve("auto", _spec(), "gpu", "fast")
-  # SM80: the Triton kernels for lean; for fast, a backend that has a fast design (pallas_triton has none)
-  assert lean_name == "pallas_triton"
-  assert fast_name == "chunked" and mod.fast is not None
+def test_auto_on_cpu_is_chunked_fast():
+  d = explain(**LLAMA)
+  assert (d.impl, d.mode, d.name) == ("chunked", "fast", "token_chunks")
+  assert d.chunking == "token chunks of 2048 tokens" and d.config == lce_flax.ChunkedConfig(2048)
+  d = explain(**LLAMA, reduction="none")
+  assert (d.impl, d.mode, d.name) == ("chunked", "lean", "recompute")
+
+
+def test_auto_on_hopper_says_what_runs(fake_gpu):
   fake_gpu((9, 0))
-  # SM90: the Mosaic kernels in both modes (fast: stored logits or token chunks, see pallas_mosaic.fast_design)
-  assert api._resolve("auto", _spec(), "gpu", "lean")[0] == "pallas_mosaic"
-  assert api._resolve("auto", _spec(), "gpu", "fast")[0] == "pallas_mosaic"
+  d = explain(**LLAMA)
+  assert (d.impl, d.mode) == ("pallas_mosaic", "fast")
+  assert d.memory_bytes > 8192 * 128256 * 2  # the stored bf16 logits are the bound of the "logits" design
+  lean = explain(**LLAMA, mode="lean")
+  assert (lean.impl, lean.mode) == ("pallas_mosaic", "lean") and lean.memory_bytes < d.memory_bytes / 4
+  # float32 inputs: WGMMA has no float32 operands, pallas_triton has no fast design: chunked, and it says so
+  f32 = explain(S((8192, 4096), jnp.float32), S((4096, 128256), jnp.float32))
+  assert f32.impl == "chunked" and any("pallas_mosaic" in n for n in f32.notes)
+  # mixed precision asked for: the bf16 kernels, and the cast is in the notes
+  mixed = explain(S((8192, 4096), jnp.bfloat16), S((4096, 128256), jnp.float32), dtype=jnp.bfloat16)
+  assert mixed.impl == "pallas_mosaic" and any("cast to bfloat16" in n for n in mixed.notes)
+
+
+def test_sm80_lean_kernels_and_fast_fallback_are_visible(fake_gpu):
+  fake_gpu((8, 0))
+  assert explain(**LLAMA, mode="lean").impl == "pallas_triton"
+  fast = explain(**LLAMA)
+  assert (fast.impl, fast.mode) == ("chunked", "fast")
+  assert any("pallas_triton" in n for n in fast.notes)
+  # asked for by name with the default mode: the backend's own (lean) design, said in the notes
+  named = explain(**LLAMA, impl="pallas_triton")
+  assert (named.impl, named.mode) == ("pallas_triton", "lean") and any("no fast design" in n for n in named.notes)
+  with pytest.raises(ValueError, match="impl='pallas_triton' has no fast design"):
+    explain(**LLAMA, impl="pallas_triton", mode="fast")
 
 
 def test_explicit_impl_that_cannot_run_names_reason_and_alternatives():
-  with pytest.raises(ValueError, match=r"pallas_mosaic: .*implementations that can: \[.*'xla'.*'chunked'"):
-    api._resolve("pallas_mosaic", _spec(), "cpu", "lean")
+  with pytest.raises(ValueError, match=r"pallas_mosaic: .*implementations that can run bfloat16 inputs: "
+                                       r"\[.*'xla'.*'chunked'"):
+    explain(**LLAMA, impl="pallas_mosaic", interpret=False)
+
+
+def test_config_must_belong_to_its_impl():
+  with pytest.raises(TypeError, match="impl='chunked' takes a Config"):
+    explain(**LLAMA, impl="chunked", config=lce_flax.PallasTritonConfig())
+  with pytest.raises(ValueError, match="needs the impl it belongs to"):
+    LossOptions(config=lce_flax.ChunkedConfig(64))
+  with pytest.raises(ValueError, match="set the chunk inside the config"):
+    LossOptions(impl="chunked", chunk_size=8, config=lce_flax.ChunkedConfig(64))
+  assert explain(**LLAMA, impl="chunked", config=lce_flax.ChunkedConfig(512)).config.chunk_size == 512
+
+
+def test_options_object_replace_and_errors():
+  o = LossOptions(z_loss=1e-4, logit_softcap=30.0)
+  assert o.replace(logit_softcap=None).logit_softcap is None and o.replace().z_loss == 1e-4
+  assert LossOptions(dtype="bfloat16") == LossOptions(dtype=jnp.bfloat16)
+  hash(LossOptions(dtype=jnp.float32, config=None))
+  with pytest.raises(TypeError, match=r"unknown loss option\(s\) \['zloss'\]"):
+    o.replace(zloss=1.0)
+  with pytest.raises(dataclasses_error()):
+    o.z_loss = 1.0
+  with pytest.raises(TypeError, match="options must be a lce_flax.LossOptions"):
+    linear_cross_entropy(jnp.ones((2, 4)), jnp.ones((4, 5)), jnp.zeros(2, int), options={"z_loss": 1.0})
+
+
+def dataclasses_error():
+  import dataclasses
+  return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize("impl,extra", [("xla", {}), ("chunked", dict(mode="fast")), ("chunked", dict(mode="lean")),
+                                        ("pallas_triton", dict(interpret=True))])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch_is_all_ignored(impl, extra, reduction):
+  """B = 0: loss 0 (an empty array for "none"), zero gradients, on every implementation."""
+  if reduction == "none" and extra.get("mode") == "fast":
+    pytest.skip("reduction='none' takes no fast mode")
+  x, w, b = jnp.ones((0, 8)), jnp.ones((8, 10)), jnp.ones((10,))
+  y = jnp.zeros((0,), jnp.int32)
+  f = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, impl=impl, reduction=reduction, **extra)
+  out = f(x, w, b)
+  assert out.shape == ((0,) if reduction == "none" else ()) and not np.any(out)
+  grads = jax.grad(lambda *a: f(*a).sum(), (0, 1, 2))(x, w, b)
+  assert grads[0].shape == (0, 8) and not np.any(grads[1]) and not np.any(grads[2])
+  loss, aux = linear_cross_entropy(x, w, y, impl=impl, return_aux=True, reduction=reduction, **extra)
+  assert int(aux.num_tokens) == 0 and aux.token_loss.shape == (0,)
+
+
+def test_numeric_where_mask_equals_bool():
+  (x, w, y, _), (xn, wn, yn, _) = make_inputs(11, (23,), 16, 50, jnp.float32)
+  mask = np.random.default_rng(12).random(23) < 0.6
+  want = linear_cross_entropy_np(xn, wn, yn, where=mask)["loss"]
+  for m in (jnp.asarray(mask), jnp.asarray(mask, jnp.int32), jnp.asarray(mask, jnp.float32)):
+    assert rel_err(linear_cross_entropy(x, w, y, where=m), want) < 1e-5
+
+
+def test_dtype_option_casts_and_gradients_keep_input_dtypes():
+  """dtype=bf16 with float32 inputs: the loss of the bf16-rounded inputs; gradients return in float32."""
+  (x, w, y, _), (xn, wn, yn, _) = make_inputs(13, (31,), 24, 70, jnp.float32)
+  up = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
+  loss, (dx, dw) = jax.value_and_grad(lambda x, w: linear_cross_entropy(x, w, y, dtype=jnp.bfloat16), (0, 1))(x, w)
+  want = linear_cross_entropy_np(up(xn), up(wn), yn)
+  assert rel_err(loss, want["loss"]) < 1e-5
+  assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32
+  assert rel_err(dx, want["dx"]) < 2e-2 and rel_err(dw, want["dw"]) < 2e-2
+
+
+def test_promotion_to_float32_on_a_gpu_warns_once(fake_gpu):
+  fake_gpu((7, 5))  # chunked runs anywhere; the warning is about the dtype, not the backend
+  api._WARNED.clear()
+  x, w, y = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 10), jnp.float32), jnp.zeros(4, jnp.int32)
+  with pytest.warns(UserWarning, match="dtype=jnp.bfloat16"):
+    linear_cross_entropy(x, w, y, impl="chunked")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    linear_cross_entropy(x, w, y, impl="chunked")  # once
+    linear_cross_entropy(x, w, y, impl="chunked", dtype=jnp.float32)  # asked for: no warning
+
+
+def test_bad_objects_get_one_line_errors():
+  with pytest.raises(TypeError, match="^x must be an array, got a dict$"):
+    linear_cross_entropy({"a": 1}, jnp.ones((4, 5)), jnp.zeros(2, int))
 
 
 GPU_IMPLS = ["xla", "chunked", "pallas_triton", "triton", "pallas_mosaic"]
@@ -59,13 +168,11 @@ GPU_IMPLS = ["xla", "chunked", "pallas_triton", "triton", "pallas_mosaic"]
 @pytest.mark.parametrize("mode", ["fast", "lean"])
 def test_every_gpu_path_against_reference(impl, dtype, mode):
   """Forces each implementation this GPU can run and checks it against the float64 oracle."""
-  if jax.default_backend() != "gpu":
-    pytest.skip("needs a GPU")
-  spec = common.Spec(_math.LossOptions(vocab_size=1000), interpret=False)
   try:
-    api._module(impl).supported(spec, "gpu")
-  except NotImplementedError as e:
-    pytest.skip(f"{impl} cannot run on this GPU: {e}")
+    d = explain(S((101, 128), dtype), S((128, 1000), dtype), impl=impl, mode=mode)
+  except (ValueError, NotImplementedError) as e:
+    pytest.skip(f"{impl} cannot run {mode} {jnp.dtype(dtype).name} on this GPU: {e}")
+  assert d.impl == impl
   # fp32 is checked as exact fp32: XLA and Triton may run float32 dots as TF32 at the default precision.
   with jax.default_matmul_precision("highest"):
-    check_impl(impl, mode=mode, dtype=dtype, batch_shape=(1037,), h=256, v=5003, interpret=False, seed=17)
+    check_impl(impl, mode=mode, dtype=dtype, h=128, v=1000, batch_shape=(101,), bias=True, seed=5)

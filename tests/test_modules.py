@@ -21,12 +21,17 @@ from jax.sharding import PartitionSpec as P
 
 import lce_flax.linen as lce_linen
 import lce_flax.nnx as lce_nnx
-from lce_flax import Aux
+from lce_flax import Aux, LossOptions
 from tests.reference_np import linear_cross_entropy_np, rel_err
 
 VOCAB, EMBED, SEQ, BATCH, HEADS, LAYERS = 97, 32, 12, 3, 4, 2
 # Small chunks so the chunked backend runs several chunks with a ragged last one (36 tokens, 97 columns).
 CHUNK = 16
+
+
+def chunk(impl):
+  """The chunk option where the implementation has a chunk loop (``xla`` has none, and refuses one)."""
+  return {"chunk_size": CHUNK} if impl == "chunked" else {}
 
 
 def make_batch(seed: int = 0, ignore_frac: float = 0.25):
@@ -116,12 +121,13 @@ class LinenLM(nn.Module):
     if self.head == "dense":
       return optax_loss(nn.Dense(VOCAB, use_bias=self.use_bias, name="head")(x), labels)
     if self.head == "fused":
-      head = lce_linen.LMHead(VOCAB, use_bias=self.use_bias, impl=self.impl, mode=self.mode, chunk_size=CHUNK,
-                              name="head")
+      head = lce_linen.LMHead(VOCAB, use_bias=self.use_bias, name="head",
+                              options=LossOptions(impl=self.impl, mode=self.mode, **chunk(self.impl)))
       return head(x, labels)
     if self.head == "attend":
       return optax_loss(embed.attend(x), labels)
-    return lce_linen.TiedLMHead(impl=self.impl, mode=self.mode, chunk_size=CHUNK)(embed, x, labels)
+    return lce_linen.TiedLMHead(options=LossOptions(impl=self.impl, mode=self.mode, **chunk(self.impl)))(
+        embed, x, labels)
 
 
 LINEN_CASES = [  # (tied, use_bias, impl, mode)
@@ -200,7 +206,8 @@ def test_linen_head_sharded_by_logical_rules():
   """Parameters placed by their logical names on an (Auto) mesh: same loss, gradients sharded like the params."""
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   rules = (("embed", None), ("vocab", "model"))
-  head = lce_linen.LMHead(96, use_bias=True, impl="chunked", chunk_size=CHUNK, bias_init=nn.initializers.normal(1.0))
+  head = lce_linen.LMHead(96, use_bias=True, options=LossOptions(impl="chunked", chunk_size=CHUNK),
+                          bias_init=nn.initializers.normal(1.0))
   x = jax.random.normal(jax.random.key(0), (4, 6, EMBED))
   labels = jnp.asarray(np.random.default_rng(0).integers(-1, 96, (4, 6)), jnp.int32)
   abstract = jax.eval_shape(head.init, jax.random.key(0), x, labels)
@@ -294,7 +301,7 @@ def _head_problem(seed, use_bias, batch_shape=(3, 11), h=EMBED, v=VOCAB):
   x = jnp.asarray(rng.standard_normal((*batch_shape, h)), jnp.float32)
   labels = rng.integers(0, v, batch_shape)
   labels = jnp.asarray(np.where(rng.random(batch_shape) < 0.2, -100, labels), jnp.int32)
-  head = lce_linen.LMHead(v, use_bias=use_bias, impl="chunked", chunk_size=CHUNK,
+  head = lce_linen.LMHead(v, use_bias=use_bias, options=LossOptions(impl="chunked", chunk_size=CHUNK),
                           bias_init=nn.initializers.normal(0.5))
   params = nn.meta.unbox(head.init(jax.random.key(seed), x, labels))["params"]
   return head, params, x, labels
@@ -308,7 +315,7 @@ def test_linen_head_options_against_oracle(options):
   cot = (jnp.asarray(np.random.default_rng(5).standard_normal(labels.shape), jnp.float32)
          if options.get("reduction") == "none" else 1.0)
   # Options as fields on one head and as call kwargs on another: both must reach the op.
-  as_fields = head.clone(**options)
+  as_fields = head.clone(options=head.options.replace(**options))
 
   def run(h, p, x, kw):
     out, vjp = jax.vjp(lambda p, x: h.apply({"params": p}, x, labels, where=where, **kw), p, x)
@@ -384,10 +391,10 @@ class NNXLM(nnx.Module):
     if head == "dense":
       self.head = nnx.Linear(EMBED, VOCAB, use_bias=use_bias, rngs=rngs)
     elif head == "fused":
-      self.head = lce_nnx.LMHead(EMBED, VOCAB, use_bias=use_bias, impl=impl, mode=mode, chunk_size=CHUNK,
-                                 rngs=rngs)
+      self.head = lce_nnx.LMHead(EMBED, VOCAB, use_bias=use_bias, rngs=rngs,
+                                 options=LossOptions(impl=impl, mode=mode, **chunk(impl)))
     elif head == "tied":
-      self.head = lce_nnx.TiedLMHead(impl=impl, mode=mode, chunk_size=CHUNK)
+      self.head = lce_nnx.TiedLMHead(options=LossOptions(impl=impl, mode=mode, **chunk(impl)))
 
   def __call__(self, tokens, labels):
     x = self.embed(tokens) + self.pos[...]
@@ -434,8 +441,8 @@ def test_nnx_head_and_logits_match_linear():
   _, labels = make_batch()
   labels = jnp.pad(labels, ((0, 0), (0, 0)))[:, :7]
   lin = nnx.Linear(EMBED, VOCAB, bias_init=nnx.initializers.normal(1.0), rngs=nnx.Rngs(4))
-  head = lce_nnx.LMHead(EMBED, VOCAB, use_bias=True, bias_init=nnx.initializers.normal(1.0), impl="xla",
-                        rngs=nnx.Rngs(4))
+  head = lce_nnx.LMHead(EMBED, VOCAB, use_bias=True, bias_init=nnx.initializers.normal(1.0),
+                        options=LossOptions(impl="xla"), rngs=nnx.Rngs(4))
   assert_trees_equal(pure_params(head), pure_params(lin))
   np.testing.assert_array_equal(head.logits(x), lin(x))
   np.testing.assert_allclose(head(x, labels), optax_loss(lin(x), labels), rtol=1e-6)
@@ -443,7 +450,7 @@ def test_nnx_head_and_logits_match_linear():
   assert rel_err(head(x, labels, z_loss=1e-3), want["loss"]) < 1e-6
   # Tied: TiedLMHead.logits is Embed.attend.
   embed = nnx.Embed(VOCAB, EMBED, rngs=nnx.Rngs(5))
-  tied = lce_nnx.TiedLMHead(impl="chunked")
+  tied = lce_nnx.TiedLMHead(options=LossOptions(impl="chunked"))
   np.testing.assert_allclose(tied.logits(embed, x), embed.attend(x), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(tied(embed, x, labels), optax_loss(embed.attend(x), labels), rtol=1e-6)
   np.testing.assert_allclose(tied(embed.embedding[...], x, labels), tied(embed, x, labels), rtol=1e-6)
@@ -452,7 +459,7 @@ def test_nnx_head_and_logits_match_linear():
 def test_nnx_dtypes():
   x = jax.random.normal(jax.random.key(1), (4, EMBED))
   labels = jnp.arange(4, dtype=jnp.int32)
-  head = lce_nnx.LMHead(EMBED, VOCAB, dtype=jnp.bfloat16, impl="chunked", rngs=nnx.Rngs(0))
+  head = lce_nnx.LMHead(EMBED, VOCAB, dtype=jnp.bfloat16, options=LossOptions(impl="chunked"), rngs=nnx.Rngs(0))
   assert head.kernel[...].dtype == jnp.float32
   loss = head(x, labels)
   assert loss.dtype == jnp.float32
@@ -502,10 +509,22 @@ def test_nnx_orbax_linear_checkpoint_into_fused(tmp_path):
   np.testing.assert_allclose(loss(fused), want, rtol=1e-6)
 
 
-def test_linen_loss_options_are_keyword_only_fields():
-  """Both linen heads take the op's options as keyword-only fields, the ones ``LOSS_OPTIONS`` names."""
+def test_heads_hold_one_options_object_and_calls_override_it():
+  """Each head holds one LossOptions (keyword-only in linen, so the head's own fields keep their positions); a
+  call's keyword overrides its fields, None included."""
   for cls in (lce_linen.LMHead, lce_linen.TiedLMHead):
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    assert all(fields[k].kw_only for k in lce_linen.LOSS_OPTIONS), cls
-  head = lce_linen.LMHead(VOCAB, True, z_loss=1e-3)  # the head's own fields keep their positions
-  assert (head.vocab_size, head.use_bias, head.z_loss, head.reduction) == (VOCAB, True, 1e-3, "mean")
+    assert {f.name: f for f in dataclasses.fields(cls)}["options"].kw_only, cls
+  head = lce_linen.LMHead(VOCAB, True, options=LossOptions(logit_softcap=2.0))
+  assert (head.vocab_size, head.use_bias, head.options.logit_softcap) == (VOCAB, True, 2.0)
+  x, labels = jax.random.normal(jax.random.key(2), (5, EMBED)), jnp.arange(5, dtype=jnp.int32)
+  params = head.init(jax.random.key(0), x, labels)
+  plain = nn.meta.unbox(params)["params"]
+  capped = linear_cross_entropy_np(x, plain["kernel"], labels, bias=plain["bias"], logit_softcap=2.0)["loss"]
+  uncapped = linear_cross_entropy_np(x, plain["kernel"], labels, bias=plain["bias"])["loss"]
+  assert rel_err(head.apply(params, x, labels), capped) < 1e-5
+  assert rel_err(head.apply(params, x, labels, logit_softcap=None), uncapped) < 1e-5
+  nhead = lce_nnx.LMHead(EMBED, VOCAB, options=LossOptions(logit_softcap=2.0), rngs=nnx.Rngs(0))
+  want = linear_cross_entropy_np(x, nhead.kernel[...], labels)["loss"]
+  assert rel_err(nhead(x, labels, logit_softcap=None), want) < 1e-5
+  with pytest.raises(TypeError, match="LossOptions"):
+    lce_nnx.LMHead(EMBED, VOCAB, options={"z_loss": 1.0}, rngs=nnx.Rngs(0))
