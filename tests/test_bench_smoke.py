@@ -18,7 +18,7 @@ from benchmarks import bench, plots, shapes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMOKE_LABELS = ("plain_bf16", "auto", "xla", "chunked:fast", "chunked:lean")
-RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h100-2026-11-23")
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h100-2026-11-23-peers")
 
 
 def _rows(path):
