@@ -19,8 +19,8 @@ import pytest
 from lce_flax import _device, _math, linear_cross_entropy
 from lce_flax._impl import chunked, common, pallas_mosaic
 from lce_flax._impl.pallas_mosaic import Config, epilogue, kernels_ws, op
+from tests._checks import OPTIONS, check_bad_and_ignored_labels, check_impl, check_lse_cotangent, make_inputs
 from tests.reference_np import linear_cross_entropy_np, rel_err
-from tests.test_api import OPTIONS, check_bad_and_ignored_labels, check_impl, check_lse_cotangent, make_inputs
 
 # B=101 = 64 + 37 rows; V=301: 5 vocabulary tiles of 64 (the last a clamped window), 3 forward splits, backward
 # chunks of 128 (2 full + a clamped tail); H=128: two pipeline steps of 64.

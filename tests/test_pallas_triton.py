@@ -15,8 +15,14 @@ import pytest
 from lce_flax import _math, linear_cross_entropy
 from lce_flax._impl import chunked, common, pallas_triton
 from lce_flax._impl.pallas_triton import Config, op
-from tests.test_api import (OPTIONS, check_bad_and_ignored_labels, check_impl, check_llama3_8b,
-                            check_lse_cotangent, make_inputs)
+from tests._checks import (
+  OPTIONS,
+  check_bad_and_ignored_labels,
+  check_impl,
+  check_llama3_8b,
+  check_lse_cotangent,
+  make_inputs,
+)
 
 # 16-token, 32-column, 16-deep tiles; 3 splits of the forward; backward chunks of 64 columns: with B=37, H=24,
 # V=301 every loop runs several times and ends on a ragged tile (37 = 2·16 + 5, 24 = 16 + 8, 301 = 9·32 + 13,

@@ -20,8 +20,7 @@ from lce_flax._impl import chunked, common
 from lce_flax._impl import triton as triton_backend
 from lce_flax._impl.pallas_triton import op as pallas_triton_op
 from lce_flax._impl.triton import Config, kernels, op
-from tests.test_api import (OPTIONS, check_bad_and_ignored_labels, check_impl, check_llama3_8b,
-                            check_lse_cotangent)
+from tests._checks import OPTIONS, check_bad_and_ignored_labels, check_impl, check_llama3_8b, check_lse_cotangent
 
 on_gpu = jax.default_backend() == "gpu"
 
