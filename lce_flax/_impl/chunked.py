@@ -47,8 +47,7 @@ class Config:
 LEAN_CHUNK_BYTES = 32 * 2**20
 
 
-def _pow2_floor(n: int) -> int:
-  return 1 << max(int(n).bit_length() - 1, 0)
+_pow2_floor = common.pow2_floor
 
 
 def lean_chunk(num_tokens: int, vocab: int, requested: int | None = None) -> int:
