@@ -4,11 +4,15 @@ Usage::
 
   python -m benchmarks.plots RESULTS [RESULTS ...] [--out DIR] [--update FILE]
 
+  python -m benchmarks.plots RESULTS --update docs/performance.md --section NAME [--no-write]
+
 ``RESULTS`` are ``*.jsonl`` files or folders holding them. Writes into ``DIR`` (default: the first folder given,
 or the first file's folder) ``results.md`` (the tables), ``llm.png`` (fwd+bwd time and memory per LLM shape, every
 row beside the plain head) and ``sweep.png`` (time and memory vs V, B and H), each only where there are rows for
 it. ``--update FILE`` also replaces the text between ``<!-- bench:start -->`` and ``<!-- bench:end -->`` in FILE
-(e.g. ``docs/performance.md``) with the tables, image links made relative to FILE.
+with the tables, image links made relative to FILE; ``--section NAME`` picks the section between
+``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->`` instead (``docs/performance.md`` has one per
+committed run), and ``--no-write`` leaves the results folder untouched.
 
 Ratios are to the ``plain_bf16`` row of the same shape (the head without lce_flax); results that have no such row
 (runs made before the harness had it) get ratios to the matmul floor instead, and the table says so.
@@ -405,33 +409,51 @@ def plot_sweep(rows, path: str) -> str | None:
 # ----------------------------------------------------------------------------------------------------- entry
 
 
-def update_file(path: str, text: str) -> None:
-  """Replaces what lies between the bench markers of ``path`` with ``text``."""
+def markers(section: str | None = None) -> tuple[str, str]:
+  """The markers a generated section lies between: ``<!-- bench:start -->`` … ``<!-- bench:end -->``, or
+  ``<!-- bench:NAME:start -->`` … ``<!-- bench:NAME:end -->`` for a named one (a file may hold several)."""
+  return (START, END) if section is None else (f"<!-- bench:{section}:start -->", f"<!-- bench:{section}:end -->")
+
+
+def update_file(path: str, text: str, section: str | None = None) -> None:
+  """Replaces what lies between the bench markers (of ``section``) of ``path`` with ``text``."""
+  start, end = markers(section)
   with open(path) as fh:
     doc = fh.read()
-  i, j = doc.find(START), doc.find(END)
+  i, j = doc.find(start), doc.find(end)
   if i < 0 or j < i:
-    raise ValueError(f"{path} has no '{START}' … '{END}' markers to replace between")
+    raise ValueError(f"{path} has no '{start}' … '{end}' markers to replace between")
   with open(path, "w") as fh:
-    fh.write(doc[:i + len(START)] + "\n" + text + doc[j:])
+    fh.write(doc[:i + len(start)] + "\n" + text + doc[j:])
 
 
-def report(inputs: str | Sequence[str], out_dir: str | None = None, update: str | None = None) -> list[str]:
-  """Writes results.md and the PNGs for the rows of ``inputs``; returns the paths written."""
+def report(inputs: str | Sequence[str], out_dir: str | None = None, update: str | None = None,
+           section: str | None = None, write: bool = True) -> list[str]:
+  """Writes results.md and the PNGs for the rows of ``inputs`` into ``out_dir``, and the tables into the marked
+  section of ``update``; returns the paths written.
+
+  ``write=False`` leaves ``out_dir`` as it is (committed results keep their own report) and links the plots
+  already there, for the kinds of rows ``inputs`` hold."""
   inputs = [inputs] if isinstance(inputs, str) else list(inputs)
   if out_dir is None:
     out_dir = inputs[0] if os.path.isdir(inputs[0]) else os.path.dirname(inputs[0]) or "."
-  os.makedirs(out_dir, exist_ok=True)
   rows = load(inputs)
-  written = [p for p in (plot_llm(rows, os.path.join(out_dir, "llm.png")),
-                         plot_sweep(rows, os.path.join(out_dir, "sweep.png"))) if p]
-  md_path = os.path.join(out_dir, "results.md")
-  with open(md_path, "w") as fh:
-    fh.write(markdown(rows, [os.path.basename(p) for p in written]))
-  written.append(md_path)
+  if write:
+    os.makedirs(out_dir, exist_ok=True)
+    images = [p for p in (plot_llm(rows, os.path.join(out_dir, "llm.png")),
+                          plot_sweep(rows, os.path.join(out_dir, "sweep.png"))) if p]
+    md_path = os.path.join(out_dir, "results.md")
+    with open(md_path, "w") as fh:
+      fh.write(markdown(rows, [os.path.basename(p) for p in images]))
+    written = [*images, md_path]
+  else:
+    kinds = {"llm.png": any(not r.get("sweep") for r in rows), "sweep.png": any(r.get("sweep") for r in rows)}
+    images = [os.path.join(out_dir, f) for f, present in kinds.items()
+              if present and os.path.exists(os.path.join(out_dir, f))]
+    written = []
   if update:
     rel = os.path.relpath(out_dir, os.path.dirname(os.path.abspath(update)) or ".")
-    update_file(update, markdown(rows, [os.path.join(rel, os.path.basename(p)) for p in written[:-1]]))
+    update_file(update, markdown(rows, [os.path.join(rel, os.path.basename(p)) for p in images]), section)
     written.append(update)
   return written
 
@@ -441,8 +463,12 @@ def main(argv=None) -> int:
   p.add_argument("results", nargs="+", help="*.jsonl files or folders of them")
   p.add_argument("--out", default=None, help="output folder (default: the first input's folder)")
   p.add_argument("--update", default=None, help=f"file whose {START} … {END} section is replaced")
+  p.add_argument("--section", default=None,
+                 help="with --update: replace the <!-- bench:NAME:start --> … <!-- bench:NAME:end --> section")
+  p.add_argument("--no-write", action="store_true",
+                 help="write nothing into the results folder (link the plots already there); with --update")
   a = p.parse_args(argv)
-  for f in report(a.results, a.out, a.update):
+  for f in report(a.results, a.out, a.update, a.section, write=not a.no_write):
     print(f"wrote {f}")
   return 0
 

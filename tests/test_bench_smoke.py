@@ -189,6 +189,21 @@ def test_update_between_markers(tmp_path, smoke):
     plots.update_file(str(tmp_path / "plain.md"), "t")
 
 
+def test_update_named_section_leaves_results_alone(tmp_path, smoke):
+  """docs/performance.md holds one section per committed run; --no-write links the run's own plots."""
+  out, _ = smoke
+  before = open(os.path.join(out, "results.md")).read()
+  doc = tmp_path / "perf.md"
+  a, b = plots.markers("a"), plots.markers("b")
+  doc.write_text(f"{a[0]}\nold a\n{a[1]}\nmiddle\n{b[0]}\nold b\n{b[1]}\n")
+  assert plots.report(out, update=str(doc), section="b", write=False) == [str(doc)]
+  text = doc.read_text()
+  assert "old a" in text and "old b" not in text and "middle" in text
+  rel = os.path.relpath(out, str(tmp_path))
+  assert f"]({rel}/llm.png)" in text and f"]({rel}/sweep.png)" in text
+  assert open(os.path.join(out, "results.md")).read() == before
+
+
 def test_device_peak_from_allocator_counters(monkeypatch):
   """Where the backend keeps allocator counters (GPUs), a row that sets a new peak reports it less the memory in
   use before it and one set of outputs; one that does not gets a note instead of a number."""
