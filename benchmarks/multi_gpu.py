@@ -1,4 +1,4 @@
-"""Multi-GPU check for issue 7: equality on meshes, data-parallel weak scaling, vocab-parallel per-device memory.
+"""Several GPUs: equality on meshes, data-parallel and FSDP weak scaling, the vocab-parallel head's per-device memory.
 
 Usage on a multi-GPU device: ``python3 -m benchmarks.multi_gpu`` (all visible GPUs; writes
 ``$OUT/multi_gpu_<n>gpu.json`` and prints a summary). ``--small`` runs tiny shapes (a CPU smoke test:
