@@ -182,6 +182,12 @@ def _layout(s: Static, mesh, x, w) -> Layout:
         "sharded_linear_cross_entropy(..., vocab_axis=...) yourself, or replicate w's V dim.")
   tok = tuple(a for a in _axes(xs[0]) if mesh.shape[a] > 1)
   wh = tuple(a for a in _axes(ws[_h_dim(s)]) if mesh.shape[a] > 1)
+  # uneven shards would be padded with unknown values: refuse rather than count padding as tokens
+  for what, n, axes in (("tokens", x.shape[0], tok), ("H of w", w.shape[_h_dim(s)], wh)):
+    size = math.prod(mesh.shape[a] for a in axes)
+    if n % size:
+      raise ValueError(f"lce_flax: {what}={n} is split over mesh axes {axes} of total size {size}, which does not "
+                       "divide it; pad the batch or change the sharding")
   return Layout(tok, wh)
 
 
