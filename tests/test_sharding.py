@@ -428,7 +428,6 @@ def test_auto_data_parallel_gathers_nothing(mesh_shape, tok):
   """w replicated: no all-gather at all (no tokens' [B, H], no head); dw is all-reduced; per-device shapes."""
   hlo = _auto_hlo(mesh_shape, tok, P())
   assert not _gathers(hlo)
-  assert "f32[64,48]" not in hlo.split("ENTRY")[1].split("ROOT")[0] or True  # the dx output is per device below
   n = math.prod(mesh_shape[:1]) * (mesh_shape[2] if isinstance(tok, tuple) else 1)
   assert f"f32[{64 // n},48]" in hlo  # each device's tokens
   assert "all-reduce" in hlo
