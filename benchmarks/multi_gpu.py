@@ -311,6 +311,7 @@ def main():
       rows.append(dict(section=name, error=f"{type(e).__name__}: {str(e)[:400]}"))
   summary(rows)
   out = os.environ.get("OUT", ".")
+  os.makedirs(out, exist_ok=True)
   path = os.path.join(out, f"multi_gpu_{n}gpu{'_small' if args.small else ''}.json")
   with open(path, "w") as fh:
     json.dump(dict(meta=meta, rows=rows), fh, indent=1)
