@@ -120,7 +120,7 @@ def environment() -> dict[str, Any]:
       jax_triton=_version("jax-triton"),
       tokamax=_version("tokamax"),
       lce_flax=lce_flax.__version__,
-      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+      date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
   )
 
 

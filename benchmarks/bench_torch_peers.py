@@ -65,8 +65,7 @@ def make_peers(torch, names) -> dict[str, Callable | str]:
             setattr(dyn, attr, 64)
         peers[name] = torch.compile(eager, dynamic=False)
       elif name == "liger_flce":
-        from liger_kernel.transformers.fused_linear_cross_entropy import (  # noqa: PLC0415
-            LigerFusedLinearCrossEntropyLoss)
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # noqa: PLC0415
         module = LigerFusedLinearCrossEntropyLoss(reduction="sum")
         peers[name] = lambda x, w, y, m=module: m(w, x, y)  # Liger takes (weight, input, target)
       elif name == "cce":
@@ -87,7 +86,7 @@ def environment(torch) -> dict:
       device=torch.cuda.get_device_name(0) if cuda else "cpu", platform="gpu" if cuda else "cpu",
       num_devices=torch.cuda.device_count() if cuda else 1, torch=torch.__version__, triton=_version("triton"),
       liger_kernel=_version("liger-kernel"), cut_cross_entropy=_version("cut-cross-entropy"),
-      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
+      date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"))
 
 
 def make_inputs(torch, shape: Shape, device, seed: int = 0):
@@ -153,7 +152,8 @@ def measure(torch, loss_fn, pass_: str, shape: Shape, x, w, y, preset: Preset, f
     norms = dict(dx_norm=float(x.grad.float().norm()), dw_norm=float(w.grad.float().norm()))
   return dict(ms=ms, ms_min=min(times) * 1e3, reps=len(times), compile_s=warmup_s,
               tflops=shape.flops(2 if pass_ == "fwd" else 6) / ms / 1e9, algo_tflops=shape.flops(algo) / ms / 1e9,
-              flops_factor=algo, temp_bytes=None, device_peak_bytes=peak, loss=float(loss.detach()), timer="wallclock", **norms)
+              flops_factor=algo, temp_bytes=None, device_peak_bytes=peak, loss=float(loss.detach()),
+              timer="wallclock", **norms)
 
 
 def run(preset: Preset, names, out_dir: str, time_limit_s: float | None = None) -> str:
@@ -165,10 +165,12 @@ def run(preset: Preset, names, out_dir: str, time_limit_s: float | None = None) 
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, f"torch_peers_{preset.name}.jsonl")
   start = time.monotonic()
-  print(f"# {env['device']}, torch {env['torch']}, peers {list(peers)}, time limit {time_limit_s} s -> {path}", flush=True)
+  print(f"# {env['device']}, torch {env['torch']}, peers {list(peers)}, time limit {time_limit_s} s -> {path}",
+        flush=True)
   with open(path, "w") as fh:
     refs: dict[str, float | None] = {}
-    # Each peer over every shape in turn, in the order asked: a time-limit cut drops the last peers, not the last shapes.
+    # Each peer over every shape in turn, in the order asked: a time-limit cut drops the last peers, not the last
+    # shapes.
     for name, fn in peers.items():
       for shape, axis, passes in shapes_lib.preset_shapes(preset):
         inputs, err = None, "inputs were not made"

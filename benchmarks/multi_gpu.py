@@ -54,7 +54,8 @@ def bench(f, *args, reps=10):
 
 
 def rand(key, shape, dtype, sharding, scale=1.0):
-  return jax.jit(lambda k: (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype), out_shardings=sharding)(key)
+  return jax.jit(lambda k: (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype),
+                 out_shardings=sharding)(key)
 
 
 def rand_labels(key, shape, v, sharding, ignore_frac=0.0):
@@ -181,8 +182,8 @@ def _equality_impl(devs, impl, opts, inputs, b, h, v, rows):
       bb = jax.device_put(b0, NamedSharding(mesh, P("tensor")))
       y, m = jax.device_put(y0, tok), jax.device_put(m0, tok)
       with jax.default_matmul_precision("highest"):
-        f = lambda x, w, bb, y, m: sharded_linear_cross_entropy(x, w, y, bias=bb, where=m, mesh=mesh, impl=impl,
-                                                                **opts)
+        def f(x, w, bb, y, m, mesh=mesh, impl=impl):
+          return sharded_linear_cross_entropy(x, w, y, bias=bb, where=m, mesh=mesh, impl=impl, **opts)
         l1, g1 = jax.jit(jax.value_and_grad(f, (0, 1, 2)))(x, w, bb, y, m)
       row.update(loss=float(l1), loss_ref=float(l0), loss_rel_err=rel(l1, l0),
                  dx_rel_err=rel(g1[0], g0[0]), dw_rel_err=rel(g1[1], g0[1]), dbias_rel_err=rel(g1[2], g0[2]))
@@ -214,7 +215,7 @@ def weak_scaling(devs, b_per, h, v, dtype, rows, impls):
             # the same per-device work with no cross-device reduction of dw (or of the loss): what a data-parallel
             # step pays for the head when the dw all-reduce overlaps the backward of the layers below it
             op = functools.partial(linear_cross_entropy, impl=impl)
-            def local(x, w, y):
+            def local(x, w, y, op=op):
               loss, grads = jax.value_and_grad(op, argnums=(0, 1))(x, w, y)
               return loss[None], grads
             g = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P("data")),
@@ -294,7 +295,7 @@ def main():
     eq = dict(b=512 * n, h=1024, v=32768)
     dtype = jnp.bfloat16
   meta = dict(device=devs[0].device_kind, n_devices=n, jax=jax.__version__,
-              date=str(datetime.datetime.now(datetime.timezone.utc).date()), small=args.small)
+              date=str(datetime.datetime.now(datetime.UTC).date()), small=args.small)
   print(json.dumps(meta), flush=True)
   rows = []
   sections = [("vocab_parallel", lambda: vocab_parallel(devs, big["b"], big["h"], big["v"], dtype, rows)),

@@ -100,7 +100,8 @@ def test_smoke_report_written(smoke):
     with open(os.path.join(out, png), "rb") as fh:
       assert fh.read(8) == PNG_MAGIC
   md = open(os.path.join(out, "results.md")).read()
-  header = "| fwd+bwd: ms (× plain_bf16) / extra GB (× plain_bf16) | what, FLOPs | tiny-a 64×32×500 | tiny-b 100×24×1000 |"
+  header = ("| fwd+bwd: ms (× plain_bf16) / extra GB (× plain_bf16) | what, FLOPs | tiny-a 64×32×500 "
+            "| tiny-b 100×24×1000 |")
   assert header in md
   assert "| `plain_bf16` | baseline, 6·BHV | " in md
   assert "| `auto` | lce_flax → chunked:fast, 6·BHV | " in md  # on a CPU auto runs the chunked fast design
