@@ -178,8 +178,9 @@ def _dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, op
         if opts.impl == "auto" and not last:
           raise NotImplementedError("no fast design")
         mode = "lean"
-        notes.append(f"{name} has no fast design: runs lean (recomputes the logits in the backward)")
       design = mod.design(num_tokens, hidden, spec, dtype, mode, config)
+      if mode != want:
+        notes.append(f"{name} has no fast design: runs its {design.name!r} design")
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
       continue

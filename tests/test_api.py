@@ -152,8 +152,6 @@ def test_bad_and_ignored_labels_lean():
          ValueError, "chunk_size=8 would be ignored"),
         (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), impl="chunked", interpret=True),
          ValueError, "interpret=True would be ignored"),
-        (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), impl="xla", mode="fast"),
-         ValueError, "has no fast design"),
         (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), config=object()), ValueError,
          "needs the impl"),
         (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), chunked_size=3), TypeError,

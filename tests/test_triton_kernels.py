@@ -70,7 +70,7 @@ def test_op_fails_clearly_and_auto_skips_it():
 
 @pytest.mark.parametrize("cc", [(7, 5), (8, 0), (9, 0), (10, 0)])
 def test_auto_never_picks_raw_triton(monkeypatch, cc):
-  # pallas_triton is as fast or faster where measured (benchmarks/NOTES_triton_raw.md)
+  # pallas_triton is as fast or faster where measured (docs/kernels.md)
   monkeypatch.setattr(_device, "platform", lambda: "gpu")
   monkeypatch.setattr(_device, "compute_capability", lambda: cc)
   assert "triton" not in api._auto_order()
@@ -133,7 +133,7 @@ def check(**kw):
 @needs_gpu
 @pytest.mark.parametrize("opt", list(OPTIONS))
 def test_options(opt):
-  check(options=OPTIONS[opt], bias=True, seed=hash(opt) % 1000, dtype=jnp.bfloat16)
+  check(options=OPTIONS[opt], bias=True, seed=list(OPTIONS).index(opt), dtype=jnp.bfloat16)
 
 
 @pytest.mark.gpu

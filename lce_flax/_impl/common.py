@@ -52,7 +52,16 @@ class Design:
 def check_config(config, cls, impl: str) -> None:
   """A config given to ``impl`` must be that backend's own ``Config``."""
   if config is not None and not isinstance(config, cls):
-    raise TypeError(f"config={config!r} is a {type(config).__name__}; impl={impl!r} takes a {cls.__name__}")
+    raise TypeError(f"config={config!r} is a {_public_name(type(config))}; impl={impl!r} takes a "
+                    f"{_public_name(cls)}")
+
+
+def _public_name(cls) -> str:
+  """``lce_flax.PallasTritonConfig`` for a backend's Config class (its module path tells the backend)."""
+  backend = cls.__module__.split(".")[2] if cls.__module__.startswith("lce_flax._impl.") else None
+  public = {"chunked": "ChunkedConfig", "pallas_triton": "PallasTritonConfig", "triton": "TritonConfig",
+            "pallas_mosaic": "PallasMosaicConfig"}.get(backend)
+  return f"lce_flax.{public}" if public else cls.__name__
 
 
 def cdiv(a: int, b: int) -> int:
