@@ -296,11 +296,24 @@ def linear_cross_entropy(
     return sharding.from_types(x, w, labels, bias=bias, where=where, w_layout=w_layout, return_aux=return_aux,
                                options=opts)
   from lce_flax import _partition  # pylint: disable=g-import-not-at-top
-  if _partition.auto_mesh_active():  # Auto mesh axes: XLA partitions the op by its custom_partitioning rule
+  # Auto mesh axes, or compiled kernels where jit may see sharded inputs with no context mesh: XLA partitions the
+  # op by its custom_partitioning rule (a bare kernel custom call would make XLA gather every input).
+  if _partition.auto_mesh_active() or _kernels_on_many_devices(x, w, labels, w_layout, opts):
     return _partition.linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=w_layout,
                                            return_aux=return_aux, options=opts)
   return local_linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=w_layout,
                                     return_aux=return_aux, options=opts)
+
+
+def _kernels_on_many_devices(x, w, labels, w_layout: str, opts: LossOptions) -> bool:
+  """Whether this call runs compiled kernels (Triton / Mosaic custom calls) in a process with several devices."""
+  if jax.device_count() < 2 or labels.size == 0:
+    return False
+  platform = _device.platform()
+  dtype = _compute_dtype(x.dtype, w.dtype, opts, platform)
+  _, spec, design = _dispatch(labels.size, x.shape[-1], common.vocab_size(w, w_layout), dtype, w_layout, opts,
+                              platform)
+  return design.impl in KERNEL_IMPLS and not spec.interpret
 
 
 def local_linear_cross_entropy(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux=False,

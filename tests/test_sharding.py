@@ -516,3 +516,26 @@ def test_auto_uneven_token_split():
   with jax.set_mesh(mesh):
     l1, g1 = jax.jit(jax.value_and_grad(f, (0, 1)))(x, w)
   assert rel_err(l1, l0) <= TOL and all(rel_err(s, r) <= TOL for s, r in zip(g1, g0))
+
+
+def test_compiled_kernels_on_sharded_inputs_without_a_context_mesh(monkeypatch):
+  """Plain ``jit`` on NamedSharding-placed inputs with no ``jax.set_mesh``: where compiled kernels would run (a
+  multi-GPU process), the op takes the custom_partitioning rule, so no input is gathered. On CPU the kernels are
+  interpreted (ordinary XLA ops), so the routing is forced here and the rule runs the chunked implementation."""
+  from lce_flax import api
+  monkeypatch.setattr(api, "_kernels_on_many_devices", lambda *a: True)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  rng = np.random.default_rng(21)
+  x = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+  w = jnp.asarray(0.3 * rng.standard_normal((16, 70)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 70, 64), jnp.int32)
+  f = lambda x, w, y: linear_cross_entropy(x, w, y, impl="chunked", z_loss=1e-3)
+  want, gwant = jax.value_and_grad(f, (0, 1))(x, w, y)
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+  step = jax.jit(jax.value_and_grad(f, (0, 1)))
+  loss, grads = step(put(x), w, put(y))
+  np.testing.assert_allclose(loss, want, rtol=1e-6)
+  for g, r in zip(grads, gwant):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+  assert "CustomSPMDPartitioning" in step.lower(put(x), w, put(y)).as_text()
+  assert "all-gather" not in step.lower(put(x), w, put(y)).compile().as_text()
