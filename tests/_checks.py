@@ -47,8 +47,9 @@ def check_impl(impl, *, seed=0, batch_shape=(37,), h=24, v=301, dtype=jnp.float3
   cot = None
   if reduction == "none":
     cot = np.random.default_rng(seed + 2).standard_normal(batch_shape).astype(np.float32)
-  ref = linear_cross_entropy_np(xn, wn, yn, bias=bn, reduction=reduction, where=None if mask is None else np.asarray(mask),
-                                w_layout=w_layout, cotangent=cot, **options)
+  ref = linear_cross_entropy_np(xn, wn, yn, bias=bn, reduction=reduction,
+                                where=None if mask is None else np.asarray(mask), w_layout=w_layout, cotangent=cot,
+                                **options)
 
   def f(x, w, b):
     return linear_cross_entropy(x, w, y, bias=b, reduction=reduction, where=mask, w_layout=w_layout, impl=impl,

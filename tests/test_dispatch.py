@@ -78,7 +78,8 @@ def test_explicit_impl_that_cannot_run_names_reason_and_alternatives():
 
 
 def test_config_must_belong_to_its_impl():
-  with pytest.raises(TypeError, match="is a lce_flax.PallasTritonConfig; impl='chunked' takes a lce_flax.ChunkedConfig"):
+  with pytest.raises(TypeError, match="is a lce_flax.PallasTritonConfig; impl='chunked' takes a "
+                                      "lce_flax.ChunkedConfig"):
     explain(**LLAMA, impl="chunked", config=lce_flax.PallasTritonConfig())
   with pytest.raises(ValueError, match="needs the impl it belongs to"):
     LossOptions(config=lce_flax.ChunkedConfig(64))

@@ -17,10 +17,8 @@ from lce_flax._impl import chunked, common, pallas_triton
 from lce_flax._impl.pallas_triton import Config, op
 from tests._checks import (
   OPTIONS,
-  check_bad_and_ignored_labels,
   check_impl,
   check_llama3_8b,
-  check_lse_cotangent,
   make_inputs,
 )
 
@@ -34,22 +32,6 @@ on_gpu = jax.default_backend() == "gpu"
 def check(**kw):
   kw.setdefault("config", SMALL)
   return check_impl("pallas_triton", mode="lean", **kw)
-
-
-@pytest.mark.parametrize("opt", list(OPTIONS))
-def test_options(opt):
-  check(options=OPTIONS[opt], bias=True, seed=list(OPTIONS).index(opt))
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("w_layout", ["hv", "vh"])
-def test_dtypes_and_layouts(dtype, w_layout):
-  check(dtype=dtype, w_layout=w_layout, batch_shape=(3, 13), v=333, h=48, seed=7, bias=w_layout == "vh")
-
-
-@pytest.mark.parametrize("reduction", ["sum", "none"])
-def test_reductions_and_where(reduction):
-  check(reduction=reduction, where=True, options=OPTIONS["all"], seed=3, w_layout="vh", bias=True)
 
 
 def test_low_memory_vh_bf16_none():
@@ -72,14 +54,6 @@ def test_low_memory_vh_bf16_none():
 )
 def test_configs(config):
   check(config=config, options=OPTIONS["smoothing"], bias=True, seed=5)
-
-
-def test_lse_cotangent():
-  check_lse_cotangent("pallas_triton", config=SMALL)
-
-
-def test_out_of_range_label_is_nan_and_ignored_is_zero():
-  check_bad_and_ignored_labels("pallas_triton", config=SMALL)
 
 
 def test_jit_and_checkpoint_agree():

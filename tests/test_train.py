@@ -142,8 +142,8 @@ def test_nnx_sharded_matches_single_device():
   l1, s1 = _train_nnx(make_mesh(4, 1, 2))
   for a, b in zip(l1, l0):
     assert rel_err(a, b) <= 1e-5, (l1, l0)
-  assert s1.params["head"].get_value().sharding.spec == P("fsdp", "tensor")  # fsdp has size 1 here
-  assert s1.params["dense"]["kernel"].get_value().sharding.spec == P("fsdp", "tensor")
+  assert s1.params["head"].get_value().sharding.spec == P(None, "tensor")  # fsdp has size 1 here: not used
+  assert s1.params["dense"]["kernel"].get_value().sharding.spec == P(None, "tensor")
   assert s1.params["dense"]["bias"].get_value().sharding.spec == P()  # no names: replicated
 
 
@@ -297,4 +297,4 @@ def test_train_step_with_lmhead_on_explicit_mesh_matches_one_device():
     assert rel_err(a, b) <= 1e-5, (l1, l0)
   for a, b in zip(jax.tree.leaves(nn.unbox(s1.params)), jax.tree.leaves(nn.unbox(s0.params))):
     assert rel_err(a, b) <= 1e-5
-  assert s1.params["LMHead_0"]["kernel"].value.sharding.spec == P("fsdp", "tensor")
+  assert s1.params["LMHead_0"]["kernel"].value.sharding.spec == P(None, "tensor")  # fsdp (size 1) left out

@@ -20,7 +20,7 @@ from lce_flax._impl import chunked, common
 from lce_flax._impl import triton as triton_backend
 from lce_flax._impl.pallas_triton import op as pallas_triton_op
 from lce_flax._impl.triton import Config, kernels, op
-from tests._checks import OPTIONS, check_bad_and_ignored_labels, check_impl, check_llama3_8b, check_lse_cotangent
+from tests._checks import OPTIONS, check_impl, check_llama3_8b
 
 on_gpu = jax.default_backend() == "gpu"
 
@@ -131,22 +131,6 @@ def check(**kw):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("opt", list(OPTIONS))
-def test_options(opt):
-  check(options=OPTIONS[opt], bias=True, seed=list(OPTIONS).index(opt), dtype=jnp.bfloat16)
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("w_layout", ["hv", "vh"])
-def test_dtypes_and_layouts(dtype, w_layout):
-  check(dtype=dtype, w_layout=w_layout, batch_shape=(3, 13), v=333, h=48, seed=7, bias=w_layout == "vh",
-        options=OPTIONS["all"])
-
-
-@pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("config", [
     None, Config(block_t=16, block_v=16, block_k=16, num_splits=64, chunk_size=1000),
     Config(block_t=16, block_v=32, block_k=16, chunk_size=64, low_memory=True, token_block=48, dx_chunk=128)],
@@ -154,14 +138,6 @@ def test_dtypes_and_layouts(dtype, w_layout):
 def test_configs_ragged(config):
   check(config=config, batch_shape=(1037,), h=200, v=5003, dtype=jnp.bfloat16, options=OPTIONS["smoothing"],
         bias=True, seed=5)
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_lse_cotangent_and_bad_labels():
-  with jax.default_matmul_precision("highest"):
-    check_lse_cotangent("triton", config=SMALL, interpret=False)
-    check_bad_and_ignored_labels("triton", config=SMALL, interpret=False)
 
 
 @pytest.mark.gpu

@@ -148,7 +148,8 @@ def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int, col_offset
     dx = dx + common.grad_x(dzm, common.slice_vocab(w, start, c, spec.w_layout), spec.w_layout)
     # Columns masked as overlap carry an exact 0, so adding into the window never double-counts.
     old = lax.dynamic_slice_in_dim(dw, start, c, axis=vaxis).astype(F32)
-    dw = lax.dynamic_update_slice_in_dim(dw, (old + common.grad_w(x, dzm, spec.w_layout)).astype(dw.dtype), start, vaxis)
+    new = (old + common.grad_w(x, dzm, spec.w_layout)).astype(dw.dtype)
+    dw = lax.dynamic_update_slice_in_dim(dw, new, start, vaxis)
     if db is not None:
       db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, c) + dz.sum(0), start, 0)
     return dx, dw, db

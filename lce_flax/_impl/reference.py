@@ -7,9 +7,9 @@ check the hand-written backward passes of every other backend. Memory: O(B·V).
 from __future__ import annotations
 
 import jax.numpy as jnp
+
 from lce_flax import _math
 from lce_flax._impl import common
-
 
 Config = None  # nothing to configure
 
