@@ -201,9 +201,10 @@ def _lce_variant(impl: str, mode: str | None, interpret: bool, config=None, tag:
 
 
 def _lce_variants(name: str, modes: tuple[str, ...], interpret: bool = False) -> list[Variant]:
-  """``impl=name`` once per mode where the implementation has a fast design, else once (mode None)."""
-  if name == "auto":
-    return [_lce_variant("auto", None, interpret)]
+  """``impl=name`` once per mode where the implementation has a fast design, else once (mode None). ``xla``
+  runs one computation in both modes (autodiff through its float32 logits): one row."""
+  if name in ("auto", "xla"):
+    return [_lce_variant(name, None, interpret)]
   fast = _lce_variant(name, "fast", interpret)
   if fast.unavailable is not None:  # no fast design (or not available at all): one row, the default design
     return [_lce_variant(name, None, interpret)]

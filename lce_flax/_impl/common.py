@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lce_flax import _compat
 from lce_flax._math import LossOptions
 
 F32 = jnp.float32
@@ -135,15 +136,9 @@ def mxu_dtype(x: jax.Array):
   return x.dtype
 
 
-def vary(a, axes: tuple[str, ...]):
-  """Inside ``shard_map``: marks ``a`` as varying over ``axes`` (where it is not yet); its transpose is a psum."""
-  if a is None:
-    return None
-  aval = jax.typeof(a)
-  # the manual axes a value varies over: ``aval.vma`` in older JAX, ``manual_axis_type.varying`` in 0.11
-  vma = aval.vma if hasattr(aval, "vma") else aval.manual_axis_type.varying
-  missing = tuple(ax for ax in axes if ax not in vma)
-  return lax.pcast(a, missing, to="varying") if missing else a
+# Inside ``shard_map``: ``a`` cast to varying over ``axes`` (its transpose is a psum); the JAX-version-dependent
+# reading of a value's varying axes lives in ``lce_flax._compat``.
+vary = _compat.vary
 
 
 # ------------------------------------------------------------------------------------------------ kernel helpers
