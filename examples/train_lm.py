@@ -4,10 +4,15 @@
     python examples/train_lm.py --loss xla            # the same model with nn.Dense + optax cross-entropy
     python examples/train_lm.py --compare             # both, one after the other; memory/throughput table + plot
     python examples/train_lm.py --preset gpu --find-max-batch   # the largest batch each head fits on this GPU
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/train_lm.py --mesh data=2,fsdp=2,tensor=2
+    # two processes (run both; docs/trainer.md):  ... --coordinator localhost:12355 --num-processes 2 --process-id I
 
 Text: the docstrings, comments and ``pydoc_data`` help topics of the Python standard library installed with the
 interpreter running this script (PSF License; no download). A byte-level BPE tokenizer (HF ``tokenizers``) is
 trained on it once and cached with the token ids under ``--cache-dir``.
+
+Any mesh of the axes ("data", "fsdp", "tensor") (``--mesh``), with ``AxisType.Explicit`` axes under plain ``jit``:
+the fused head is ``lce_flax.linen.LMHead``, which runs per shard from the shardings in its inputs' types.
 
 ``--loss fused`` and ``--loss xla`` build the same parameter tree (the head's ``kernel`` is ``[H, V]`` under
 ``params/head`` either way, initialised from the same key), so the two runs start from identical parameters and
@@ -34,7 +39,8 @@ import sys
 import sysconfig
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -45,13 +51,18 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import (  # noqa: E402
+  AxisType,  # noqa: E402
+  Mesh,
+  NamedSharding,
+)
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import lce_flax  # noqa: E402
-import lce_flax.sharding  # noqa: E402
-from lce_flax.sharding import DATA, make_mesh  # noqa: E402
-from lce_flax.train import TrainState, make_train_step  # noqa: E402
+from lce_flax import LossOptions  # noqa: E402
+from lce_flax.linen import LMHead  # noqa: E402
+from lce_flax.sharding import MESH_AXES  # noqa: E402
+from lce_flax.train import TrainState, batch_sharding, make_train_step, process_rows, state_shardings  # noqa: E402
 
 LOSSES = ("fused", "xla")
 EOT = "<|endoftext|>"
@@ -63,7 +74,8 @@ CORPUS_VERSION = "stdlib-text-v1"  # bump when the corpus extraction changes, so
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(vocab_size=32768, d_model=128, num_layers=2, num_heads=4, d_ff=512, seq_len=128, batch_size=8,
                 steps=250, lr=3e-3, warmup=20, eval_every=50, eval_batches=4, save_every=50, dtype="float32",
-                remat=False, mem_budget_gib=2.0, max_batch_limit=1024, bench_steps=2, sample_tokens=24, chunk_size=None),
+                remat=False, mem_budget_gib=2.0, max_batch_limit=1024, bench_steps=2, sample_tokens=24,
+                chunk_size=None),
     "gpu": dict(vocab_size=131072, d_model=1024, num_layers=8, num_heads=16, d_ff=4096, seq_len=1024, batch_size=16,
                 steps=300, lr=1e-3, warmup=30, eval_every=100, eval_batches=8, save_every=100, dtype="bfloat16",
                 remat=True, mem_budget_gib=None, max_batch_limit=4096, bench_steps=5, sample_tokens=48,
@@ -211,11 +223,12 @@ def load_data(cache_dir: str, vocab_size: int, log: Callable[[str], None] = prin
   return Data(tok, train_ids, eval_ids, tok.get_vocab_size(), source)
 
 
-def train_batch(ids: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int) -> dict[str, np.ndarray]:
+def train_batch(ids: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int,
+                rows: slice = slice(None)) -> dict[str, np.ndarray]:
   """The batch of ``step``: random windows drawn from a generator keyed by (seed, step) alone, so a resumed run
-  sees exactly the batches an uninterrupted one would."""
+  sees exactly the batches an uninterrupted one would. ``rows``: only these rows of it (a process's share)."""
   rng = np.random.default_rng([seed, step])
-  starts = rng.integers(0, len(ids) - seq_len - 1, size=batch_size)
+  starts = rng.integers(0, len(ids) - seq_len - 1, size=batch_size)[rows]
   win = np.stack([ids[s:s + seq_len + 1] for s in starts]).astype(np.int32)
   return {"inputs": win[:, :-1], "labels": win[:, 1:]}
 
@@ -226,7 +239,8 @@ def eval_batches(ids: np.ndarray, num: int, batch_size: int, seq_len: int) -> li
   stride = max((len(ids) - seq_len - 1) // n, 1)
   starts = [min(i * stride, len(ids) - seq_len - 1) for i in range(n)]
   win = np.stack([ids[s:s + seq_len + 1] for s in starts]).astype(np.int32)
-  return [{"inputs": win[i * batch_size:(i + 1) * batch_size, :-1], "labels": win[i * batch_size:(i + 1) * batch_size, 1:]}
+  rows = lambda i: win[i * batch_size:(i + 1) * batch_size]
+  return [{"inputs": rows(i)[:, :-1], "labels": rows(i)[:, 1:]}
           for i in range(num)]
 
 
@@ -267,46 +281,42 @@ class Block(nn.Module):
     return x + nn.Dense(cfg.d_model, dtype=dtype, name="mlp_out")(h)
 
 
-class KernelHead(nn.Module):
-  """The fused head on a ``Dense``-shaped ``kernel`` [H, V] (the parameter ``nn.Dense``/``LMHead`` would make), for
-  a data-parallel mesh: the loss goes through ``lce_flax.sharding.sharded_linear_cross_entropy``, which runs the op
-  on each device's tokens under ``shard_map`` (a kernel implementation is an opaque custom call that XLA would
-  otherwise run on gathered inputs). Also the stand-in when ``lce_flax.linen`` cannot be imported."""
+HEAD_AXES = ("embed", "vocab")  # logical names of the head's kernel [H, V]: H over "fsdp", V over "tensor"
+
+
+class DenseHead(nn.Module):
+  """The plain head (``--loss xla``): ``nn.Dense(V, use_bias=False)``'s ``kernel`` [H, V] and computation, with the
+  kernel's logical axis names. On a mesh whose "fsdp" axis splits the kernel's H, the kernel is gathered over it
+  first (what FSDP does before a matmul; an Explicit mesh will not contract over a dim split on one side only)."""
 
   vocab_size: int
-  hidden: int
   dtype: Any = jnp.float32
-  impl: str = "auto"
-  chunk_size: int | None = None
-  mesh: Mesh | None = None
 
-  def setup(self):
-    self.kernel = self.param("kernel", HEAD_INIT, (self.hidden, self.vocab_size), jnp.float32)
-
-  def __call__(self, x: jax.Array, labels: jax.Array) -> jax.Array:
-    x, k = x.astype(self.dtype), self.kernel.astype(self.dtype)
-    if self.mesh is not None and self.mesh.size > 1:
-      return lce_flax.sharding.sharded_linear_cross_entropy(
-          x, k, labels, mesh=self.mesh, batch_axes=(DATA,), vocab_axis=None, fsdp_axis=None, impl=self.impl,
-          chunk_size=self.chunk_size)
-    return lce_flax.linear_cross_entropy(x, k, labels, impl=self.impl, chunk_size=self.chunk_size)
-
-  def logits(self, x: jax.Array) -> jax.Array:
-    return jnp.einsum("...h,hv->...v", x.astype(self.dtype), self.kernel.astype(self.dtype),
-                      preferred_element_type=jnp.float32)
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.param("kernel", nn.with_logical_partitioning(HEAD_INIT, HEAD_AXES), (x.shape[-1], self.vocab_size),
+                        jnp.float32)
+    spec = getattr(jax.typeof(kernel).sharding, "spec", None)
+    if spec is not None and len(spec) == 2 and spec[0] is not None:
+      kernel = jax.sharding.reshard(kernel, P(None, spec[1]))
+    return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
 
 
-def fused_head(vocab_size: int, hidden: int, dtype: Any, impl: str, chunk_size: int | None = None,
-               mesh: Mesh | None = None) -> nn.Module:
-  """``lce_flax.linen.LMHead`` on one device; :class:`KernelHead` on a mesh (same parameter, same init)."""
-  try:
-    from lce_flax.linen import LMHead
-  except ImportError:
-    LMHead = None
-  if LMHead is None or (mesh is not None and mesh.size > 1):
-    return KernelHead(vocab_size, hidden, dtype=dtype, impl=impl, chunk_size=chunk_size, mesh=mesh, name="head")
-  return LMHead(vocab_size, use_bias=False, dtype=dtype, kernel_init=HEAD_INIT, impl=impl, chunk_size=chunk_size,
-                name="head")
+def fused_head(vocab_size: int, dtype: Any, impl: str, chunk_size: int | None = None) -> nn.Module:
+  """``lce_flax.linen.LMHead``: the parameter of :class:`DenseHead` (same name, shape, init and logical names); on a
+  mesh of Explicit axes it runs per shard by itself (tokens over the batch axes, V over "tensor", H over "fsdp")."""
+  return LMHead(vocab_size, use_bias=False, dtype=dtype, kernel_init=HEAD_INIT, kernel_axes=HEAD_AXES,
+                options=LossOptions(impl=impl, chunk_size=chunk_size), name="head")
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """``nn.Embed``'s lookup (``table[tokens]``); on an Explicit mesh the rows come out split like ``tokens`` (a gather
+  from a replicated table with split indices needs its output sharding spelled out there)."""
+  sharding = jax.typeof(tokens).sharding
+  if not getattr(getattr(sharding, "mesh", None), "axis_names", ()):
+    return jnp.take(table, tokens, axis=0)
+  spec = tuple(sharding.spec) + (None,) * (tokens.ndim - len(sharding.spec))
+  return table.at[tokens].get(out_sharding=P(*spec, None))
 
 
 class TransformerLM(nn.Module):
@@ -316,7 +326,6 @@ class TransformerLM(nn.Module):
   loss: str = "fused"
   impl: str = "auto"
   chunk_size: int | None = None
-  mesh: Mesh | None = None
 
   def setup(self):
     cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
@@ -326,9 +335,9 @@ class TransformerLM(nn.Module):
     self.blocks = [block(cfg, name=f"block{i}") for i in range(cfg.num_layers)]
     self.ln_f = nn.LayerNorm(dtype=dtype, name="ln_f")
     if self.loss == "fused":
-      self.head = fused_head(cfg.vocab_size, cfg.d_model, dtype, self.impl, self.chunk_size, self.mesh)
+      self.head = fused_head(cfg.vocab_size, dtype, self.impl, self.chunk_size)
     elif self.loss == "xla":
-      self.head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, kernel_init=HEAD_INIT, name="head")
+      self.head = DenseHead(cfg.vocab_size, dtype=dtype, name="head")
     else:
       raise ValueError(f"loss={self.loss!r} is not one of {LOSSES}")
 
@@ -336,7 +345,7 @@ class TransformerLM(nn.Module):
     t = tokens.shape[-1]
     if t > self.cfg.seq_len:
       raise ValueError(f"tokens.shape={tokens.shape}: at most seq_len={self.cfg.seq_len} positions")
-    x = (self.embed(tokens) + self.pos[:t]).astype(jnp.dtype(self.cfg.dtype))
+    x = (embed_lookup(self.embed.embedding, tokens) + self.pos[:t]).astype(jnp.dtype(self.cfg.dtype))
     for blk in self.blocks:
       x = blk(x)
     return self.ln_f(x)
@@ -347,13 +356,18 @@ class TransformerLM(nn.Module):
       return self.head(x, labels)
     # The plain head: [B, T, V] logits (kept for the backward), upcast to float32 for the softmax.
     logits = self.head(x).astype(jnp.float32)
+    spec = getattr(jax.typeof(logits).sharding, "spec", None)
+    if spec is not None and len(spec) == logits.ndim and spec[-1] is not None:
+      # V split over "tensor" (Explicit mesh): gather the vocabulary for optax's label lookup, as a plain
+      # tensor-parallel head does before its softmax
+      logits = jax.sharding.reshard(logits, P(*spec[:-1], None))
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
   def logits(self, tokens: jax.Array) -> jax.Array:
     x = self.hidden(tokens)
     if self.loss == "fused":
       return self.head.logits(x).astype(jnp.float32)
-    return self.head(x).astype(jnp.float32)
+    return self.head(x).astype(jnp.float32)  # (generation runs on replicated parameters, see make_trainer)
 
 
 # -------------------------------------------------------------------------------------------------------- train
@@ -361,35 +375,80 @@ class TransformerLM(nn.Module):
 
 @dataclasses.dataclass
 class Trainer:
-  """The jitted pieces of one (model, batch size) on a mesh of the local devices."""
+  """The jitted pieces of one (model, batch size) on a mesh of ``AxisType.Explicit`` axes ("data", "fsdp",
+  "tensor"), over the devices of every process. Use them inside ``jax.set_mesh(trainer.mesh)``."""
 
   model: TransformerLM
   tx: optax.GradientTransformation
   mesh: Mesh
   batch_size: int
-  init: Callable
+  init: Callable  # init(seed) -> TrainState, placed by the parameters' logical names
   step: Callable
   eval_loss: Callable
   next_logits: Callable
+  shardings: Any  # of the TrainState
 
   @property
   def batch_sharding(self) -> NamedSharding:
-    return NamedSharding(self.mesh, P(DATA))
+    return batch_sharding(self.mesh)
+
+  @property
+  def rows(self) -> slice:
+    """The rows of each global batch that this process loads (all of them with one process)."""
+    return process_rows(self.mesh, self.batch_size)
 
   def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    return jax.device_put(batch, self.batch_sharding)
+    """This process's rows (``rows`` of the global batch) → global arrays split over the batch axes."""
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
 
   def abstract_batch(self, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     s = jax.ShapeDtypeStruct((self.batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
     return {"inputs": s, "labels": s}
 
+  def abstract_state(self, seed: int) -> Any:
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                        jax.eval_shape(functools.partial(self._init_fn, seed)), self.shardings)
 
-def data_mesh(batch_size: int, num_devices: int | None = None) -> Mesh:
-  """A data-parallel mesh (``lce_flax.sharding.make_mesh``) over as many of the first ``num_devices`` local devices
-  as evenly divide the batch."""
-  devices = jax.local_devices()[:num_devices or None]
-  n = max(d for d in range(1, len(devices) + 1) if batch_size % d == 0)
-  return make_mesh(data=n, devices=devices[:n])
+  _init_fn: Callable = None
+
+
+def parse_mesh(spec: str | None) -> dict[str, int]:
+  """``"data=2,fsdp=2,tensor=2"`` → sizes of the mesh axes (missing axes: 1; one size may be -1: the rest)."""
+  sizes = {a: 1 for a in MESH_AXES}
+  if not spec:
+    return {**sizes, "data": 0}  # 0: as many devices as divide the batch
+  for part in spec.split(","):
+    name, _, val = part.partition("=")
+    if name.strip() not in sizes or not val.strip().lstrip("-").isdigit():
+      raise ValueError(f"--mesh={spec!r}: expected axis=size pairs over {MESH_AXES}, e.g. data=2,tensor=4")
+    sizes[name.strip()] = int(val)
+  return sizes
+
+
+def build_mesh(batch_size: int, mesh: str | None = None, num_devices: int | None = None) -> Mesh:
+  """A mesh of ``AxisType.Explicit`` axes ("data", "fsdp", "tensor") over the first ``num_devices`` devices of all
+  processes. Without ``mesh``: data parallel over as many devices as divide the batch (all of them when there are
+  several processes)."""
+  devices = jax.devices()[:num_devices or None]
+  sizes = parse_mesh(mesh)
+  if sizes["data"] == 0:
+    n = max(d for d in range(1, len(devices) + 1) if batch_size % d == 0)
+    if jax.process_count() > 1 and n != len(devices):
+      raise ValueError(f"--batch-size={batch_size} must be divisible by the {len(devices)} devices of all processes")
+    sizes["data"] = n
+  if list(sizes.values()).count(-1) > 1:
+    raise ValueError(f"--mesh: at most one axis may be -1, got {sizes}")
+  known = math.prod(v for v in sizes.values() if v != -1)
+  for a, v in sizes.items():
+    if v == -1:
+      sizes[a] = len(devices) // known
+  total = math.prod(sizes.values())
+  if total < 1 or total > len(devices) or (jax.process_count() > 1 and total != len(devices)):
+    raise ValueError(f"mesh {sizes} needs {total} devices; {len(devices)} available")
+  if batch_size % (sizes["data"] * sizes["fsdp"]):
+    raise ValueError(f"--batch-size={batch_size} must be divisible by data x fsdp = {sizes['data'] * sizes['fsdp']}")
+  return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Explicit,) * 3,
+                       devices=devices[:total])
 
 
 def make_optimizer(lr: float, warmup: int, steps: int) -> optax.GradientTransformation:
@@ -397,38 +456,51 @@ def make_optimizer(lr: float, warmup: int, steps: int) -> optax.GradientTransfor
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.95, weight_decay=0.1))
 
 
-def make_trainer(cfg: ModelConfig, loss: str, impl: str, batch_size: int, tx: optax.GradientTransformation,
-                 seq_len: int, num_devices: int | None = None, chunk_size: int | None = None) -> Trainer:
-  mesh = data_mesh(batch_size, num_devices)
-  model = TransformerLM(cfg, loss=loss, impl=impl, chunk_size=chunk_size, mesh=mesh)
-  repl = NamedSharding(mesh, P())
-  data = NamedSharding(mesh, P(DATA))
+def _unboxed(tree: Any) -> Any:
+  """Flax's logical-partitioning boxes replaced by their contents (arrays, or the shardings of ``state_shardings``)."""
+  return jax.tree.map(lambda n: n.value if isinstance(n, nn.meta.AxisMetadata) else n, tree,
+                      is_leaf=lambda n: isinstance(n, nn.meta.AxisMetadata))
 
-  def init(key):
-    dummy = jnp.zeros((mesh.devices.size, seq_len), jnp.int32)  # one row per device, for the sharded head
-    params = model.init(key, dummy, dummy)["params"]
-    params = nn.meta.unbox(params)  # drop logical-partitioning boxes: both heads give one plain params tree
+
+def make_trainer(cfg: ModelConfig, loss: str, impl: str, batch_size: int, tx: optax.GradientTransformation,
+                 seq_len: int, num_devices: int | None = None, chunk_size: int | None = None,
+                 mesh: str | None = None) -> Trainer:
+  mesh_ = build_mesh(batch_size, mesh, num_devices)
+  model = TransformerLM(cfg, loss=loss, impl=impl, chunk_size=chunk_size)
+  repl = NamedSharding(mesh_, P())
+
+  def boxed_state(seed):
+    dummy = jnp.zeros((1, seq_len), jnp.int32)
+    params = model.init(jax.random.key(seed), dummy, dummy)["params"]  # boxed with the logical names
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+  # Placement from the logical names (lce_flax.sharding.DEFAULT_RULES: "vocab" -> "tensor", "embed" -> "fsdp");
+  # parameters without names (the blocks) are replicated. The state itself is a plain tree (no boxes), so both
+  # heads give the same tree and the checkpoints are plain arrays.
+  shardings = _unboxed(state_shardings(jax.eval_shape(functools.partial(boxed_state, 0)), mesh_))
+
+  def init_fn(seed):
+    return _unboxed(boxed_state(seed))
 
   def loss_fn(params, batch):
     return model.apply({"params": params}, batch["inputs"], batch["labels"])
 
-  # Data parallel: parameters replicated, the batch split over "data". The step is lce_flax's, jitted without a
-  # mesh argument: the shardings come from where the state and batch were placed (``init``'s out_shardings,
-  # ``put_batch``), which gives the same partitioned program as ``make_train_step(..., mesh=mesh)`` for a
-  # replicated state and keeps ``.lower()`` available for the compiled memory analysis.
+  # Plain jit: the state's and the batch's shardings are in their types (Explicit axes), and the fused head runs
+  # per shard from them; ``.lower()`` stays available for the compiled memory analysis.
   step = make_train_step(loss_fn, tx, mesh=None, donate=True)
 
   def next_logits(params, tokens, pos):
     # Causal attention: logits at `pos` do not depend on the (padding) tokens after it, so one compiled length.
+    params = jax.tree.map(lambda a: jax.sharding.reshard(a, P()), params)  # one sequence: replicate, no FSDP
     return model.apply({"params": params}, tokens, method=TransformerLM.logits)[:, pos]
 
   return Trainer(
-      model=model, tx=tx, mesh=mesh, batch_size=batch_size,
-      init=jax.jit(init, out_shardings=repl),
+      model=model, tx=tx, mesh=mesh_, batch_size=batch_size,
+      init=lambda seed: jax.jit(functools.partial(init_fn, seed), out_shardings=shardings)(),
       step=step,
-      eval_loss=jax.jit(loss_fn, in_shardings=(repl, data), out_shardings=repl),
-      next_logits=jax.jit(next_logits, static_argnums=()),
+      eval_loss=jax.jit(loss_fn, out_shardings=repl),
+      next_logits=jax.jit(next_logits, out_shardings=repl),
+      shardings=shardings, _init_fn=init_fn,
   )
 
 
@@ -445,12 +517,9 @@ def gpu_peak_bytes() -> int | None:
   return stats.get("peak_bytes_in_use")
 
 
-def abstract_state(trainer: Trainer, key) -> Any:
-  return jax.eval_shape(trainer.init, key)
-
-
 def compile_step(trainer: Trainer, state_like, seq_len: int):
-  return trainer.step.lower(state_like, trainer.abstract_batch(seq_len)).compile()
+  with jax.set_mesh(trainer.mesh):
+    return trainer.step.lower(state_like, trainer.abstract_batch(seq_len)).compile()
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -527,14 +596,18 @@ def train(args: argparse.Namespace, data: Data, loss: str, log: Callable[[str], 
   cfg = model_config(args)
   tx = make_optimizer(args.lr, args.warmup, args.steps)
   tr = make_trainer(cfg, loss, args.impl, args.batch_size, tx, args.seq_len, args.num_devices,
-                    args.chunk_size)
-  key = jax.random.key(args.seed)
+                    args.chunk_size, args.mesh)
+  with jax.set_mesh(tr.mesh):
+    return _train(args, data, loss, log, cfg, tr)
+
+
+def _train(args, data, loss, log, cfg, tr) -> dict[str, Any]:
   tokens_per_step = args.batch_size * args.seq_len
 
   mngr = checkpoint_manager(args.ckpt_dir, args.save_every) if args.ckpt_dir else None
   history: dict[str, list] = {"loss": [], "eval": []}
   start = 0
-  state_like = abstract_state(tr, key)
+  state_like = tr.abstract_state(args.seed)
   if mngr is not None and args.resume and mngr.latest_step() is not None:
     start = int(mngr.latest_step())
     state, history = restore_checkpoint(mngr, start, state_like)
@@ -543,19 +616,20 @@ def train(args: argparse.Namespace, data: Data, loss: str, log: Callable[[str], 
   else:
     if args.resume:
       log(f"--resume: no finished checkpoint in {args.ckpt_dir}; starting at step 0")
-    state = tr.init(key)
+    state = tr.init(args.seed)
 
   compiled = compile_step(tr, state_like, args.seq_len)
   mem = compiled_memory(compiled)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))
   log(f"{loss}: {n_params / 1e6:.2f}M params (head {cfg.d_model}x{cfg.vocab_size}), batch {args.batch_size}x"
-      f"{args.seq_len} on {tr.mesh.devices.size} {jax.default_backend()} device(s); compiled step peak "
+      f"{args.seq_len} on {tr.mesh.devices.size} {jax.default_backend()} device(s) (mesh {dict(tr.mesh.shape)}, "
+      f"{jax.process_count()} process(es)); compiled step peak "
       f"{_human(mem['peak'])}/device (temp {_human(mem['temp'])})")
 
   evals = eval_batches(data.eval_ids, args.eval_batches, args.batch_size, args.seq_len)
 
   def evaluate(params, step):
-    losses = [float(tr.eval_loss(params, tr.put_batch(b))) for b in evals]
+    losses = [float(tr.eval_loss(params, tr.put_batch({k: v[tr.rows] for k, v in b.items()}))) for b in evals]
     el = float(np.mean(losses))
     rec = {"step": step, "loss": el, "ppl": float(math.exp(min(el, 50.0)))}
     history["eval"].append(rec)
@@ -566,7 +640,7 @@ def train(args: argparse.Namespace, data: Data, loss: str, log: Callable[[str], 
   bar = _progress(range(start, stop), args, desc=loss)
   peak = None
   for step in bar:
-    batch = tr.put_batch(train_batch(data.train_ids, step, args.batch_size, args.seq_len, args.seed))
+    batch = tr.put_batch(train_batch(data.train_ids, step, args.batch_size, args.seq_len, args.seed, tr.rows))
     t0 = time.perf_counter()
     state, metrics = compiled(state, batch)
     loss_val = float(metrics["loss"])  # blocks: the step's wall time and loss are exact
@@ -628,9 +702,9 @@ def head_memory(args: argparse.Namespace, batch_size: int, known: dict[str, dict
   for loss in LOSSES:
     if loss in out:
       continue
-    tr = make_trainer(cfg, loss, args.impl, batch_size, tx, args.seq_len, args.num_devices,
-                    args.chunk_size)
-    out[loss] = compiled_memory(compile_step(tr, abstract_state(tr, jax.random.key(args.seed)), args.seq_len))
+    tr = make_trainer(cfg, loss, args.impl, batch_size, tx, args.seq_len, args.num_devices, args.chunk_size,
+                      args.mesh)
+    out[loss] = compiled_memory(compile_step(tr, tr.abstract_state(args.seed), args.seq_len))
   return out
 
 
@@ -639,22 +713,26 @@ def probe(args: argparse.Namespace, data: Data, loss: str, batch_size: int, budg
   peak (arguments + outputs + temporaries) must be within ``budget`` bytes, then a few steps are timed."""
   cfg = model_config(args)
   tr = make_trainer(cfg, loss, args.impl, batch_size, make_optimizer(args.lr, args.warmup, args.steps), args.seq_len,
-                    args.num_devices, args.chunk_size)
+                    args.num_devices, args.chunk_size, args.mesh)
+  with jax.set_mesh(tr.mesh):
+    return _probe(args, data, tr, batch_size, budget)
+
+
+def _probe(args, data, tr, batch_size, budget) -> dict[str, Any]:
   rec: dict[str, Any] = {"batch_size": batch_size, "fits": False}
-  key = jax.random.key(args.seed)
   state = None
   try:
-    compiled = compile_step(tr, abstract_state(tr, key), args.seq_len)
+    compiled = compile_step(tr, tr.abstract_state(args.seed), args.seq_len)
     rec["memory"] = compiled_memory(compiled)
     if budget is not None and rec["memory"]["peak"] > budget:
       return rec
     if budget is not None and args.bench_steps == 0:  # CPU, no timing asked: the analysis is the answer
       rec["fits"] = True
       return rec
-    state = tr.init(key)
+    state = tr.init(args.seed)
     times = []
     for i in range(max(args.bench_steps, 1) + 1):
-      batch = tr.put_batch(train_batch(data.train_ids, i, batch_size, args.seq_len, args.seed))
+      batch = tr.put_batch(train_batch(data.train_ids, i, batch_size, args.seq_len, args.seed, tr.rows))
       t0 = time.perf_counter()
       state, m = compiled(state, batch)
       float(m["loss"])
@@ -703,7 +781,10 @@ def find_max_batch(args: argparse.Namespace, data: Data, loss: str, log: Callabl
   """Largest batch (a multiple of the data-parallel width) whose step fits: doubling, then bisection."""
   gpu = jax.default_backend() == "gpu"
   budget = None if gpu else int(args.mem_budget_gib * 2**30)
-  unit = len(jax.local_devices()[:args.num_devices or None])
+  sizes, n = parse_mesh(args.mesh), len(jax.devices()[:args.num_devices or None])
+  rest = n // (sizes["fsdp"] * sizes["tensor"])
+  data_size = n if sizes["data"] == 0 else sizes["data"] if sizes["data"] > 0 else rest
+  unit = data_size * sizes["fsdp"]  # the batch is split over data x fsdp
   probes: dict[int, dict] = {}
 
   def fits(b: int) -> bool:
@@ -842,7 +923,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--lr", type=float)
   p.add_argument("--warmup", type=int)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--num-devices", type=int, help="use the first N local devices (default: all that divide the batch)")
+  p.add_argument("--num-devices", type=int, help="use the first N devices (default: all that divide the batch)")
+  p.add_argument("--mesh", help="mesh axis sizes, e.g. data=2,fsdp=2,tensor=2 (axes data, fsdp, tensor; missing: 1; "
+                 "one may be -1). Default: data parallel over the devices that divide the batch")
+  p.add_argument("--coordinator", help="multi-process run: HOST:PORT of process 0 (jax.distributed.initialize)")
+  p.add_argument("--num-processes", type=int, default=1, help="multi-process run: number of processes")
+  p.add_argument("--process-id", type=int, default=0, help="multi-process run: this process's index")
   p.add_argument("--jax-cache-dir", help="JAX persistent compilation cache (reruns skip compiling); none if unset")
   p.add_argument("--eval-every", type=int, help="steps between held-out evaluations (0: only at the end)")
   p.add_argument("--eval-batches", type=int)
@@ -880,6 +966,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.error(f"--heads={args.heads!r}: each must be one of {LOSSES}")
   if args.resume and not args.ckpt_dir:
     p.error("--resume needs --ckpt-dir")
+  try:
+    parse_mesh(args.mesh)
+  except ValueError as e:
+    p.error(str(e))
+  if args.num_processes > 1 and not args.coordinator:
+    p.error("--num-processes > 1 needs --coordinator HOST:PORT")
+  if args.num_processes > 1 and args.compare:
+    p.error("--compare runs each head in its own single process; run the heads one at a time with --loss")
   return args
 
 
@@ -915,12 +1009,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   """Runs the trainer with command-line ``argv``; returns what it writes to ``--out``/train_lm.json."""
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
+  if args.coordinator:
+    init_distributed(args.coordinator, args.num_processes, args.process_id)
+  if jax.process_index() != 0:
+    args.quiet = True  # one progress bar, process 0's
   if args.jax_cache_dir:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.jax_cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  log = functools.partial(print, flush=True)
+  log = functools.partial(print, flush=True) if jax.process_index() == 0 else (lambda *a, **k: None)
   dev = jax.local_devices()[0]
-  device = f"{jax.local_device_count()}x {getattr(dev, 'device_kind', dev.platform)}"
+  device = f"{jax.device_count()}x {getattr(dev, 'device_kind', dev.platform)}"
+  if jax.process_count() > 1:
+    device += f" ({jax.process_count()} processes)"
   if args.compare:
     result = _compare(argv, args, log)
   else:
@@ -941,8 +1041,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       if "sample" in run:
         log(f"sample ({args.loss}, greedy, repetition penalty {args.repetition_penalty}): {run['sample']!r}")
   print_table(result, log)
-  write_outputs(result, args.out, log)
+  if jax.process_index() == 0:
+    write_outputs(result, args.out, log)
   return result
+
+
+def init_distributed(coordinator: str, num_processes: int, process_id: int) -> None:
+  """``jax.distributed.initialize`` (before anything touches a device); CPU processes exchange through gloo."""
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only; no effect on GPUs
+  jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
 
 
 if __name__ == "__main__":

@@ -65,8 +65,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lce_flax import _math, _partition, api
-from lce_flax.options import LossOptions, resolve
 from lce_flax._impl import chunked, common
+from lce_flax.options import LossOptions, resolve
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 MESH_AXES = (DATA, FSDP, TENSOR)

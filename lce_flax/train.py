@@ -152,13 +152,14 @@ def logical_specs(tree: Any) -> Any:
 
 
 def _mesh_spec(logical: P, shape: tuple[int, ...], mesh: Mesh, rules: Rules) -> P:
-  """Logical names → mesh axes; a dim whose size the mesh axes do not divide is replicated instead."""
+  """Logical names → mesh axes (of size > 1); a dim whose size the mesh axes do not divide is replicated instead."""
   if len(logical) != len(shape):  # e.g. a factored optimizer statistic that lost a dim: replicate it
     return P()
   out = []
   for dim, axes in zip(shape, nn.logical_to_mesh_axes(tuple(logical), rules)):
     names = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-    names = tuple(a for a in names if a in mesh.shape)
+    # axes of size 1 are left out (nothing to split; on an Explicit mesh they would type the array as split)
+    names = tuple(a for a in names if a in mesh.shape and mesh.shape[a] > 1)
     if not names or dim % math.prod(mesh.shape[a] for a in names):
       out.append(None)
     else:
@@ -178,11 +179,26 @@ def state_shardings(tree: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
       treedef, [NamedSharding(mesh, _mesh_spec(s, np.shape(a), mesh, rules)) for s, a in zip(specs, leaves)])
 
 
+def _active_rules(rules: Rules, mesh: Mesh) -> Rules:
+  """``rules`` without the mesh axes of size 1, as :func:`state_shardings` places the parameters: flax's
+  logical-partitioning metadata then constrains them to the same specs (on an Explicit mesh a constraint that
+  names a size-1 axis the array's type does not would fail as an assertion)."""
+  def keep(axes):
+    if axes is None:
+      return None
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    names = tuple(a for a in names if a not in mesh.shape or mesh.shape[a] > 1)
+    return names[0] if len(names) == 1 else (names or None)
+  return tuple((name, keep(axes)) for name, axes in rules)
+
+
 def batch_axes(mesh: Mesh, rules: Rules | None = None) -> tuple[str, ...]:
   """The mesh axes the logical "batch" dim maps to (those of size > 1 that exist in ``mesh``)."""
   axes = nn.logical_to_mesh_axes(("batch",), tuple(DEFAULT_RULES if rules is None else rules))[0]
   axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-  return tuple(a for a in axes if a in mesh.shape)
+  # size-1 axes are left out: on an Explicit mesh they would still type the batch as split, which the op's
+  # local path (token scans) does not accept
+  return tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
 
 
 def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
@@ -277,13 +293,13 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
 
   def sharded_step(state: TrainState, batch):
     fn = jitted(state, batch)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(_active_rules(rules, mesh)):
       return fn(state, batch)
 
   def lower(state: TrainState, batch):
     """``jax.jit(...).lower`` of the step for these arguments (to read its HLO or memory analysis)."""
     fn = jitted(state, batch)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(_active_rules(rules, mesh)):
       return fn.lower(state, batch)
 
   sharded_step.lower = lower

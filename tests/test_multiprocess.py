@@ -15,7 +15,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V, H, B, T, STEPS = 64, 16, 8, 6, 2
@@ -124,7 +123,8 @@ def test_two_processes_match_one(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
   outs = [str(tmp_path / f"p{i}.npz") for i in range(2)]
-  code = "import sys; from tests.test_multiprocess import worker; worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
+  code = ("import sys; from tests.test_multiprocess import worker; "
+          "worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])")
   procs = [subprocess.Popen([sys.executable, "-c", code, str(i), str(port), outs[i]], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
   from tests.reference_np import rel_err

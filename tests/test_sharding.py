@@ -479,6 +479,7 @@ def test_gpu_per_shard_body_runs_kernels_on_shards(monkeypatch, impl):
   """The per-shard body (what the partition rule lowers per device, and the explicit form's shard_map), lowered
   for an abstract H100 mesh: every kernel custom call sits inside the manual computation, on this shard's tokens."""
   from jax._src.mesh import AbstractDevice
+
   from lce_flax.options import LossOptions
   _as_gpu(monkeypatch, impl)
   am = jax.sharding.AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3,

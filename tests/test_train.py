@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import lce_flax.linen
