@@ -1,6 +1,8 @@
 """Test-wide setup: 8 simulated CPU devices (for the mesh tests), set before JAX initialises its backends; and the
-one place GPU tests are skipped: a ``gpu``-marked test runs only where the default backend is a GPU."""
+one place GPU tests are skipped. ``@pytest.mark.gpu`` runs a test only where the default backend is a GPU;
+``gpu(min_cc=(9, 0))`` also needs that compute capability, ``gpu(needs="jax_triton")`` that module."""
 
+import importlib.util
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -8,12 +10,25 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 
+from lce_flax import _device  # noqa: E402
+
+
+def _why_not(marker) -> str | None:
+  if jax.default_backend() != "gpu":
+    return f"needs a GPU (the default backend is {jax.default_backend()!r})"
+  min_cc = marker.kwargs.get("min_cc")
+  cc = _device.compute_capability()
+  if min_cc is not None and (cc is None or cc < tuple(min_cc)):
+    return f"needs compute capability >= {min_cc}, this GPU has {cc}"
+  needs = marker.kwargs.get("needs")
+  if needs is not None and importlib.util.find_spec(needs) is None:
+    return f"needs the {needs} package"
+  return None
+
 
 def pytest_collection_modifyitems(config, items):
   del config
-  if jax.default_backend() == "gpu":
-    return
-  skip = pytest.mark.skip(reason=f"needs a GPU (the default backend is {jax.default_backend()!r})")
   for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+    marker = item.get_closest_marker("gpu")
+    if marker is not None and (why := _why_not(marker)) is not None:
+      item.add_marker(pytest.mark.skip(reason=why))

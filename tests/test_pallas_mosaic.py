@@ -224,8 +224,7 @@ def test_supported_and_plan():
     Config(fp32_inputs="bf16")  # gone: float32 inputs are refused, dtype=jnp.bfloat16 rounds them
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not on_sm90, reason="needs an SM90 GPU")
+@pytest.mark.gpu(min_cc=(9, 0))
 @pytest.mark.parametrize("mode", ["fast", "lean"])
 @pytest.mark.parametrize("w_layout", ["vh", "hv"])
 def test_gpu_llama3_against_xla(w_layout, mode):
@@ -246,8 +245,7 @@ def test_gpu_llama3_against_xla(w_layout, mode):
   assert rel_err(dx1, dx0) < 1e-2 and rel_err(dw1, dw0) < 1e-2
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not on_sm90, reason="needs an SM90 GPU")
+@pytest.mark.gpu(min_cc=(9, 0))
 @pytest.mark.parametrize("design", ["logits", "tokens"])
 def test_gpu_fast_designs_compiled(design):
   cfg = Config(fast_design=design, chunk_size=256 if design == "tokens" else None)  # (the GPU's block_t: 128)
@@ -255,8 +253,7 @@ def test_gpu_fast_designs_compiled(design):
         interpret=False)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not on_sm90, reason="needs an SM90 GPU")
+@pytest.mark.gpu(min_cc=(9, 0))
 def test_gpu_options_compiled():
   check(config=None, h=512, v=5003, batch_shape=(1000,), options=OPTIONS["all"], bias=True, interpret=False)
 

@@ -125,8 +125,7 @@ def test_plan_heuristic():
 # ------------------------------------------------------------------------------------------------ GPU, LLM shape
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not on_gpu, reason="needs a GPU")
+@pytest.mark.gpu(min_cc=(8, 0))
 def test_llama3_8b_shape():
   check_llama3_8b("pallas_triton")
 

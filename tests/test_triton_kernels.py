@@ -25,16 +25,6 @@ from tests._checks import OPTIONS, check_impl, check_llama3_8b
 on_gpu = jax.default_backend() == "gpu"
 
 
-def _can_run() -> bool:
-  try:
-    triton_backend.supported(common.Spec(_math.LossOptions(10)), _device.platform())
-    return True
-  except NotImplementedError:
-    return False
-
-
-needs_gpu = pytest.mark.skipif(not (on_gpu and _can_run()), reason="needs an NVIDIA GPU (SM80+) and jax-triton")
-
 # 16-token, 32-column, 16-deep tiles; 3 forward splits; backward chunks of 64 columns: at B=37, H=24, V=301 every
 # loop runs several times and ends on a ragged tile (as in test_pallas_triton).
 SMALL = Config(block_t=16, block_v=32, block_k=16, num_splits=3, chunk_size=64)
@@ -129,8 +119,7 @@ def check(**kw):
   return check_impl("triton", mode="lean", **kw)
 
 
-@pytest.mark.gpu
-@needs_gpu
+@pytest.mark.gpu(min_cc=(8, 0), needs="jax_triton")
 @pytest.mark.parametrize("config", [
     None, Config(block_t=16, block_v=16, block_k=16, num_splits=64, chunk_size=1000),
     Config(block_t=16, block_v=32, block_k=16, chunk_size=64, low_memory=True, token_block=48, dx_chunk=128)],
@@ -140,7 +129,6 @@ def test_configs_ragged(config):
         bias=True, seed=5)
 
 
-@pytest.mark.gpu
-@needs_gpu
+@pytest.mark.gpu(min_cc=(8, 0), needs="jax_triton")
 def test_llama3_8b_shape():
   check_llama3_8b("triton")
