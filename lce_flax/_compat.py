@@ -21,8 +21,8 @@ comparing the public signatures of ``jax``, ``jax.lax``, ``jax.sharding``, ``jax
   defaults to None (not used here). The Triton lowering's API is unchanged.
 * ``jax.lax``: ``psend``/``precv`` removed (not used); ``lax.pcast(x, axes, to=...)`` and ``jax.shard_map``
   keep their signatures; ``jax.sharding`` gained ``no_collectives``.
-* A value's varying manual axes: ``jax.typeof(x).manual_axis_type.varying`` on both (``aval.vma`` before 0.11):
-  :func:`varying_axes` reads it.
+* A value's varying manual axes: ``jax.typeof(x).manual_axis_type.varying`` on both (``aval.vma`` before 0.11);
+  lce_flax does not read them (its per-shard bodies run under ``check_vma=False`` or ``custom_partitioning``).
 * ``jnp.array(obj, dtype, copy=...)``: ``copy`` and later are keyword-only on 0.12.
 * ``jax.experimental.custom_partitioning`` and ``jax.sharding.AxisType`` / ``reshard`` / ``get_abstract_mesh``:
   unchanged.
@@ -31,29 +31,7 @@ comparing the public signatures of ``jax``, ``jax.lax``, ``jax.sharding``, ``jax
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
-from jax import lax
 
 # (major, minor, patch) of the running JAX; 0.12.0.1 reads (0, 12, 0).
 JAX_VERSION: tuple[int, int, int] = tuple(jax.__version_info__[:3])  # type: ignore[assignment]
-
-
-def varying_axes(a) -> frozenset:
-  """The manual mesh axes ``a`` varies over inside ``jax.shard_map`` (empty outside it)."""
-  aval = jax.typeof(a)
-  mat = getattr(aval, "manual_axis_type", None)  # 0.11+
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))  # older JAX
-
-
-def vary(a, axes: Sequence[str]):
-  """Inside ``jax.shard_map``: ``a`` cast to varying over ``axes`` where it does not yet (its transpose is a
-  psum over those axes). None passes through (an absent bias)."""
-  if a is None:
-    return None
-  have = varying_axes(a)
-  missing = tuple(ax for ax in axes if ax not in have)
-  return lax.pcast(a, missing, to="varying") if missing else a

@@ -9,7 +9,7 @@ lowering once it knows the operands' shardings, and each device runs the ordinar
 > 1: without one, ``jit`` gives no sign at trace time that the inputs are sharded, and the op runs as on one device.
 
 Design (one per-shard body, :func:`shard_forward` / :func:`shard_grads` / :func:`shard_backward`, shared with the
-explicit ``shard_map`` form :func:`lce_flax.sharding.sharded_linear_cross_entropy` for data / FSDP layouts):
+explicit ``shard_map`` form :func:`lce_flax.sharding.sharded_linear_cross_entropy`):
 
 * ``custom_partitioning`` does not differentiate, so the op is a ``jax.custom_vjp`` around partitioned
   primitives. Primal (no gradient asked): the *forward* primitive (loss, per-token loss and lse, counts).
@@ -22,7 +22,8 @@ explicit ``shard_map`` form :func:`lce_flax.sharding.sharded_linear_cross_entrop
   local forward inside ``jax.vjp`` (one extra 2·B·H·V pass on top of the design's own backward: 10·B·H·V FLOPs
   for a lean design instead of 8) — the price of keeping only O(B) residuals between the passes.
 * Cotangents of ``Aux`` outputs: for ``"none"`` the cotangent of ``aux.token_loss`` is added to the loss's (they
-  are the same values); cotangents of ``aux.lse`` are not propagated (as in the fast designs of the op).
+  are the same values) and that of ``aux.lse`` goes to the local op's vjp; for ``"mean"``/``"sum"`` either one
+  raises a ValueError naming ``reduction="none"`` (the grads primitive has formed the gradient of the loss only).
 
 Layouts (read from the operand shardings XLA chose; anything else is resharded to the nearest of these by the
 partitioner, by returning the wanted ``arg_shardings`` from :func:`_partition`):
@@ -33,9 +34,9 @@ partitioner, by returning the wanted ``arg_shardings`` from :func:`_partition`):
   tokens are replicated over them; dw and dbias are psum'd over the other token axes;
 * x's H dim sharded: x is resharded to H-replicated (an all-gather of each device's own tokens' H slices, not of
   other devices' tokens);
-* ``w``'s V dim sharded (vocab parallel): no rule here — it raises, naming the Explicit-axis and
-  :func:`~lce_flax.sharding.sharded_linear_cross_entropy` forms that run the vocab-parallel head; it never
-  silently gathers the head.
+* ``w``'s V dim (and ``bias``) over mesh axes not used by the tokens or by H (vocab parallel): each device runs
+  the vocab-parallel head (:mod:`lce_flax._impl.vocab_parallel`) on its columns — the backend's own kernels for
+  the lean design, row statistics combined across those axes, dx psum'd; dw and dbias stay split like w.
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ class Static:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Mesh axes of one call, per shard: tokens over ``tok``, w's H dim over ``wh``."""
+  """Mesh axes of one call, per shard: tokens over ``tok``, w's H dim over ``wh``, its V dim (and bias) over
+  ``v``."""
 
   tok: tuple[str, ...]
   wh: tuple[str, ...]
+  v: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------------------- per-shard bodies
@@ -110,10 +113,10 @@ def _count(labels, where, s: Static, lay: Layout):
   return lax.psum(c, lay.tok) if lay.tok else c
 
 
-def _local(x, w, bias, labels, where, s: Static, count):
+def _local(x, w, bias, labels, where, s: Static, lay: Layout, count):
   from lce_flax import api  # pylint: disable=g-import-not-at-top
   return api.local_linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=s.w_layout,
-                                        return_aux=True, options=s.opts, count=count)
+                                        return_aux=True, options=s.opts, count=count, vocab_axes=lay.v)
 
 
 def _finish(loss, aux, count, s: Static, lay: Layout):
@@ -128,14 +131,14 @@ def _finish(loss, aux, count, s: Static, lay: Layout):
 def shard_forward(x, w, bias, labels, where, s: Static, lay: Layout):
   """(loss, token_loss, lse, num_correct, num_tokens) of this shard; loss and counts are global."""
   count = _count(labels, where, s, lay)
-  loss, aux = _local(x, _gather_w(w, s, lay), bias, labels, where, s, count)
+  loss, aux = _local(x, _gather_w(w, s, lay), bias, labels, where, s, lay, count)
   return _finish(loss, aux, count, s, lay)
 
 
 def shard_grads(x, w, bias, labels, where, s: Static, lay: Layout):
   """The forward's outputs and (dx, dw, dbias) of the global loss (reduction mean/sum), for cotangent 1."""
   count = _count(labels, where, s, lay)
-  f = lambda x, w, bias: _local(x, w, bias, labels, where, s, count)
+  f = lambda x, w, bias: _local(x, w, bias, labels, where, s, lay, count)
   (loss, aux), (dx, dw, db) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
       x, _gather_w(w, s, lay), bias)
   dw = _reduce_dw(dw, s, lay)
@@ -144,11 +147,14 @@ def shard_grads(x, w, bias, labels, where, s: Static, lay: Layout):
   return (*_finish(loss, aux, count, s, lay), dx, dw, db)
 
 
-def shard_backward(x, w, bias, labels, where, g, s: Static, lay: Layout):
-  """(dx, dw, dbias) for per-token cotangents ``g`` (reduction="none"); re-runs the local forward."""
-  f = lambda x, w, bias: _local(x, w, bias, labels, where, s, None)[0]
+def shard_backward(x, w, bias, labels, where, g, g_lse, s: Static, lay: Layout):
+  """(dx, dw, dbias) for per-token cotangents ``g`` of the loss and ``g_lse`` of the lse (reduction="none");
+  re-runs the local forward."""
+  def f(x, w, bias):
+    loss, aux = _local(x, w, bias, labels, where, s, lay, None)
+    return loss, aux.lse
   _, vjp = jax.vjp(f, x, _gather_w(w, s, lay), bias)
-  dx, dw, db = vjp(g.astype(jnp.float32))
+  dx, dw, db = vjp((g.astype(jnp.float32), g_lse.astype(jnp.float32)))
   dw = _reduce_dw(dw, s, lay)
   if db is not None and lay.tok:
     db = lax.psum(db, lay.tok)
@@ -172,30 +178,31 @@ def _spec(sharding, ndim):
 def _layout(s: Static, mesh, x, w) -> Layout:
   xs, ws = _spec(x.sharding, 2), _spec(w.sharding, 2)
   v_dim = 1 - _h_dim(s)
-  vax = tuple(a for a in _axes(ws[v_dim]) if mesh.shape[a] > 1)
-  if vax:
-    raise NotImplementedError(
-        f"lce_flax: w's vocabulary dim is sharded over {vax} (w sharding {w.sharding}) under Auto mesh axes; the "
-        "vocab-parallel head has no custom_partitioning rule. Use Explicit mesh axes (jax.make_mesh default, "
-        "the op then runs lce_flax.sharding.sharded_linear_cross_entropy from the types), call "
-        "sharded_linear_cross_entropy(..., vocab_axis=...) yourself, or replicate w's V dim.")
   tok = tuple(a for a in _axes(xs[0]) if mesh.shape[a] > 1)
   wh = tuple(a for a in _axes(ws[_h_dim(s)]) if mesh.shape[a] > 1)
-  # uneven shards would be padded with unknown values: refuse rather than count padding as tokens
-  for what, n, axes in (("tokens", x.shape[0], tok), ("H of w", w.shape[_h_dim(s)], wh)):
+  # a vocabulary axis that also splits the tokens or H is dropped (the partitioner reshards w to match)
+  v = tuple(a for a in _axes(ws[v_dim]) if mesh.shape[a] > 1 and a not in tok and a not in wh)
+  # uneven shards would be padded with unknown values: refuse rather than count padding as tokens or columns
+  for what, n, axes in (("tokens", x.shape[0], tok), ("H of w", w.shape[_h_dim(s)], wh),
+                        ("V of w", w.shape[v_dim], v)):
     size = math.prod(mesh.shape[a] for a in axes)
     if n % size:
       raise ValueError(f"lce_flax: {what}={n} is split over mesh axes {axes} of total size {size}, which does not "
-                       "divide it; pad the batch or change the sharding")
-  return Layout(tok, wh)
+                       "divide it; pad it or change the sharding")
+  return Layout(tok, wh, v)
+
+
+def _w_spec(s: Static, lay: Layout) -> P:
+  h, v = lay.wh or None, lay.v or None
+  return P(h, v) if s.w_layout == "hv" else P(v, h)
 
 
 def _shardings(s: Static, mesh, lay: Layout, has_bias, has_where):
   tok = P(lay.tok or None)
-  wspec = P(lay.wh or None, None) if s.w_layout == "hv" else P(None, lay.wh or None)
+  wspec = _w_spec(s, lay)
   ns = lambda p: NamedSharding(mesh, p)
-  args = (ns(P(lay.tok or None, None)), ns(wspec), ns(P()) if has_bias else None, ns(tok),
-          ns(tok) if has_where else None)
+  bsh = ns(P(lay.v or None)) if has_bias else None
+  args = (ns(P(lay.tok or None, None)), ns(wspec), bsh, ns(tok), ns(tok) if has_where else None)
   return args, ns(tok), ns(P()), ns(wspec)
 
 
@@ -216,16 +223,16 @@ def _partition_grads(s: Static, mesh, arg_shapes, result_shape):
   lay = _layout(s, mesh, x, w)
   args, tok, scal, wsh = _shardings(s, mesh, lay, bias is not None, where is not None)
   lower = lambda x, w, bias, labels, where: shard_grads(x, w, bias, labels, where, s, lay)
-  outs = (*_fwd_outs(s, mesh, lay, tok, scal), args[0], wsh, scal if bias is not None else None)
+  outs = (*_fwd_outs(s, mesh, lay, tok, scal), args[0], wsh, args[2])
   return mesh, lower, outs, args
 
 
 def _partition_bwd(s: Static, mesh, arg_shapes, result_shape):
-  x, w, bias, _, where, _ = arg_shapes
+  x, w, bias, _, where, _, _ = arg_shapes
   lay = _layout(s, mesh, x, w)
   args, tok, scal, wsh = _shardings(s, mesh, lay, bias is not None, where is not None)
-  lower = lambda x, w, bias, labels, where, g: shard_backward(x, w, bias, labels, where, g, s, lay)
-  return mesh, lower, (args[0], wsh, scal if bias is not None else None), (*args, tok)
+  lower = lambda x, w, bias, labels, where, g, g_lse: shard_backward(x, w, bias, labels, where, g, g_lse, s, lay)
+  return mesh, lower, (args[0], wsh, args[2]), (*args, tok, tok)
 
 
 def _rule(s: Static, has_bias, has_where, results: str, extra: str = "") -> str:
@@ -250,8 +257,8 @@ def _primitives(s: Static, has_bias: bool, has_where: bool):
   def grads_global(x, w, bias, labels, where):
     return shard_grads(x, w, bias, labels, where, s, Layout((), ()))
 
-  def bwd_global(x, w, bias, labels, where, g):
-    return shard_backward(x, w, bias, labels, where, g, s, Layout((), ()))
+  def bwd_global(x, w, bias, labels, where, g, g_lse):
+    return shard_backward(x, w, bias, labels, where, g, g_lse, s, Layout((), ()))
 
   fwd = custom_partitioning(fwd_global)
   fwd.def_partition(functools.partial(_partition_fwd, s), sharding_rule=_rule(s, has_bias, has_where,
@@ -261,7 +268,8 @@ def _primitives(s: Static, has_bias: bool, has_where: bool):
   grads.def_partition(functools.partial(_partition_grads, s), sharding_rule=_rule(s, has_bias, has_where, gres))
   bwd = custom_partitioning(bwd_global)
   bres = "n h, " + w + (", " + b if b else "")
-  bwd.def_partition(functools.partial(_partition_bwd, s), sharding_rule=_rule(s, has_bias, has_where, bres, "n"))
+  bwd.def_partition(functools.partial(_partition_bwd, s),
+                    sharding_rule=_rule(s, has_bias, has_where, bres, "n, n"))
   return fwd, grads, bwd
 
 
@@ -273,11 +281,11 @@ def _shard_map(kind, s: Static, run, *args):
   mesh, lay = run
   has_bias, has_where = args[2] is not None, args[4] is not None
   tok = P(lay.tok or None)
-  wspec = P(lay.wh or None, None) if s.w_layout == "hv" else P(None, lay.wh or None)
-  scal = P()
-  in_specs = (tok, wspec, scal, tok, tok) + ((tok,) if kind == "bwd" else ())
+  wspec = _w_spec(s, lay)
+  scal, bspec = P(), P(lay.v or None)
+  in_specs = (tok, wspec, bspec, tok, tok) + ((tok, tok) if kind == "bwd" else ())
   fwd_outs = (tok if s.opts.reduction == "none" else scal, tok, tok, scal, scal)
-  grads = (tok, wspec, scal if has_bias else None)
+  grads = (tok, wspec, bspec if has_bias else None)
   body = {"fwd": shard_forward, "grads": shard_grads, "bwd": shard_backward}[kind]
   out_specs = {"fwd": fwd_outs, "grads": (*fwd_outs, *grads), "bwd": grads}[kind]
   del has_where
@@ -299,6 +307,8 @@ def _op(x, w, bias, labels, where, s: Static, run=None):
 
 
 def _op_fwd(x, w, bias, labels, where, s: Static, run=None):
+  # symbolic_zeros=True wraps each array argument in a CustomVJPPrimal (None stays None)
+  x, w, bias, labels, where = (None if a is None else a.value for a in (x, w, bias, labels, where))
   if s.opts.reduction == "none":
     return _call("fwd", s, run, x, w, bias, labels, where), (x, w, bias, labels, where)
   *out, dx, dw, db = _call("grads", s, run, x, w, bias, labels, where)
@@ -306,15 +316,22 @@ def _op_fwd(x, w, bias, labels, where, s: Static, run=None):
 
 
 def _op_bwd(s: Static, run, res, g):
-  g_loss, g_tok = g[0], g[1]
+  g_loss, g_tok, g_lse = g[0], g[1], g[2]
+  zero = lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero)
   if s.opts.reduction == "none":
     x, w, bias, labels, where = res
-    dx, dw, db = _call("bwd", s, run, x, w, bias, labels, where, g_loss + g_tok)
-  else:
-    dx, dw, db, labels, where = res
-    dx = (dx.astype(jnp.float32) * g_loss).astype(dx.dtype)
-    dw = (dw.astype(jnp.float32) * g_loss).astype(dw.dtype)
-    db = None if db is None else (db.astype(jnp.float32) * g_loss).astype(db.dtype)
+    dense = lambda t: jnp.zeros(labels.shape, jnp.float32) if zero(t) else t.astype(jnp.float32)
+    dx, dw, db = _call("bwd", s, run, x, w, bias, labels, where, dense(g_loss) + dense(g_tok), dense(g_lse))
+    return dx, dw, db, None, None
+  if not (zero(g_tok) and zero(g_lse)):
+    raise ValueError(f"reduction={s.opts.reduction!r}: on a mesh only the reduced loss is differentiated here; "
+                     "to differentiate aux.token_loss or aux.lse use reduction='none' (and reduce yourself)")
+  dx, dw, db, labels, where = res
+  if zero(g_loss):
+    return jnp.zeros_like(dx), jnp.zeros_like(dw), None if db is None else jnp.zeros_like(db), None, None
+  dx = (dx.astype(jnp.float32) * g_loss).astype(dx.dtype)
+  dw = (dw.astype(jnp.float32) * g_loss).astype(dw.dtype)
+  db = None if db is None else (db.astype(jnp.float32) * g_loss).astype(db.dtype)
   return dx, dw, db, None, None
 
 
@@ -322,7 +339,7 @@ def _op_bwd(s: Static, run, res, g):
 run_shard_map = jax.jit(_op, static_argnums=(5, 6))
 
 
-_op.defvjp(_op_fwd, _op_bwd)
+_op.defvjp(_op_fwd, _op_bwd, symbolic_zeros=True)
 
 
 def auto_mesh_active() -> bool:

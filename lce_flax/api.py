@@ -153,11 +153,17 @@ def _compute_dtype(x_dtype, w_dtype, opts: LossOptions, platform: str):
   return dtype
 
 
-def _dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opts: LossOptions, platform: str
-              ) -> tuple[Any, common.Spec, common.Design]:
-  """(module, spec, design) of the implementation that runs; every fallback is decided and noted here."""
+def _dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opts: LossOptions, platform: str,
+              shards: int = 1) -> tuple[Any, common.Spec, common.Design]:
+  """(module, spec, design) of the implementation that runs; every fallback is decided and noted here.
+
+  ``shards`` > 1: the vocabulary is split over that many devices (the vocab-parallel head,
+  :mod:`lce_flax._impl.vocab_parallel`); the design is that of one shard's V/shards columns, and only the
+  chunked backend has a fast design there."""
   interpret = _device.default_interpret() if opts.interpret is None else bool(opts.interpret)
   spec = common.Spec(_math.LossOptions(vocab, *opts.math_key), w_layout, interpret)
+  shard_spec = spec if shards == 1 else common.Spec(_math.LossOptions(vocab // shards, *opts.math_key), w_layout,
+                                                    interpret)
   want = opts.mode or ("lean" if opts.reduction == "none" else "fast")
   names = _auto_order() if opts.impl == "auto" else (opts.impl,)
   notes, reasons = [], []
@@ -172,15 +178,20 @@ def _dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, op
           raise ValueError(f"chunk_size={opts.chunk_size} would be ignored: impl={name!r} has no chunk loop")
         config = mod.Config(chunk_size=opts.chunk_size)
       mode = want
-      if mod.fast is None and want == "fast":
+      what = "fast design" if shards == 1 else f"vocab-parallel fast design (V split over {shards} devices)"
+      has_fast = mod.fast is not None and (shards == 1 or name == "chunked")
+      if not has_fast and want == "fast":
         if opts.mode == "fast" and opts.impl != "auto":
-          raise ValueError(f"mode='fast': impl={name!r} has no fast design; use mode='lean' (or mode=None)")
+          raise ValueError(f"mode='fast': impl={name!r} has no {what}; use mode='lean' (or mode=None)")
         if opts.impl == "auto" and not last:
-          raise NotImplementedError("no fast design")
+          raise NotImplementedError(f"no {what}")
         mode = "lean"
-      design = mod.design(num_tokens, hidden, spec, dtype, mode, config)
+      design = mod.design(num_tokens, hidden, shard_spec, dtype, mode, config)
       if mode != want:
-        notes.append(f"{name} has no fast design: runs its {design.name!r} design")
+        notes.append(f"{name} has no {what}: runs its {design.name!r} design")
+      if shards > 1:
+        notes.append(f"vocab-parallel: each of {shards} devices runs {vocab // shards} columns; design and memory "
+                     "are per device")
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
       continue
@@ -197,14 +208,16 @@ def _dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, op
                    f"{jnp.dtype(dtype).name} inputs: {available_implementations(dtype, platform)}")
 
 
-def explain(x, w, labels=None, *, bias=None, w_layout: str = "hv", options: LossOptions | None = None,
-            **overrides: Any) -> common.Design:
+def explain(x, w, labels=None, *, bias=None, w_layout: str = "hv", vocab_shards: int = 1,
+            options: LossOptions | None = None, **overrides: Any) -> common.Design:
   """What :func:`linear_cross_entropy` would run for these arguments, without running it.
 
   Arrays may be ``jax.ShapeDtypeStruct``; ``labels`` defaults to ``x.shape[:-1]``. Returns a
   :class:`~lce_flax._impl.common.Design`: the implementation, the mode, the design inside it, its fully resolved
   config, the chunking in words, a bound on the extra memory in bytes, and notes on every decision dispatch took
-  (a backend skipped and why, lean instead of fast, a dtype cast).
+  (a backend skipped and why, lean instead of fast, a dtype cast). ``vocab_shards``: the number of devices ``w``'s
+  vocabulary is split over (a vocab-parallel head; ``w`` is then the whole head's shape), whose per-device design
+  this returns.
 
   Example:
     >>> import jax, jax.numpy as jnp, lce_flax
@@ -220,7 +233,10 @@ def explain(x, w, labels=None, *, bias=None, w_layout: str = "hv", options: Loss
   platform = _device.platform()
   dtype = _compute_dtype(x.dtype, w.dtype, opts, platform)
   num_tokens = math.prod(labels.shape)
-  _, _, design = _dispatch(num_tokens, x.shape[-1], common.vocab_size(w, w_layout), dtype, w_layout, opts, platform)
+  vocab = common.vocab_size(w, w_layout)
+  if not isinstance(vocab_shards, int) or vocab_shards < 1 or vocab % vocab_shards:
+    raise ValueError(f"vocab_shards={vocab_shards!r} must be a positive int dividing V={vocab}")
+  _, _, design = _dispatch(num_tokens, x.shape[-1], vocab, dtype, w_layout, opts, platform, vocab_shards)
   if dtype != jnp.promote_types(x.dtype, w.dtype) or x.dtype != w.dtype:
     design = common.Design(*[getattr(design, f) for f in ("impl", "mode", "name", "config", "chunking",
                                                           "memory_bytes")],
@@ -317,14 +333,19 @@ def _kernels_on_many_devices(x, w, labels, w_layout: str, opts: LossOptions) -> 
 
 
 def local_linear_cross_entropy(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux=False,
-                               options: LossOptions, count=None):
-  """The op on one device's arrays (no sharding logic); ``count`` replaces the counted-token total of ``mean``
-  (the sharded form passes the global count)."""
+                               options: LossOptions, count=None, vocab_axes: tuple[str, ...] = ()):
+  """The op on one device's arrays (inside ``shard_map`` or a ``custom_partitioning`` lowering when sharded).
+
+  ``count`` replaces the counted-token total of ``mean`` (the sharded forms pass the global count);
+  ``vocab_axes``: mesh axes ``w``'s (and ``bias``'s) vocabulary is split over, this device holding its shard
+  (the vocab-parallel head, :mod:`lce_flax._impl.vocab_parallel`); x and labels are then the same on each."""
+  from lce_flax._impl import chunked, vocab_parallel  # pylint: disable=g-import-not-at-top
   opts = options
   batch_shape = labels.shape
   platform = _device.platform()
   dtype = _compute_dtype(x.dtype, w.dtype, opts, platform)
-  vocab = common.vocab_size(w, w_layout)
+  shards = vocab_parallel.axes_size(vocab_axes) if vocab_axes else 1
+  vocab = common.vocab_size(w, w_layout) * shards
   norm = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1) != 0,
                                 opts.ignore_index, vocab)
   counted = norm != _math.IGNORED
@@ -335,16 +356,23 @@ def local_linear_cross_entropy(x, w, labels, *, bias=None, where=None, w_layout=
     aux = Aux(jnp.zeros(batch_shape, jnp.float32), jnp.zeros(batch_shape, jnp.float32), jnp.int32(0),
               jnp.int32(0))
     return (loss, aux) if return_aux else loss
-  mod, spec, design = _dispatch(norm.shape[0], x.shape[-1], vocab, dtype, w_layout, opts, platform)
+  mod, spec, design = _dispatch(norm.shape[0], x.shape[-1], vocab, dtype, w_layout, opts, platform, shards)
   x2 = x.reshape(-1, x.shape[-1]).astype(dtype)
   w = w.astype(dtype)
   if design.mode == "fast":
     weights = counted.astype(jnp.float32)
     if opts.reduction == "mean":
       weights = weights / jnp.maximum(total, 1).astype(jnp.float32)
-    loss, out = mod.fast(x2, w, bias, norm, weights, spec, design.config)
+    if shards > 1:  # (dispatch picks chunked: the one vocab-parallel fast design)
+      local = vocab_parallel.localize(norm, vocab_axes, vocab // shards)
+      loss, out = chunked.fast(x2, w, bias, local, weights, spec, design.config, axis=vocab_axes)
+    else:
+      loss, out = mod.fast(x2, w, bias, norm, weights, spec, design.config)
   else:
-    out = mod.lean(x2, w, bias, norm, spec, design.config)
+    if shards > 1:
+      out = vocab_parallel.lean(x2, w, bias, norm, spec, design.config, mod, vocab_axes)
+    else:
+      out = mod.lean(x2, w, bias, norm, spec, design.config)
     if opts.reduction == "none":
       loss = out.loss.reshape(batch_shape)
     else:

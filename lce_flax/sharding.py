@@ -19,9 +19,7 @@ What each device does:
   through the per-shard body of :mod:`lce_flax._partition` (the one the automatic, custom-partitioned path of
   :func:`lce_flax.linear_cross_entropy` lowers per device under Auto mesh axes): ``mean`` divides the local sums
   by the psum of the local counts of counted tokens (the global token mean, not a mean of means), then psums;
-  dw and dbias are computed per shard inside a ``jax.custom_vjp`` and psum'd over the batch axes. This path runs
-  with ``check_vma=False``: the kernel backends' ``pallas_call`` outputs do not declare how they vary over
-  manual mesh axes; the tests check every reduction and mesh against one device.
+  dw and dbias are computed per shard inside a ``jax.custom_vjp`` and psum'd over the batch axes.
 * **FSDP** (``fsdp_axis``, also a batch axis by default): ``w`` is stored split over H and all-gathered *once
   per call* to [H, V/t] before the op runs. Each logit contracts over the whole of H, so a device needs every row
   of H for the columns it computes; gathering once keeps the op (and its GPU kernels) unchanged and costs a
@@ -30,23 +28,19 @@ What each device does:
   per vocab chunk instead would bound the transient buffer to H·chunk, but it would have to live inside every
   backend's chunk loop (kernels included), repeat for each pass over the chunks (twice in the lean design), and
   put a collective in each chunk's critical path; not done.
-* **vocab parallel** (``vocab_axis``): each device holds V/t columns of ``w`` and reduces its columns to
-  per-token partial stats (running max, sum of exponentials, target logit, logit sum); a pmax and a psum of
-  [3, tokens] combine them across the vocab axis into the global lse, the target logit (only its owner adds a
-  non-zero) and the smoothing term. ``w`` is never gathered; per-device head memory is that of a V/t head. Two
-  designs, chosen by ``mode`` as in the op, both built from :mod:`lce_flax._math` and the chunked
-  implementation's pieces (pure JAX, whatever ``impl`` says):
+* **vocab parallel** (``vocab_axis``): each device holds V/t columns of ``w`` (and ``bias``) and runs the
+  vocab-parallel head of :mod:`lce_flax._impl.vocab_parallel` on them: per-token partial row stats (running max,
+  sum of exponentials, target logit, logit sum) combined across the axis by one pmax and one psum of [3, tokens],
+  dx psum'd in float32, dw and dbias exact per shard. ``w`` is never gathered; per-device head memory is that of
+  a V/t head. ``mode="lean"`` (and ``reduction="none"``) runs the chosen implementation's own kernels on the
+  shard (its forward statistics, then its backward with the global lse); ``mode="fast"`` is the chunked token
+  loop, which combines each token chunk's stats inside the loop (no kernel backend has that design, and
+  ``impl="auto"`` picks it; :func:`lce_flax.explain` with ``vocab_shards=t`` says what runs).
 
-  - ``"fast"`` (default; 6·B·H·V FLOPs in all): a scan over token chunks; each chunk's [c, V/t] logits, their
-    combined stats (one pmax + one psum of [3, c] per chunk), then the logit gradient, this shard's dw columns
-    (float32 accumulator, H·V/t) and its part of dx, psum'd over the vocab axis in float32 once at the end.
-  - ``"lean"`` (8·B·H·V FLOPs, O(B) residuals; also ``reduction="none"``): the loop of
-    :func:`lce_flax._impl.chunked.vocab_stats` over vocabulary chunks, one combine per call; the backward recomputes the
-    chunk logits (:func:`lce_flax._impl.chunked.vocab_grads`): dw and dbias exact per shard, dx partial sums psum'd
-    over the vocab axis in float32.
-
-  This path runs with ``check_vma=True``: ``w`` is cast to varying over the batch axes
-  (``lax.pcast(..., to="varying")``), whose transpose is the psum of dw over them.
+All layouts run one per-shard body, the one the automatic (custom-partitioned) path of
+:func:`lce_flax.linear_cross_entropy` lowers per device under Auto mesh axes, under ``jax.shard_map`` with
+``check_vma=False``: the kernel backends' ``pallas_call`` outputs do not declare how they vary over manual mesh
+axes; the tests check every reduction and mesh against one device.
 
 Requirements, checked with errors naming the sizes: B divisible by the product of the batch axes' sizes, V by
 the vocab axis' size, H by the FSDP axis' size.
@@ -60,12 +54,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lce_flax import _math, _partition, api
-from lce_flax._impl import chunked, common
+from lce_flax import _partition, api
+from lce_flax._impl import common
 from lce_flax.options import LossOptions, resolve
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
@@ -125,13 +118,6 @@ def _axes_size(mesh: Mesh, axes) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-# ------------------------------------------------------------------------------------------ vocab parallel
-
-
-# The vocab-parallel designs are the chunked implementation's, run with ``axis=vocab_axis``
-# (``chunked._lean`` / ``chunked._fast``): partial row stats combined across the axis, dx psum'd in float32.
-
-
 # -------------------------------------------------------------------------------------------- the call
 
 
@@ -164,9 +150,8 @@ def sharded_linear_cross_entropy(
     batch_axes: mesh axes the tokens are split over (data parallel, FSDP).
     vocab_axis: mesh axis the vocabulary is split over (vocab-parallel head), or None.
     fsdp_axis: mesh axis ``w``'s H dim is split over (gathered once per call), or None.
-    bias, where, w_layout, return_aux, options, **overrides: as in :func:`lce_flax.linear_cross_entropy`. With a
-      vocab axis of size > 1 the chunked designs run (``chunk_size``: tokens per chunk when fast, vocabulary
-      columns when lean); ``impl`` must then be ``"auto"`` or ``"chunked"``.
+    bias, where, w_layout, return_aux, options, **overrides: as in :func:`lce_flax.linear_cross_entropy`
+      (with a vocab axis, see the module docstring for which design runs).
 
   Returns:
     The float32 loss (replicated scalar, or ``[B, ...]`` split like ``labels`` for ``reduction="none"``), and an
@@ -208,81 +193,26 @@ def sharded_linear_cross_entropy(
                      f"{vocab_axis=}")
   if hidden % nf:
     raise ValueError(f"H={hidden} (w.shape={w.shape}) must be divisible by the size {nf} of {fsdp_axis=}")
+  if labels.size == 0:
+    return api.local_linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=w_layout,
+                                          return_aux=return_aux, options=opts)
 
-  bspec = batch if batch else None
-  tok_spec = P(bspec)
-  w_spec = P(faxis, vaxis) if w_layout == "hv" else P(vaxis, faxis)
-  h_dim = 0 if w_layout == "hv" else 1
-  reduction = opts.reduction
-  math_opts = _math.LossOptions(vocab, *opts.math_key)
-  chunk_size = opts.chunk_size
-  mode = opts.mode or ("lean" if reduction == "none" else "fast")
-  if vaxis is not None and opts.impl not in ("auto", "chunked"):
-    raise ValueError(f"impl={opts.impl!r}: the vocab-parallel head (vocab_axis={vocab_axis!r} of size {nv}) runs "
-                     "the chunked designs; use impl='auto' or 'chunked'")
-
-  explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
-  if vaxis is None:
-    # data / FSDP: the per-shard body of the automatic path (lce_flax._partition), under shard_map
-    args = (x, w, bias, labels, where)
-    if explicit:  # an Explicit mesh types every array's sharding, and shard_map then refuses to reshard implicitly
-      specs = (tok_spec, w_spec, P(), tok_spec, tok_spec)
-      args = tuple(None if a is None else jax.sharding.reshard(a, NamedSharding(mesh, sp))
-                   for a, sp in zip(args, specs))
-    s = _partition.Static(opts, w_layout, vocab)
-    lay = _partition.Layout(batch, (faxis,) if faxis else ())
-    loss, tok, lse, correct, count = _partition.run_shard_map(*args, s, (mesh, lay))
-    aux = api.Aux(tok, lse, correct, count)
-    return (loss, aux) if return_aux else loss
-
-  def local(x, w, bias, labels, where):
-    if faxis is not None:  # FSDP: the whole H for this device's columns, once per call
-      w = lax.all_gather(w, faxis, axis=h_dim, tiled=True)
-    # w (and bias) replicated over the batch axes: the transpose of this cast psums dw over them. x and labels
-    # stay invariant over the vocab axis, so the loss and lse built from the combined stats are too.
-    w, bias = common.vary(w, batch), common.vary(bias, batch)
-    norm = _math.normalize_labels(labels.reshape(-1), None if where is None else where.reshape(-1) != 0,
-                                  opts.ignore_index, vocab)
-    count = lax.psum((norm != _math.IGNORED).sum(dtype=jnp.int32), batch) if batch else (
-        (norm != _math.IGNORED).sum(dtype=jnp.int32))
-    # vocab parallel: the chunked designs with the row stats combined across the axis
-    x2 = x.reshape(-1, hidden)
-    spec = common.Spec(math_opts, w_layout)
-    dtype = opts.dtype or jnp.promote_types(x.dtype, w.dtype)
-    x2, w = x2.astype(dtype), w.astype(dtype)
-    if mode == "fast":
-      weights = (norm != _math.IGNORED).astype(jnp.float32)
-      if reduction == "mean":  # the global count: the division happens inside, before the psum below
-        weights = weights / jnp.maximum(count, 1).astype(jnp.float32)
-      c = chunked.fast_chunk(x2.shape[0], hidden, vocab // nv, chunk_size)
-      loss, out = chunked._fast(x2, w, bias, norm, weights, spec, c, vaxis)
-    else:
-      c = chunked.lean_chunk(x2.shape[0], vocab // nv, chunk_size)
-      out = chunked._lean(x2, w, bias, norm, spec, c, vaxis)
-      loss = out.loss.reshape(labels.shape) if reduction == "none" else out.loss.sum()
-    tok_loss, lse = out.loss.reshape(labels.shape), out.lse.reshape(labels.shape)
-    correct = out.correct.sum(dtype=jnp.int32)
-    if reduction != "none":
-      if batch:
-        loss = lax.psum(loss, batch)
-      if reduction == "mean" and mode != "fast":
-        loss = loss / jnp.maximum(count, 1).astype(jnp.float32)
-    if batch:
-      correct = lax.psum(correct, batch)
-    return loss, api.Aux(tok_loss, lse, correct, count)
-
-  loss_spec = tok_spec if reduction == "none" else P()
-  out_specs = (loss_spec, api.Aux(tok_spec, tok_spec, P(), P()))
-  # jit: eager shard_map does not run custom_vjps with symbolic zeros (the fast designs); inside an outer jit
-  # this is inlined
-  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(tok_spec, w_spec, P(vaxis), tok_spec, tok_spec),
-                             out_specs=out_specs, check_vma=True))
-  args = (x, w, bias, labels, where)
-  if explicit:
+  # one token dim: the per-shard bodies of lce_flax._partition take 2-D x and 1-D labels / where
+  n = math.prod(labels.shape)
+  args = (x.reshape(n, hidden), w, bias, labels.reshape(n), None if where is None else where.reshape(n))
+  lay = _partition.Layout(batch, (faxis,) if faxis else (), (vaxis,) if vaxis else ())
+  if any(t == AxisType.Explicit for t in mesh.axis_types):
     # an Explicit mesh types every array's sharding, and shard_map then refuses to reshard implicitly
-    specs = (tok_spec, w_spec, P(vaxis), tok_spec, tok_spec)
-    args = tuple(None if a is None else jax.sharding.reshard(a, NamedSharding(mesh, sp)) for a, sp in zip(args, specs))
-  loss, aux = fn(*args)
+    tok = P(batch or None)
+    w_spec = P(faxis, vaxis) if w_layout == "hv" else P(vaxis, faxis)
+    specs = (P(batch or None, None), w_spec, P(vaxis), tok, tok)
+    args = tuple(None if a is None else jax.sharding.reshard(a, NamedSharding(mesh, sp))
+                 for a, sp in zip(args, specs))
+  s = _partition.Static(opts, w_layout, vocab)
+  loss, tok_loss, lse, correct, count = _partition.run_shard_map(*args, s, (mesh, lay))
+  if opts.reduction == "none":
+    loss = loss.reshape(labels.shape)
+  aux = api.Aux(tok_loss.reshape(labels.shape), lse.reshape(labels.shape), correct, count)
   return (loss, aux) if return_aux else loss
 
 

@@ -127,12 +127,26 @@ def test_vocab_parallel_lean(mesh_shape):
   _compare(mesh_shape, options=OPTIONS["all"], seed=6, mode="lean")
 
 
-def test_vocab_parallel_fast_refuses_aux_gradients():
-  mesh = make_mesh(1, 1, 8)
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 8), (4, 1, 2)], ids=lambda m: "x".join(map(str, m)))
+def test_aux_gradients(mesh_shape):
+  """A reduced loss refuses gradients of its aux outputs (never drops them); reduction='none' differentiates the
+  lse too, as on one device."""
+  mesh = make_mesh(*mesh_shape)
   x, w, _, y, _ = _inputs(3)
   f = lambda x: sharded_linear_cross_entropy(x, w, y, mesh=mesh, return_aux=True)[1].lse.sum()
-  with pytest.raises(ValueError, match="mode='lean'"):
+  with pytest.raises(ValueError, match="reduction='none'"):
     jax.grad(f)(x)
+  cot = jnp.asarray(np.random.default_rng(4).standard_normal(B), jnp.float32)
+
+  def g(op, x, w):
+    loss, aux = op(x, w)
+    return (loss * cot).sum() + (0.5 * aux.lse * cot[::-1]).sum()
+  kw = dict(reduction="none", return_aux=True, z_loss=1e-3)
+  ref = jax.grad(functools.partial(g, lambda x, w: linear_cross_entropy(x, w, y, impl="xla", **kw)), (0, 1))(x, w)
+  got = jax.jit(jax.grad(functools.partial(
+      g, lambda x, w: sharded_linear_cross_entropy(x, w, y, mesh=mesh, chunk_size=16, **kw)), (0, 1)))(x, w)
+  for s, r in zip(got, ref):
+    assert rel_err(s, r) <= TOL
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 2, 4)], ids=lambda m: "x".join(map(str, m)))
@@ -392,12 +406,41 @@ def test_explicit_axes_vocab_parallel():
                 options=OPTIONS["z_loss"], seed=10, chunk_size=16)
 
 
-def test_auto_vocab_sharded_raises():
-  x, w, b, y, wh = _auto_inputs(11)
-  mesh = _mesh((1, 1, 8))
-  ws = jax.device_put(w, NamedSharding(mesh, P(None, "tensor")))
-  with jax.set_mesh(mesh), pytest.raises(Exception, match="vocab-parallel head has no custom_partitioning rule"):
-    jax.jit(lambda x, w: linear_cross_entropy(x, w, y)).lower(x, ws).compile()
+# vocab parallel under Auto axes: w's V over "tensor" (with tokens over data, and H over fsdp)
+VOCAB_LAYOUTS = {
+    "1x1x8": ((1, 1, 8), None, P(None, "tensor")),
+    "2x1x4": ((2, 1, 4), "data", P(None, "tensor")),
+    "2x2x2-fsdp": ((2, 2, 2), ("data", "fsdp"), P("fsdp", "tensor")),
+}
+
+
+@pytest.mark.parametrize("mode", ["fast", "lean"])
+@pytest.mark.parametrize("layout", list(VOCAB_LAYOUTS))
+def test_auto_vocab_parallel_chunked(layout, mode):
+  mesh_shape, tok, wspec = VOCAB_LAYOUTS[layout]
+  _auto_compare(mesh_shape, tok, wspec, options=OPTIONS["all"], seed=11, mode=mode, chunk_size=8)
+
+
+@pytest.mark.parametrize("impl,reduction", [("pallas_triton", "mean"), ("pallas_triton", "none"), ("xla", "sum")])
+def test_auto_vocab_parallel_kernels(impl, reduction):
+  """The kernels on each device's columns: their forward stats combined across "tensor", their backward run with
+  the global lse (impl="pallas_triton" has only the lean design, so no fallback is involved)."""
+  mesh_shape, tok, wspec = VOCAB_LAYOUTS["2x2x2-fsdp" if reduction != "none" else "2x1x4"]
+  _auto_compare(mesh_shape, tok, wspec, impl=impl, options=OPTIONS["all"], reduction=reduction, seed=12,
+                batch_shape=(4, 4) if reduction == "none" else (AB,))
+
+
+def test_explicit_axes_vocab_parallel_kernels():
+  _auto_compare((2, 2, 2), ("data", "fsdp"), P("fsdp", "tensor"), axis_type=AxisType.Explicit, impl="pallas_triton",
+                options=OPTIONS["all"], seed=14)
+
+
+def test_auto_vocab_parallel_never_gathers_the_head():
+  for mesh_shape, tok, wspec in VOCAB_LAYOUTS.values():
+    hlo = _auto_hlo(mesh_shape, tok, wspec)
+    assert "f32[48,1000]" not in hlo  # neither w nor dw whole, anywhere
+    assert not any("f32[64,48]" in g for g in _gathers(hlo))  # nor all tokens' activations
+  assert "f32[48,1000]" in _auto_hlo((8, 1, 1), "data", P())  # (the check can fail: replicated w is whole)
 
 
 def test_single_device_path_unchanged():

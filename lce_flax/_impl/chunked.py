@@ -105,14 +105,10 @@ def _chunk_logits(x, w, bias, start, c, spec):
 # ----------------------------------------------------------------------------------------------- lean
 
 
-def vocab_stats(x, w, bias, labels, spec, c: int, col_offset=0) -> _math.RowStats:
-  """Row stats of the columns held in ``w`` (a vocabulary slice), in chunks of ``c`` columns.
+def vocab_stats(x, w, bias, labels, spec, c: int) -> _math.RowStats:
+  """Row stats of the columns held in ``w``, in chunks of ``c`` columns: the lean forward before finalising.
 
-  ``w`` (and ``bias``) may hold only columns ``[col_offset, col_offset + v)`` of the full vocabulary of
-  ``spec.opts.vocab_size`` entries: labels are compared with the global column index, so only the slice that
-  owns a token's label contributes its target logit. Vocab-parallel sharding (``lce_flax.sharding``) merges the
-  slices' stats across devices; with ``col_offset=0`` and the whole ``w`` this is the lean forward.
-  """
+  ``w`` may be one shard of the vocabulary (then ``labels`` are shard-local, see ``common.py``'s protocol)."""
   opts = spec.opts
   v = common.vocab_size(w, spec.w_layout)
   n = -(-v // c)
@@ -120,20 +116,16 @@ def vocab_stats(x, w, bias, labels, spec, c: int, col_offset=0) -> _math.RowStat
   def body(i, st):
     start, cols, valid = _window(i, c, v)
     zc = _math.softcap(_chunk_logits(x, w, bias, start, c, spec), opts.logit_softcap)
-    return _math.merge_stats(st, _math.tile_stats(zc, cols + col_offset, labels, valid, opts))
+    return _math.merge_stats(st, _math.tile_stats(zc, cols, labels, valid, opts))
 
   # the initial stats are built like x (not from a shape) so that, under shard_map, they vary over x's axes
   init = _math.RowStats(*(jnp.full_like(x[:, 0], f, F32) for f in (-jnp.inf, 0.0, 0.0, 0.0)))
   return lax.fori_loop(0, n, body, init)
 
 
-def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int, col_offset=0):
-  """Recompute backward over the columns held in ``w`` (see :func:`vocab_stats`): returns (dx, dw, dbias).
-
-  ``lse`` is the full-vocabulary log-sum-exp. dx is this slice's float32 contribution (slices add up to the
-  whole dx); dw and dbias are exact for the slice. With ``col_offset=0`` and the whole ``w`` this is the lean
-  backward.
-  """
+def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int):
+  """Recompute backward over the columns held in ``w`` (see :func:`vocab_stats`) for the given (whole-vocabulary)
+  ``lse``: returns (dx float32, dw, dbias float32). On a shard, dx is this shard's part."""
   opts = spec.opts
   v = common.vocab_size(w, spec.w_layout)
   n = -(-v // c)
@@ -143,7 +135,7 @@ def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int, col_offset
     dx, dw, db = carry
     start, cols, valid = _window(i, c, v)
     z = _chunk_logits(x, w, bias, start, c, spec)
-    dz = _math.dlogits(z, lse, labels, cols + col_offset, valid, g_loss, g_lse, opts)
+    dz = _math.dlogits(z, lse, labels, cols, valid, g_loss, g_lse, opts)
     dzm = dz.astype(common.mxu_dtype(x))
     dx = dx + common.grad_x(dzm, common.slice_vocab(w, start, c, spec.w_layout), spec.w_layout)
     # Columns masked as overlap carry an exact 0, so adding into the window never double-counts.
@@ -159,42 +151,32 @@ def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int, col_offset
   return lax.fori_loop(0, n, body, init)
 
 
-# Both designs take an optional ``axis``: the shard_map axis over which w's vocabulary is split
-# (``lce_flax.sharding``). Then each device sees the same tokens and V/t columns; its partial row stats are combined
-# across the axis (:func:`lce_flax._math.all_reduce_stats`), and its partial dx is psum'd in float32 before any
-# rounding. x enters invariant over the axis and is cast to varying so the loops' carries type-check.
+def stats(x, w, bias, labels, spec: common.Spec, config: Config | None = None) -> _math.RowStats:
+  return vocab_stats(x, w, bias, labels, spec, _lean_chunk_of(x, w, spec, config))
 
 
-def _shard_view(x, w, spec, axis):
-  """(x as seen by this shard, global index of this shard's first column)."""
-  if axis is None:
-    return x, 0
-  return common.vary(x, (axis,)), lax.axis_index(axis).astype(jnp.int32) * common.vocab_size(w, spec.w_layout)
+def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, config: Config | None = None):
+  return vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, _lean_chunk_of(x, w, spec, config))
 
 
-def _finish_dx(dx, x, axis):
-  return (dx if axis is None else lax.psum(dx, axis)).astype(x.dtype)
+def _lean_chunk_of(x, w, spec, config) -> int:
+  return lean_chunk(x.shape[0], common.vocab_size(w, spec.w_layout), None if config is None else config.chunk_size)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _lean(x, w, bias, labels, spec, c, axis=None):
-  xs, col0 = _shard_view(x, w, spec, axis)
-  st = vocab_stats(xs, w, bias, labels, spec, c, col0)
-  if axis is not None:
-    st = _math.all_reduce_stats(st, axis, spec.opts)
-  return _math.finalize(st, labels, spec.opts)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _lean(x, w, bias, labels, spec, c):
+  return _math.finalize(vocab_stats(x, w, bias, labels, spec, c), labels, spec.opts)
 
 
-def _lean_fwd(x, w, bias, labels, spec, c, axis):
-  out = _lean(x, w, bias, labels, spec, c, axis)
+def _lean_fwd(x, w, bias, labels, spec, c):
+  out = _lean(x, w, bias, labels, spec, c)
   return out, (x, w, bias, labels, out.lse)
 
 
-def _lean_bwd(spec, c, axis, res, g):
+def _lean_bwd(spec, c, res, g):
   x, w, bias, labels, lse = res
-  xs, col0 = _shard_view(x, w, spec, axis)
-  dx, dw, db = vocab_grads(xs, w, bias, labels, lse, g.loss, g.lse, spec, c, col0)
-  return _finish_dx(dx, x, axis), dw, None if bias is None else db.astype(bias.dtype), None
+  dx, dw, db = vocab_grads(x, w, bias, labels, lse, g.loss, g.lse, spec, c)
+  return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
 
 
 _lean.defvjp(_lean_fwd, _lean_bwd)
@@ -202,17 +184,23 @@ _lean.defvjp(_lean_fwd, _lean_bwd)
 
 def lean(x, w, bias, labels, spec: common.Spec, config: Config | None = None) -> _math.TokenOut:
   c = design(x.shape[0], x.shape[1], spec, x.dtype, "lean", config).config.chunk_size
-  return _lean(x, w, bias, labels, spec, c, None)
+  return _lean(x, w, bias, labels, spec, c)
 
 
 # ----------------------------------------------------------------------------------------------- fast
+
+
+# The fast design takes an optional ``axis``: the mesh axis over which w's vocabulary is split (the
+# vocab-parallel head, :mod:`lce_flax._impl.vocab_parallel`). Each device then holds the same tokens, V/t columns
+# and shard-local labels; every token chunk's row stats are combined across the axis
+# (:func:`lce_flax._math.all_reduce_stats`) before its logit gradient is formed, and the partial dx is psum'd in
+# float32 before any rounding.
 
 
 def _fast_forward(x, w, bias, labels, weights, spec, c, axis=None):
   """Returns (Σ weights·loss, TokenOut, (dx, dw, db)) with the gradients of that sum."""
   opts = spec.opts
   x_in = x
-  x, col0 = _shard_view(x, w, spec, axis)
   v = common.vocab_size(w, spec.w_layout)
   b = x.shape[0]
   n = -(-b // c)
@@ -220,7 +208,7 @@ def _fast_forward(x, w, bias, labels, weights, spec, c, axis=None):
   xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(n, c, x.shape[1])
   ls = jnp.pad(labels, (0, pad), constant_values=_math.IGNORED).reshape(n, c)
   ws = jnp.pad(weights.astype(F32), (0, pad)).reshape(n, c)
-  cols = col0 + jnp.arange(v, dtype=jnp.int32)
+  cols = jnp.arange(v, dtype=jnp.int32)
   all_cols = jnp.ones((v,), bool)
 
   def body(carry, chunk):
@@ -245,7 +233,8 @@ def _fast_forward(x, w, bias, labels, weights, spec, c, axis=None):
   init = (jnp.zeros_like(w, F32), None if bias is None else jnp.zeros_like(bias, F32))
   (dw, db), (dx, out) = lax.scan(body, init, (xs, ls, ws))
   out = jax.tree.map(lambda a: a.reshape(n * c)[:b], out)
-  dx = _finish_dx(dx.reshape(n * c, -1)[:b], x_in, axis)
+  dx = dx.reshape(n * c, -1)[:b]
+  dx = (dx if axis is None else lax.psum(dx, axis)).astype(x_in.dtype)
   total = jnp.sum(weights.astype(F32) * out.loss)
   grads = (dx, dw.astype(w.dtype), None if bias is None else db.astype(bias.dtype))
   return total, out, grads
@@ -275,6 +264,9 @@ def _fast_bwd(spec, c, axis, grads, g):
 _fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
 
 
-def fast(x, w, bias, labels, weights, spec: common.Spec, config: Config | None = None):
-  c = design(x.shape[0], x.shape[1], spec, x.dtype, "fast", config).config.chunk_size
-  return _fast(x, w, bias, labels, weights, spec, c, None)
+def fast(x, w, bias, labels, weights, spec: common.Spec, config: Config | None = None, axis=None):
+  """``axis``: mesh axes w's vocabulary is split over (then w is this device's shard and labels are shard-local,
+  see :mod:`lce_flax._impl.vocab_parallel`)."""
+  c = fast_chunk(x.shape[0], x.shape[1], common.vocab_size(w, spec.w_layout),
+                 None if config is None else config.chunk_size)
+  return _fast(x, w, bias, labels, weights, spec, c, None if axis is None else tuple(axis))

@@ -15,7 +15,18 @@ A backend module (``reference``, ``chunked``, ``pallas_triton``, ``triton``, ``p
 * ``lean(x, w, bias, labels, spec, config) -> TokenOut``: differentiable with *any* per-token cotangent on
   ``loss`` and ``lse``; keeps O(B) residuals and recomputes logits in the backward (8·B·H·V FLOPs);
 * ``fast(x, w, bias, labels, weights, spec, config) -> (Σ_t weights_t·loss_t, TokenOut)`` (or ``fast = None``):
-  forms the gradients while the logits are on hand (6·B·H·V FLOPs); only the scalar is differentiable.
+  forms the gradients while the logits are on hand (6·B·H·V FLOPs); only the scalar is differentiable;
+* ``stats(x, w, bias, labels, spec, config) -> RowStats`` and
+  ``grads(x, w, bias, labels, lse, g_loss, g_lse, spec, config) -> (dx, dw, dbias)``: the two halves of ``lean``
+  (its forward before :func:`lce_flax._math.finalize`, and its backward for a given lse), which the
+  vocab-parallel head (:mod:`lce_flax._impl.vocab_parallel`) runs on one shard of the vocabulary. dx is float32
+  (the shards' parts are summed before rounding), dw has ``w``'s dtype, dbias is float32.
+
+Columns and labels: a backend walks the columns ``w`` holds (its count is read from ``w``'s shape), while
+``spec.opts.vocab_size`` is the size of the label space (out-of-range labels, the ``ε/V`` of label smoothing).
+The two differ only on a vocabulary shard: there labels are shard-local (:func:`lce_flax._impl.vocab_parallel.
+localize`), and a counted label whose column another shard holds lies in ``[columns, V)``: counted, in range,
+and matching no column here.
 
 ``lean`` and ``fast`` receive ``Design.config``: dispatch (``lce_flax/api.py``) resolves it once and decides
 every fallback; a backend never switches to another design or backend by itself. ``api.py`` also owns
@@ -31,7 +42,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lce_flax import _compat
 from lce_flax._math import LossOptions
 
 F32 = jnp.float32
@@ -136,26 +146,23 @@ def mxu_dtype(x: jax.Array):
   return x.dtype
 
 
-# Inside ``shard_map``: ``a`` cast to varying over ``axes`` (its transpose is a psum); the JAX-version-dependent
-# reading of a value's varying axes lives in ``lce_flax._compat``.
-vary = _compat.vary
 
 
 # ------------------------------------------------------------------------------------------------ kernel helpers
 # Written once for the kernel backends (pallas_triton, triton, pallas_mosaic).
 
 
-def merge_splits(parts, labels, opts):
-  """Finalises a forward whose kernel leaves per-split row statistics: ``parts`` holds the four [S, B] arrays
-  (running max, sum of exponentials, target logit, logit sum) of S vocabulary splits (or is one [4, S, B]
-  array); the splits are merged with :func:`lce_flax._math.merge_stats` and finalised to a ``TokenOut``."""
+def merge_splits(parts) -> Any:
+  """The row statistics of a forward whose kernel leaves per-split partial statistics: ``parts`` holds the four
+  [S, B] arrays (running max, sum of exponentials, target logit, logit sum) of S vocabulary splits (or is one
+  [4, S, B] array); the splits are merged with :func:`lce_flax._math.merge_stats`."""
   from lce_flax import _math  # (common.py imports only LossOptions from it at the top)
 
   m, s, target, zsum = parts
   st = _math.RowStats(m[0], s[0], target[0], zsum[0])
   for k in range(1, m.shape[0]):
     st = _math.merge_stats(st, _math.RowStats(m[k], s[k], target[k], zsum[k]))
-  return _math.finalize(st, labels, opts)
+  return st
 
 
 def present(*arrays) -> list:

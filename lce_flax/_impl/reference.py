@@ -27,16 +27,35 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
   return common.Design("xla", mode, "autodiff", None, "the whole [B, V] float32 logits at once", mem)
 
 
-def lean(x, w, bias, labels, spec: common.Spec, config=None) -> _math.TokenOut:
-  del config
-  opts = spec.opts
+def _logits(x, w, bias, spec: common.Spec):
   z = common.logits(x, w, spec.w_layout)
-  if bias is not None:
-    z = z + bias.astype(jnp.float32)
-  zc = _math.softcap(z, opts.logit_softcap)
-  cols = jnp.arange(opts.vocab_size, dtype=jnp.int32)
-  st = _math.tile_stats(zc, cols, labels, jnp.ones_like(cols, bool), opts)
-  return _math.finalize(st, labels, opts)
+  return z if bias is None else z + bias.astype(jnp.float32)
+
+
+def _columns(w, spec: common.Spec):
+  cols = jnp.arange(common.vocab_size(w, spec.w_layout), dtype=jnp.int32)
+  return cols, jnp.ones_like(cols, bool)
+
+
+def stats(x, w, bias, labels, spec: common.Spec, config=None) -> _math.RowStats:
+  del config
+  zc = _math.softcap(_logits(x, w, bias, spec), spec.opts.logit_softcap)
+  cols, valid = _columns(w, spec)
+  return _math.tile_stats(zc, cols, labels, valid, spec.opts)
+
+
+def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, config=None):
+  """The gradient of ``Σ g_loss·loss + g_lse·lse`` for the given lse, formed from the whole float32 dz."""
+  del config
+  cols, valid = _columns(w, spec)
+  dz = _math.dlogits(_logits(x, w, bias, spec), lse, labels, cols, valid, g_loss, g_lse, spec.opts)
+  dx = common.grad_x(dz, w.astype(jnp.float32), spec.w_layout)
+  dw = common.grad_w(x.astype(jnp.float32), dz, spec.w_layout).astype(w.dtype)
+  return dx, dw, None if bias is None else dz.sum(0)
+
+
+def lean(x, w, bias, labels, spec: common.Spec, config=None) -> _math.TokenOut:
+  return _math.finalize(stats(x, w, bias, labels, spec, config), labels, spec.opts)
 
 
 def fast(x, w, bias, labels, weights, spec: common.Spec, config=None):

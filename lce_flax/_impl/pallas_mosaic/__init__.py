@@ -7,6 +7,6 @@ designs ("logits", "tokens") and their dz pass.
 """
 
 from lce_flax._impl.pallas_mosaic.fast import fast
-from lce_flax._impl.pallas_mosaic.op import Config, design, lean, supported
+from lce_flax._impl.pallas_mosaic.op import Config, design, grads, lean, stats, supported
 
-__all__ = ["Config", "design", "fast", "lean", "supported"]
+__all__ = ["Config", "design", "fast", "grads", "lean", "stats", "supported"]

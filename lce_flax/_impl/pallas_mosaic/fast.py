@@ -57,7 +57,7 @@ def _dz_pass(zb, mt, lse, yp, coef, a, c, d: kernels.Dims, p: op.Plan, opts):
   if d.has_bias:
     out_shape.append(jax.ShapeDtypeStruct((grid[0], d.vp), F32))
     out_specs.append(pl.BlockSpec((1, bv), lambda i, j: (i, j)))
-  body = functools.partial(_dz_pass_body, opts=opts, v=opts.vocab_size)
+  body = functools.partial(_dz_pass_body, opts=opts, v=d.v)
   out = pl.pallas_call(
       body if d.has_bias else common.absent_refs(body, 8), grid=grid,
       in_specs=[pl.BlockSpec((bt, bv), lambda i, j: (i, j)), pl.BlockSpec((1, bt), lambda i, j: (j, i)),
@@ -71,7 +71,8 @@ def _dz_pass(zb, mt, lse, yp, coef, a, c, d: kernels.Dims, p: op.Plan, opts):
 
 def _stored_dz(xp, wp, bp, yp, wts, d: kernels.Dims, p: op.Plan, opts):
   """Forward kernel with stores + the dz pass over rows ``xp``: (TokenOut, dz [rows, vp] in x's dtype, dbias)."""
-  out, (zb, mt) = op.run_forward(xp, wp, bp, yp, d, p, opts)
+  st, (zb, mt) = op.run_forward(xp, wp, bp, yp, d, p, opts)
+  out = _math.finalize(st, yp, opts)
   coef, a, c = epilogue.row_coefficients(out.lse, yp, wts, jnp.zeros_like(wts), opts)
   dz, db = _dz_pass(zb, mt, out.lse, yp, coef, a, c, d, p, opts)
   return out, dz, db
@@ -132,7 +133,7 @@ def _fast_bwd(spec, p, meta, residuals, g):
   g_total, g_out = g
   common.check_fast_cotangents(g_out)
   gt = g_total.astype(F32)
-  (h, bias_dtype), b, v = meta, labels.shape[0], spec.opts.vocab_size
+  (h, bias_dtype), b, v = meta, labels.shape[0], spec.opts.vocab_size  # (fast runs on a whole vocabulary)
   scale = lambda t, dtype: (t.astype(F32) * gt).astype(dtype)
   if dz is not None:  # "logits": the two matmuls now
     # The cotangent enters dw through x (exact when it is 1, as for a loss): the matmul writes dw in its final

@@ -214,7 +214,7 @@ def _fwd_body(x_ref, w_ref, b_ref, y_ref, st_ref, zb_ref, mt_ref, y_smem, b_smem
 def forward(x, w, bias, labels, d: Dims, p, opts):
   """x [d.b, d.h], w and bias padded by ``op.prepare``, labels [d.b] (padding rows -1).
 
-  Returns (TokenOut, stored) with ``stored`` = (shifted logits [d.b, d.vp], row maxima [vp/bv, d.b]) when
+  Returns (RowStats, stored) with ``stored`` = (shifted logits [d.b, d.vp], row maxima [vp/bv, d.b]) when
   ``d.store``, else None.
   """
   bt, bv = p.block_t, p.block_v
@@ -227,7 +227,7 @@ def forward(x, w, bias, labels, d: Dims, p, opts):
   kern = _kernel(body, out_types(d, p, p.num_splits, x.dtype), scratch, (p.num_splits, d.b // bt),
                  ("split", "row"), d, p)
   st, *stored = kern(*common.present(x, w, bias, labels))
-  return common.merge_splits(st, labels, opts), (tuple(stored) if d.store else None)
+  return common.merge_splits(st), (tuple(stored) if d.store else None)
 
 
 # ------------------------------------------------------------------------------------------------ backward

@@ -153,7 +153,7 @@ def forward_ws(x, w, bias, labels, d: base.Dims, p, opts):
   kern = plgpu.kernel(body, out_type=base.out_types(d, p, 2 * ns, x.dtype), grid=(ns, d.b // p.block_t),
                       grid_names=("split", "row"), num_threads=3, thread_name="wg", compiler_params=_WARPGROUP)
   st, *stored = kern(*common.present(x, w, bias, labels))
-  return common.merge_splits(st, labels, opts), (tuple(stored) if d.store else None)
+  return common.merge_splits(st), (tuple(stored) if d.store else None)
 
 
 # ------------------------------------------------------------------------------------------------ backward

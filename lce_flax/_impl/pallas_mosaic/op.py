@@ -301,7 +301,7 @@ def resolve(x, w, spec: common.Spec, config, mode: str) -> Plan:
 
 
 def run_forward(xp, wp, bp, yp, d: kernels.Dims, p: Plan, opts):
-  """The forward kernel of ``p`` (warp-specialised or one warpgroup): (TokenOut, stored tiles or None)."""
+  """The forward kernel of ``p`` (warp-specialised or one warpgroup): (RowStats, stored tiles or None)."""
   return (kernels_ws.forward_ws if p.warp_specialized else kernels.forward)(xp, wp, bp, yp, d, p, opts)
 
 
@@ -313,7 +313,7 @@ def prepare(x, w, bias, labels, spec: common.Spec, p: Plan, store: bool = False)
   overlap (true of the LLM heads: 50304, 128256, 151936 and 256000 are multiples of 128).
   """
   b, h = x.shape
-  v = spec.opts.vocab_size
+  v = common.vocab_size(w, spec.w_layout)
   bp = cdiv(b, p.block_t) * p.block_t
   hp = cdiv(h, p.block_k) * p.block_k
   cta_v = p.block_v * (2 if p.warp_specialized else 1)
@@ -333,31 +333,37 @@ def prepare(x, w, bias, labels, spec: common.Spec, p: Plan, store: bool = False)
   return x, w, bias, labels, d
 
 
-def _run_forward(x, w, bias, labels, spec, p):
+def _stats(x, w, bias, labels, spec, p) -> _math.RowStats:
   b = x.shape[0]
   xp, wp, bp, yp, d = prepare(x, w, bias, labels, spec, p)
-  out, _ = run_forward(xp, wp, bp, yp, d, p, spec.opts)
-  return _math.TokenOut(*(a[:b] for a in out))
+  st, _ = run_forward(xp, wp, bp, yp, d, p, spec.opts)
+  return _math.RowStats(*(a[:b] for a in st))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _lean(x, w, bias, labels, spec, p):
-  return _run_forward(x, w, bias, labels, spec, p)
+  return _math.finalize(_stats(x, w, bias, labels, spec, p), labels, spec.opts)
 
 
 def _lean_fwd(x, w, bias, labels, spec, p):
-  out = _run_forward(x, w, bias, labels, spec, p)
+  out = _lean(x, w, bias, labels, spec, p)
   return out, (x, w, bias, labels, out.lse)
 
 
 def _lean_bwd(spec, p, res, g):
   x, w, bias, labels, lse = res
+  dx, dw, db = _grads(x, w, bias, labels, lse, g.loss, g.lse, spec, p)
+  return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
+
+
+def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
+  """The recompute backward over the columns of ``w`` for the given lse: (dx float32, dw, dbias float32)."""
   opts = spec.opts
   b, h = x.shape
-  v = opts.vocab_size
+  v = common.vocab_size(w, spec.w_layout)
   xp, wp, bp, yp, d = prepare(x, w, bias, labels, spec, p)
   pad = d.b - b
-  coef, a, c = epilogue.row_coefficients(lse, labels, g.loss, g.lse, opts)
+  coef, a, c = epilogue.row_coefficients(lse, labels, g_loss, g_lse, opts)
   # Padding rows: lse = +inf makes p = 0, and zero coefficients keep them at dz = 0 exactly.
   lse_p = jnp.pad(lse, (0, pad), constant_values=jnp.inf)
   coef, a, c = (jnp.pad(t, (0, pad)) for t in (coef, a, c))
@@ -390,9 +396,8 @@ def _lean_bwd(spec, p, res, g):
   if tail:
     carry = step(d.vp - cw, n_full * cw - (d.vp - cw), carry)
   dx, dw, db = carry
-  dx = dx[:b, :h].astype(x.dtype)
   dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
-  return dx, dw.astype(w.dtype), None if bias is None else db[:v].astype(bias.dtype), None
+  return dx[:b, :h], dw.astype(w.dtype), None if bias is None else db[:v]
 
 
 _lean.defvjp(_lean_fwd, _lean_bwd)
@@ -404,3 +409,13 @@ def lean(x, w, bias, labels, spec: common.Spec, config: Plan | Config | None = N
   x and w are bf16 or fp16 (one dtype); ``config`` is ``design(..., mode="lean", ...).config`` (an unresolved
   :class:`Config` or None is resolved through :func:`design` first)."""
   return _lean(x, w, bias, labels, spec, resolve(x, w, spec, config, "lean"))
+
+
+def stats(x, w, bias, labels, spec: common.Spec, config: Plan | Config | None = None) -> _math.RowStats:
+  """The forward kernel's row statistics of the columns of ``w``."""
+  return _stats(x, w, bias, labels, spec, resolve(x, w, spec, config, "lean"))
+
+
+def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, config: Plan | Config | None = None):
+  """The recompute backward for the given lse: (dx float32, dw, dbias float32)."""
+  return _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, resolve(x, w, spec, config, "lean"))

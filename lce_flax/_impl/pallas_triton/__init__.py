@@ -4,6 +4,6 @@
 ``kernels.py``: the Pallas kernels (forward statistics, logit gradient, in-place dx) and their launchers.
 """
 
-from lce_flax._impl.pallas_triton.op import Config, design, fast, lean, supported
+from lce_flax._impl.pallas_triton.op import Config, design, fast, grads, lean, stats, supported
 
-__all__ = ["Config", "design", "fast", "lean", "supported"]
+__all__ = ["Config", "design", "fast", "grads", "lean", "stats", "supported"]

@@ -119,11 +119,11 @@ def _fwd_kernel(x_ref, w_ref, b_ref, y_ref, m_ref, s_ref, t_ref, zs_ref, *, d: _
   zs_ref[pl.ds(o, bt)] = st.zsum
 
 
-def forward(x, w, bias, labels, spec: common.Spec, p) -> _math.TokenOut:
-  """Per-token loss, lse and correctness of the whole vocabulary (one kernel + the merge of its splits)."""
+def forward(x, w, bias, labels, spec: common.Spec, p) -> _math.RowStats:
+  """Row statistics of the columns of ``w`` (one kernel + the merge of its splits)."""
   b, h = x.shape
   opts = spec.opts
-  d = _Dims(b, h, opts.vocab_size, spec.w_layout, bias is not None)
+  d = _Dims(b, h, common.vocab_size(w, spec.w_layout), spec.w_layout, bias is not None)
   nb = cdiv(b, p.block_t)
   n = p.num_splits * nb * p.block_t
   kernel = functools.partial(_fwd_kernel, d=d, p=p, opts=opts)
@@ -135,7 +135,7 @@ def forward(x, w, bias, labels, spec: common.Spec, p) -> _math.TokenOut:
       compiler_params=_params(p),
       name="lce_forward",
   )(*common.present(x, w, bias, labels))
-  return common.merge_splits([o.reshape(p.num_splits, nb * p.block_t)[:, :b] for o in outs], labels, opts)
+  return common.merge_splits([o.reshape(p.num_splits, nb * p.block_t)[:, :b] for o in outs])
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -184,7 +184,7 @@ def dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: common
   """(dz [B, width] in x.dtype, per-row-block column sums [row_blocks, ≥ width] float32 or None) of the columns
   ``[k·chunk, k·chunk + width)``; ``k`` is a traced int32 scalar."""
   b, h = x.shape
-  d = _Dims(b, h, spec.opts.vocab_size, spec.w_layout, bias is not None)
+  d = _Dims(b, h, common.vocab_size(w, spec.w_layout), spec.w_layout, bias is not None)
   nb = cdiv(b, p.block_t)
   nct = cdiv(width, p.block_v)
   kernel = functools.partial(_dz_kernel, d=d, p=p, width=width, opts=spec.opts)
@@ -242,7 +242,7 @@ def dx_accumulate(dx, dz, w, k, spec: common.Spec, p):
   """``dx + dz @ w[:, k·chunk : k·chunk + width]ᵀ`` (float32 [B, H]) without a second B×H buffer."""
   b, h = dx.shape
   width = dz.shape[1]
-  d = _Dims(b, h, spec.opts.vocab_size, spec.w_layout, False)
+  d = _Dims(b, h, common.vocab_size(w, spec.w_layout), spec.w_layout, False)
   bh = max(16, min(p.block_v, common.pow2_ceil(h)))
   nb, nh = cdiv(b, p.block_t), cdiv(h, bh)
   return pl.pallas_call(

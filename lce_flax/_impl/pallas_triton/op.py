@@ -277,7 +277,7 @@ class Kernels:
   ``impl="triton"`` runs the same forward/backward orchestration with its own launchers.
 
   Attributes:
-    forward: ``(x, w, bias, labels, spec, plan) -> TokenOut``.
+    forward: ``(x, w, bias, labels, spec, plan) -> RowStats`` of the columns of ``w``.
     dz_chunk: ``(k, width, x, w, bias, labels, lse, g_loss, g_lse, spec, plan) -> (dz, db_parts or None)``: the
       logit gradient [B, width] (input dtype) of the columns ``[k·plan.chunk_size, k·plan.chunk_size + width)``
       and, with a bias, its float32 column sums per row block, [row_blocks, ≥ width]; ``k`` is a traced int32
@@ -290,18 +290,25 @@ class Kernels:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _lean(x, w, bias, labels, spec, p, launchers):
-  return launchers.forward(x, w, bias, labels, spec, p)
+  return _math.finalize(launchers.forward(x, w, bias, labels, spec, p), labels, spec.opts)
 
 
 def _lean_fwd(x, w, bias, labels, spec, p, launchers):
-  out = launchers.forward(x, w, bias, labels, spec, p)
+  out = _lean(x, w, bias, labels, spec, p, launchers)
   return out, (x, w, bias, labels, out.lse)
 
 
 def _lean_bwd(spec, p, launchers, res, g):
   x, w, bias, labels, lse = res
-  g_loss = g.loss.astype(F32)
-  g_lse = g.lse.astype(F32)
+  dx, dw, db = grads_with(launchers, x, w, bias, labels, lse, g.loss, g.lse, spec, p)
+  return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
+
+
+def grads_with(launchers: Kernels, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p):
+  """The recompute backward over the columns of ``w`` for the given lse: (dx float32, dw, dbias float32)."""
+  g_loss = g_loss.astype(F32)
+  g_lse = g_lse.astype(F32)
+  vocab = common.vocab_size(w, spec.w_layout)
   # On a GPU the dw matmul writes the weights' dtype directly (cuBLAS accumulates in float32 either way); in
   # interpret mode (CPU) it accumulates in float32 explicitly.
   dw_type = F32 if spec.interpret else w.dtype
@@ -319,12 +326,12 @@ def _lean_bwd(spec, p, launchers, res, g):
 
   carry = (jnp.zeros(x.shape, F32), jnp.zeros_like(w), None if bias is None else jnp.zeros(bias.shape, F32))
   if p.low_memory:
-    _, dw, db = _vocab_loop(spec.opts.vocab_size, p.chunk_size, lambda k, n, cr: (None, *dw_step(k, n, cr)[1:]),
+    _, dw, db = _vocab_loop(vocab, p.chunk_size, lambda k, n, cr: (None, *dw_step(k, n, cr)[1:]),
                             (None, *carry[1:]))
     dx = _dx_by_token_blocks(launchers, x, w, bias, labels, lse, g_loss, g_lse, spec, p)
   else:
-    dx, dw, db = _vocab_loop(spec.opts.vocab_size, p.chunk_size, step, carry)
-  return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
+    dx, dw, db = _vocab_loop(vocab, p.chunk_size, step, carry)
+  return dx, dw, db
 
 
 def _vocab_loop(vocab: int, c: int, step, carry):
@@ -355,7 +362,7 @@ def _dx_by_token_blocks(launchers, x, w, bias, labels, lse, g_loss, g_lse, spec,
   chunk (``dx_chunk`` columns) and ``dx_block += dz wᵀ`` accumulates in a float32 [token_block, H] buffer that
   is complete, and cast, before the next block starts."""
   px = dataclasses.replace(p, chunk_size=p.dx_chunk)
-  vocab = spec.opts.vocab_size
+  vocab = common.vocab_size(w, spec.w_layout)
 
   def rows(r, n: int):
     sl = lambda a: lax.dynamic_slice_in_dim(a, r, n, 0)
@@ -365,11 +372,11 @@ def _dx_by_token_blocks(launchers, x, w, bias, labels, lse, g_loss, g_lse, spec,
       dz, _ = launchers.dz_chunk(k, width, xb, w, bias, yb, lb, glb, gsb, spec, px)
       return kernels.dx_accumulate(acc, dz, w, k, spec, px)
 
-    return _vocab_loop(vocab, px.chunk_size, step, jnp.zeros((n, x.shape[1]), F32)).astype(x.dtype)
+    return _vocab_loop(vocab, px.chunk_size, step, jnp.zeros((n, x.shape[1]), F32))
 
   tb = min(p.token_block, x.shape[0])
   n_full, tail = divmod(x.shape[0], tb)
-  dx = jnp.zeros_like(x)
+  dx = jnp.zeros(x.shape, F32)
   if n_full:
     dx = lax.fori_loop(0, n_full, lambda i, d: lax.dynamic_update_slice_in_dim(d, rows(i * tb, tb), i * tb, 0), dx)
   if tail:
@@ -387,11 +394,27 @@ def lean_with(launchers: Kernels, x, w, bias, labels, spec: common.Spec, p) -> _
   return _lean(x, w, bias, labels, spec, p, launchers)
 
 
+def _plan(x, w, spec: common.Spec, config) -> Plan:
+  if isinstance(config, Plan):
+    return config
+  common.check_config(config, Config, "pallas_triton")
+  check_dtype("pallas_triton", x.dtype)
+  return plan(x.shape[0], x.shape[1], common.vocab_size(w, spec.w_layout), x.dtype, config)
+
+
 def lean(x, w, bias, labels, spec: common.Spec, config: Plan | Config | None = None) -> _math.TokenOut:
   """Per-token loss, lse and correctness; differentiable in x, w and bias with any cotangent on loss and lse.
 
   ``config`` is ``design(...).config`` (a :class:`Plan`); an unresolved :class:`Config` (or None) is resolved
-  through :func:`design` first."""
-  if not isinstance(config, Plan):
-    config = design(x.shape[0], x.shape[1], spec, x.dtype, "lean", config).config
-  return lean_with(PALLAS_KERNELS, x, w, bias, labels, spec, config)
+  through :func:`plan` first."""
+  return lean_with(PALLAS_KERNELS, x, w, bias, labels, spec, _plan(x, w, spec, config))
+
+
+def stats(x, w, bias, labels, spec: common.Spec, config: Plan | Config | None = None) -> _math.RowStats:
+  """The forward kernel's row statistics of the columns of ``w``."""
+  return PALLAS_KERNELS.forward(x, w, bias, labels, spec, _plan(x, w, spec, config))
+
+
+def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, config: Plan | Config | None = None):
+  """The recompute backward for the given lse: (dx float32, dw, dbias float32)."""
+  return grads_with(PALLAS_KERNELS, x, w, bias, labels, lse, g_loss, g_lse, spec, _plan(x, w, spec, config))

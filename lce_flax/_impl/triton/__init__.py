@@ -4,6 +4,6 @@
 ``pallas_triton``'s); ``kernels.py``: the ``triton.jit`` kernels and their jax-triton launchers.
 """
 
-from lce_flax._impl.triton.op import Config, design, fast, lean, supported
+from lce_flax._impl.triton.op import Config, design, fast, grads, lean, stats, supported
 
-__all__ = ["Config", "design", "fast", "lean", "supported"]
+__all__ = ["Config", "design", "fast", "grads", "lean", "stats", "supported"]

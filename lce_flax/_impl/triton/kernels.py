@@ -116,7 +116,8 @@ if triton is not None:
 
   @triton.jit
   def _fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m_ptr, s_ptr, t_ptr, zs_ptr,
-                  B: tl.constexpr, H: tl.constexpr, V: tl.constexpr, HV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  B: tl.constexpr, H: tl.constexpr, V: tl.constexpr, VL: tl.constexpr, HV: tl.constexpr,
+                  HAS_BIAS: tl.constexpr,
                   SMOOTH: tl.constexpr, HAS_CAP: tl.constexpr, CAP: tl.constexpr,
                   BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
     """Partial row stats (``_math.RowStats``) of row block ``pid // S`` over the vocabulary split ``pid % S``."""
@@ -171,7 +172,8 @@ if triton is not None:
 
   @triton.jit
   def _dz_kernel(k_ptr, x_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, gl_ptr, gs_ptr, dz_ptr, db_ptr,
-                 B: tl.constexpr, H: tl.constexpr, V: tl.constexpr, HV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 B: tl.constexpr, H: tl.constexpr, V: tl.constexpr, VL: tl.constexpr, HV: tl.constexpr,
+                 HAS_BIAS: tl.constexpr,
                  EPS: tl.constexpr, ZL: tl.constexpr, HAS_CAP: tl.constexpr, CAP: tl.constexpr,
                  WIDTH: tl.constexpr, CHUNK: tl.constexpr, G: tl.constexpr,
                  BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
@@ -213,11 +215,11 @@ if triton is not None:
     p = tl.exp(zc - lse[:, None])
     dz = p * coef[:, None] - tl.where(cols[None, :] == labels[:, None], (1.0 - EPS) * g_loss[:, None], 0.0)
     if EPS != 0.0:
-      dz = dz - (EPS / V) * g_loss[:, None]
+      dz = dz - (EPS / VL) * g_loss[:, None]
     if HAS_CAP:
       dz = dz * (1.0 - (zc / CAP) * (zc / CAP))
     dz = tl.where(cmask[None, :], dz, 0.0)
-    dz = tl.where((labels >= V)[:, None], float("nan"), dz)
+    dz = tl.where((labels >= VL)[:, None], float("nan"), dz)
     dz_ptrs = dz_ptr + rows.to(tl.int64)[:, None] * WIDTH + lcols[None, :]
     out = dz.to(dz_ptr.dtype.element_ty)
     if MASK_R:
@@ -236,9 +238,11 @@ if triton is not None:
       tl.store(db_ptr + (i * NCT + t) * BV + tl.arange(0, BV), col_sum)
 
 
-def _kernel_options(spec: common.Spec, has_bias: bool, b: int, h: int) -> dict:
+def _kernel_options(spec: common.Spec, w, has_bias: bool, b: int, h: int) -> dict:
+  # V: the columns w holds; VL: the label space (out-of-range labels, ε/V), larger on a vocabulary shard
   opts = spec.opts
-  return {"B": b, "H": h, "V": opts.vocab_size, "HV": spec.w_layout == "hv", "HAS_BIAS": has_bias,
+  return {"B": b, "H": h, "V": common.vocab_size(w, spec.w_layout), "VL": opts.vocab_size,
+          "HV": spec.w_layout == "hv", "HAS_BIAS": has_bias,
           "HAS_CAP": opts.logit_softcap is not None,
           "CAP": 1.0 if opts.logit_softcap is None else float(opts.logit_softcap)}
 
@@ -249,8 +253,8 @@ def _bias_or_dummy(bias):
   return jnp.zeros((1,), F32) if bias is None else bias
 
 
-def forward(x, w, bias, labels, spec: common.Spec, p) -> _math.TokenOut:
-  """Per-token loss, lse and correctness of the whole vocabulary (``p``: a :class:`lce_flax._impl.triton.op.Plan`)."""
+def forward(x, w, bias, labels, spec: common.Spec, p) -> _math.RowStats:
+  """Row statistics of the columns of ``w`` (``p``: a :class:`lce_flax._impl.triton.op.Plan`)."""
   jt = jax_triton()
   b, h = x.shape
   nb = cdiv(b, p.block_t)
@@ -265,9 +269,9 @@ def forward(x, w, bias, labels, spec: common.Spec, p) -> _math.TokenOut:
       name="lce_triton_forward",
       SMOOTH=spec.opts.needs_logit_sum,
       BT=p.block_t, BV=p.block_v, BK=p.block_k, S=p.num_splits, PREC=p.input_precision,
-      **_kernel_options(spec, bias is not None, b, h),
+      **_kernel_options(spec, w, bias is not None, b, h),
   )
-  return common.merge_splits([o.reshape(p.num_splits, nb * p.block_t)[:, :b] for o in outs], labels, spec.opts)
+  return common.merge_splits([o.reshape(p.num_splits, nb * p.block_t)[:, :b] for o in outs])
 
 
 def dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p):
@@ -290,7 +294,7 @@ def dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: common
       EPS=float(spec.opts.label_smoothing), ZL=float(spec.opts.z_loss),
       WIDTH=width, CHUNK=p.chunk_size, G=p.group_t,
       BT=p.block_t, BV=p.block_v, BK=p.block_k, PREC=p.input_precision,
-      **_kernel_options(spec, bias is not None, b, h),
+      **_kernel_options(spec, w, bias is not None, b, h),
   )
   return dz, (db.reshape(nb, nct * p.block_v) if bias is not None else None)
 

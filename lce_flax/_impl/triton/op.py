@@ -113,12 +113,27 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
   return pt.lean_design("triton", p, num_tokens, hidden, spec.opts.vocab_size, dtype)
 
 
+def _plan(x, w, spec: common.Spec, config) -> Plan:
+  if isinstance(config, Plan):
+    return config
+  supported(spec, _device.platform(), x.dtype)  # (dispatch has checked it when it passes a resolved plan)
+  common.check_config(config, Config, "triton")
+  return plan(x.shape[0], x.shape[1], common.vocab_size(w, spec.w_layout), x.dtype, config)
+
+
 def lean(x, w, bias, labels, spec: common.Spec, config: Plan | Config | None = None) -> _math.TokenOut:
   """Per-token loss, lse and correctness; differentiable in x, w and bias with any cotangent on loss and lse.
 
   ``config`` is ``design(...).config`` (a :class:`Plan`); an unresolved :class:`Config` (or None) is resolved
-  through :func:`design` first."""
-  if not isinstance(config, Plan):
-    supported(spec, _device.platform(), x.dtype)  # (dispatch has checked it when it passes a resolved plan)
-    config = design(x.shape[0], x.shape[1], spec, x.dtype, "lean", config).config
-  return pt.lean_with(kernels.KERNELS, x, w, bias, labels, spec, config)
+  through :func:`plan` first."""
+  return pt.lean_with(kernels.KERNELS, x, w, bias, labels, spec, _plan(x, w, spec, config))
+
+
+def stats(x, w, bias, labels, spec: common.Spec, config: Plan | Config | None = None) -> _math.RowStats:
+  """The forward kernel's row statistics of the columns of ``w``."""
+  return kernels.KERNELS.forward(x, w, bias, labels, spec, _plan(x, w, spec, config))
+
+
+def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, config: Plan | Config | None = None):
+  """The recompute backward for the given lse: (dx float32, dw, dbias float32)."""
+  return pt.grads_with(kernels.KERNELS, x, w, bias, labels, lse, g_loss, g_lse, spec, _plan(x, w, spec, config))
