@@ -11,23 +11,24 @@ Every row says which ``path`` ran it:
 * ``auto``: a mesh of ``AxisType.Auto`` axes, the context mesh set with ``jax.set_mesh``; the op is
   custom-partitioned (``lce_flax/_partition.py``): each device runs the single-device op on its shard.
 * ``explicit``: a mesh of ``AxisType.Explicit`` axes; the op reads the layout from the input types
-  (``lce_flax.sharding.from_types``) and runs the shard_map form. The vocab-parallel head runs only here (under
-  Auto axes a ``w`` split over V raises, by design: see the ``equality`` row ``expect_error``).
+  (``lce_flax.sharding.from_types``) and runs the shard_map form.
 * ``local``: one device, or a mesh whose axes all have size 1 (the op is not partitioned).
 * ``linen.LMHead``: ``lce_flax.linen.LMHead.apply`` on the same placed arrays.
 
 Sections (each row records its error instead of stopping the run):
 
 * ``vocab_parallel`` (first, so that ``peak_bytes_in_use`` — a process-lifetime peak — is least polluted):
-  llama3-8b head (B=8192 tokens, H=4096, V=128256, bf16, mean), tokens replicated, ``w`` split over an Explicit
-  ``tensor`` axis of size k = n, …, 2, ``mode`` lean and fast; then one device with ``impl="chunked"`` (same two
-  designs: the references of the ratios) and ``impl="auto"``. Per device: compiled argument/output/temp bytes
-  (``memory_analysis``), fwd+bwd time; ``temp_ratio_vs_1dev`` = temp bytes / one device's (same design), target
+  llama3-8b head (B=8192 tokens, H=4096, V=128256, bf16, mean), tokens replicated, ``w`` split over a
+  ``tensor`` axis of size k = n, …, 2 (Explicit and Auto): ``impl="auto"`` fast (the chunked token loop) and lean
+  (the kernels), and each kernel backend's lean design; then one device with the same designs (the references
+  of the ratios) and ``impl="auto"``. Each row names the design that ran (``runs``, from ``lce_flax.explain``).
+  Per device: compiled argument/output/temp bytes (``memory_analysis``), fwd+bwd time, and the loss and the norms
+  of dx, dw against one device's; ``temp_ratio_vs_1dev`` = temp bytes / one device's (same design), target
   ≤ 1.15 / k.
 * ``equality``: float32 with every option (bias, ignored tokens, ``where``, label smoothing, z-loss, softcap),
-  ``impl="auto"``, meshes data = n, fsdp = n, tensor = n (Explicit only), every mix of two or three axes > 1
-  (none for n = 2), each under Auto and Explicit axes; one ``linen.LMHead`` row; one row expecting the Auto-axes
-  vocab-parallel error. loss/dx/dw/dbias relative error against the op on one device
+  ``impl="auto"``, meshes data = n, fsdp = n, tensor = n, every mix of two or three axes > 1 (none for n = 2),
+  each under Auto and Explicit axes; one ``linen.LMHead`` row; tensor = n with ``mode="lean"`` (the kernels on
+  each device's columns). loss/dx/dw/dbias relative error against the op on one device
   (``jax.default_matmul_precision("highest")`` on both sides); target ≤ 1e-5.
 * ``weak_scaling``: data parallel (``data`` = k) and FSDP (``fsdp`` = k, ``w`` split over H) with 8192 tokens per
   device at the llama3-8b head, bf16, mean, k = 2, 4, … ≤ n, Auto and Explicit axes; k = 1 is one row (every
@@ -144,22 +145,37 @@ def _place(mesh, specs_and_arrays):
 # ------------------------------------------------------------------------------------------------ sections
 
 
+VP_KERNELS = ("pallas_mosaic", "pallas_triton", "triton")  # their lean designs, on each device's columns
+
+
 def vocab_parallel(devs, b, h, v, dtype, rows):
   n = len(devs)
   key = jax.random.key(1)
-  configs = [(k, "explicit", mode) for k in reversed(_pow2_upto(n)) if k > 1 for mode in ("lean", "fast")]
-  configs += [(1, "local", "lean"), (1, "local", "fast"), (1, "local", None)]
-  for k, path, mode in configs:
-    impl = "chunked" if path == "local" and mode else "auto"
+  # (devices, path, impl, mode): impl="auto" fast (the chunked token loop, the one vocab-parallel fast design) and
+  # lean (the kernels), each kernel's lean design, on Explicit and Auto axes; then one device, same designs
+  configs = []
+  for k in reversed(_pow2_upto(n)):
+    if k > 1:
+      configs += [(k, "explicit", "auto", "fast"), (k, "explicit", "auto", "lean"), (k, "auto", "auto", "fast"),
+                  (k, "auto", "auto", "lean")]
+      configs += [(k, "explicit", impl, "lean") for impl in VP_KERNELS[1:]]
+  configs += [(1, "local", "chunked", "fast"), (1, "local", "chunked", "lean"), (1, "local", "auto", None)]
+  configs += [(1, "local", impl, "lean") for impl in VP_KERNELS]
+  for k, path, impl, mode in configs:
     row = dict(section="vocab_parallel", path=path, devices=k, impl=impl, mode=mode, B=b, H=h, V=v,
                dtype=str(jnp.dtype(dtype)))
     try:
-      if path == "explicit":
-        mesh = make_mesh(devs, "explicit", tensor=k)
-        rep, wsh = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "tensor"))
-      else:
+      if path == "local":
         mesh = None
         rep = wsh = jax.sharding.SingleDeviceSharding(devs[0])
+        shards = 1
+      else:
+        mesh = make_mesh(devs, path, tensor=k)
+        rep, wsh = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "tensor"))
+        shards = k
+      design = lce_flax.explain(jax.ShapeDtypeStruct((b, h), dtype), jax.ShapeDtypeStruct((h, v), dtype),
+                                vocab_shards=shards, impl=impl, mode=mode)
+      row["runs"] = f"{design.impl}:{design.mode}:{design.name}"
       op = functools.partial(linear_cross_entropy, impl=impl, mode=mode)
       g = jax.jit(jax.value_and_grad(op, argnums=(0, 1)))
       with jax.set_mesh(mesh) if mesh is not None else _null():
@@ -167,32 +183,38 @@ def vocab_parallel(devs, b, h, v, dtype, rows):
         w = rand(jax.random.fold_in(key, 1), (h, v), dtype, wsh, 0.02)
         y = rand_labels(jax.random.fold_in(key, 2), (b,), v, rep)
         c = g.lower(x, w, y).compile()
-      row.update(mem(c))
-      row["fwdbwd_ms"] = bench(c, x, w, y)
-      row["peak_bytes_in_use"] = peak_bytes(devs[:k])
-      row["loss"] = float(c(x, w, y)[0])
-      del x, w, y, c
+        row.update(mem(c))
+        row["fwdbwd_ms"] = bench(c, x, w, y)
+        row["peak_bytes_in_use"] = peak_bytes(devs[:k])
+        loss, (dx, dw) = c(x, w, y)
+        row["loss"] = float(loss)
+        row["dx_norm"] = float(jnp.linalg.norm(dx.astype(jnp.float32)))
+        row["dw_norm"] = float(jnp.linalg.norm(dw.astype(jnp.float32)))
+      del x, w, y, c, dx, dw
     except Exception as e:
       row["error"] = err(e)
       traceback.print_exc()
     _emit(rows, row)
-  for mode in ("lean", "fast"):
-    one = next((r for r in rows if r["section"] == "vocab_parallel" and r["path"] == "local" and r["mode"] == mode
-                and "head_bytes" in r), None)
-    auto = next((r for r in rows if r["section"] == "vocab_parallel" and r["path"] == "local" and r["mode"] is None
-                 and "head_bytes" in r), None)
-    for r in rows:
-      if r["section"] != "vocab_parallel" or r["path"] != "explicit" or r["mode"] != mode or "head_bytes" not in r:
-        continue
-      if one is not None:
-        r["temp_ratio_vs_1dev"] = r["temp_size_in_bytes"] / max(one["temp_size_in_bytes"], 1)
-        r["head_bytes_ratio_vs_1dev"] = r["head_bytes"] / one["head_bytes"]
-        r["target_ratio"] = VP_SLACK / r["devices"]
-        r["pass_temp"] = r["temp_ratio_vs_1dev"] <= r["target_ratio"]
-        r["loss_rel_err_vs_1dev"] = abs(r["loss"] - one["loss"]) / abs(one["loss"])
-        r["speedup_vs_1dev"] = one["fwdbwd_ms"] / r["fwdbwd_ms"]
-      if auto is not None:
-        r["temp_ratio_vs_1dev_auto"] = r["temp_size_in_bytes"] / max(auto["temp_size_in_bytes"], 1)
+  local = {(r["impl"], r["mode"]): r for r in rows
+           if r["section"] == "vocab_parallel" and r["path"] == "local" and "head_bytes" in r}
+  for r in rows:
+    if r["section"] != "vocab_parallel" or r["path"] == "local" or "head_bytes" not in r:
+      continue
+    # the same design on one device: auto's lean is the first kernel's, its fast the chunked loop
+    ref_key = (r["impl"], r["mode"])
+    if r["impl"] == "auto":
+      ref_key = ("chunked", "fast") if r["mode"] == "fast" else (r["runs"].split(":")[0], "lean")
+    one = local.get(ref_key)
+    if one is not None:
+      r["reference"] = f"1 device {ref_key[0]}:{ref_key[1]}"
+      r["temp_ratio_vs_1dev"] = r["temp_size_in_bytes"] / max(one["temp_size_in_bytes"], 1)
+      r["head_bytes_ratio_vs_1dev"] = r["head_bytes"] / one["head_bytes"]
+      r["target_ratio"] = VP_SLACK / r["devices"]
+      r["pass_temp"] = r["temp_ratio_vs_1dev"] <= r["target_ratio"]
+      r["loss_rel_err_vs_1dev"] = abs(r["loss"] - one["loss"]) / abs(one["loss"])
+      r["dx_norm_rel_vs_1dev"] = abs(r["dx_norm"] - one["dx_norm"]) / one["dx_norm"]
+      r["dw_norm_rel_vs_1dev"] = abs(r["dw_norm"] - one["dw_norm"]) / one["dw_norm"]
+      r["speedup_vs_1dev"] = one["fwdbwd_ms"] / r["fwdbwd_ms"]
 
 
 class _null:
@@ -208,14 +230,14 @@ def _eq_meshes(n: int):
   out = []
   for t in ("auto", "explicit"):
     out += [("data", dict(data=n), t), ("fsdp", dict(fsdp=n), t)]
-  out.append(("tensor", dict(tensor=n), "explicit"))
+  out += [("tensor", dict(tensor=n), "auto"), ("tensor", dict(tensor=n), "explicit")]
   for d in range(1, n + 1):
     for f in range(1, n // d + 1):
       if n % (d * f):
         continue
       s = dict(data=d, fsdp=f, tensor=n // (d * f))
       if sum(v > 1 for v in s.values()) >= 2:
-        for t in ("auto", "explicit") if s["tensor"] == 1 else ("explicit",):
+        for t in ("auto", "explicit"):
           out.append(("mix", s, t))
   return out
 
@@ -245,9 +267,13 @@ def equality(devs, b, h, v, rows):
     return head.apply({"params": {"kernel": w, "bias": bb}}, x, y, where=m)
 
   g_head = jax.jit(jax.value_and_grad(head_op, (0, 1, 2)))
+  def op_lean(x, w, bb, y, m):  # the kernels' lean design on each device's columns (fp32: pallas_triton)
+    return linear_cross_entropy(x, w, y, bias=bb, where=m, impl="auto", mode="lean", **EQ_OPTS)
+
+  g_lean = jax.jit(jax.value_and_grad(op_lean, (0, 1, 2)))
   cases = [(label, s, t, "op") for label, s, t in _eq_meshes(n)]
   cases.append(("fsdp", dict(fsdp=n), "explicit", "linen.LMHead"))
-  cases.append(("tensor", dict(tensor=n), "auto", "expect_error"))
+  cases += [("tensor", dict(tensor=n), t, "lean") for t in ("auto", "explicit")]
   for label, sizes, types, what in cases:
     row = dict(section="equality", mesh=label, sizes=dict(zip(AXES, (sizes.get(a, 1) for a in AXES))),
                path=types if what == "op" else f"{types}:{what}", impl="auto", B=b, H=h, V=v, dtype="float32",
@@ -256,24 +282,15 @@ def equality(devs, b, h, v, rows):
       mesh = make_mesh(devs, types, **sizes)
       with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
         x, w, bb, y, m = _place(mesh, ((TOK, x0), (W, w0), (P("tensor"), b0), (TOK, y0), (TOK, m0)))
-        l1, g1 = (g_head if what == "linen.LMHead" else g_op)(x, w, bb, y, m)
+        l1, g1 = {"linen.LMHead": g_head, "lean": g_lean}.get(what, g_op)(x, w, bb, y, m)
         l1 = float(l1)
-      if what == "expect_error":
-        row["note"] = "no error raised: Auto axes with w split over V were expected to raise NotImplementedError"
       errs = dict(loss_rel_err=rel(l1, l0), dx_rel_err=rel(g1[0], g0[0]), dw_rel_err=rel(g1[1], g0[1]),
                   dbias_rel_err=rel(g1[2], g0[2]))
       row.update(loss=l1, loss_ref=float(l0), **errs, max_rel_err=max(errs.values()))
-      row["ok"] = row["max_rel_err"] <= EQ_TARGET and what != "expect_error"
+      row["ok"] = row["max_rel_err"] <= EQ_TARGET
     except Exception as e:
-      if what == "expect_error" and "vocabulary dim is sharded" in str(e):
-        msg = str(e)
-        i = msg.find("NotImplementedError")
-        row.update(ok=True, expected_error=(msg[i:] if i >= 0 else err(e))[:300],
-                   note="Auto axes + w split over V raise by design; the vocab-parallel head runs under Explicit "
-                        "axes (rows path=explicit) or sharded_linear_cross_entropy")
-      else:
-        row.update(ok=False, error=err(e))
-        traceback.print_exc()
+      row.update(ok=False, error=err(e))
+      traceback.print_exc()
     _emit(rows, row)
   if n < 4:
     print(f"equality: no mix of two mesh axes > 1 exists for n={n} devices", flush=True)
@@ -398,13 +415,15 @@ def summary(rows):
   sec = lambda s: [r for r in rows if r["section"] == s and set(r) - {"section", "error"}]
   if sec("vocab_parallel"):
     print(f"\n== vocab parallel (per device; ratio vs one device, same design; target <= {VP_SLACK}/k) ==")
-    print(f"{'path':9} {'k':>2} {'impl':8} {'mode':5} {'temp GB':>8} {'head GB':>8} {'temp ratio':>10} "
-          f"{'target':>6} {'ms':>8}  ok")
+    print(f"{'path':9} {'k':>2} {'impl':13} {'mode':5} {'runs':32} {'temp GB':>8} {'head GB':>8} {'temp ratio':>10} "
+          f"{'target':>6} {'ms':>8} {'loss err':>8}  ok")
     for r in sec("vocab_parallel"):
       ok = r.get("pass_temp", "ref" if r["path"] == "local" else "-")
-      print(f"{r['path']:9} {r['devices']:>2} {r['impl']:8} {str(r['mode']):5} {_gb(r.get('temp_size_in_bytes'))} "
+      print(f"{r['path']:9} {r['devices']:>2} {r['impl']:13} {str(r['mode']):5} {r.get('runs', ''):32} "
+            f"{_gb(r.get('temp_size_in_bytes'))} "
             f"{_gb(r.get('head_bytes'))} {_f(r.get('temp_ratio_vs_1dev'), '10.3f'):>10} "
-            f"{_f(r.get('target_ratio'), '6.3f'):>6} {_f(r.get('fwdbwd_ms'), '8.2f'):>8}  {ok} {r.get('error', '')}")
+            f"{_f(r.get('target_ratio'), '6.3f'):>6} {_f(r.get('fwdbwd_ms'), '8.2f'):>8} "
+            f"{_f(r.get('loss_rel_err_vs_1dev'), '8.1e'):>8}  {ok} {r.get('error', '')}")
   if sec("equality"):
     print(f"\n== equality (fp32, every option, impl=auto; max rel err vs one device, target <= {EQ_TARGET}) ==")
     print(f"{'mesh':7} {'sizes d/f/t':11} {'path':22} {'loss':>8} {'dx':>8} {'dw':>8} {'dbias':>8}  ok")
@@ -412,7 +431,7 @@ def summary(rows):
       s = "/".join(str(r["sizes"][a]) for a in AXES)
       print(f"{r['mesh']:7} {s:11} {r['path']:22} " + " ".join(
           f"{_f(r.get(k + '_rel_err'), '8.1e'):>8}" for k in ("loss", "dx", "dw", "dbias"))
-          + f"  {r.get('ok')} {r.get('error', '') or ('(expected error)' if 'expected_error' in r else '')}")
+          + f"  {r.get('ok')} {r.get('error', '')}")
   if sec("weak_scaling") or sec("allreduce"):
     print("\n== weak scaling (tokens per device fixed; efficiency = t(1)/t(k)) ==")
     print(f"{'layout':6} {'path':9} {'k':>2} {'ms':>8} {'eff':>6} {'temp GB':>8} {'tok/s':>10}")
@@ -432,7 +451,7 @@ def summary(rows):
   if any(r.get("B") == 256 for r in sec("vocab_parallel")):
     print("(--small: fixed-size buffers dominate tiny shapes; the vocab-parallel memory target is meant for the "
           "llama3-8b head)")
-  bad = [r for r in rows if r.get("error") and not r.get("expected_error")]
+  bad = [r for r in rows if r.get("error")]
   print(f"\n{len(rows)} rows, {len(bad)} with errors")
 
 
