@@ -121,14 +121,15 @@ def _check(x, w, labels, bias, where, w_layout: str) -> None:
 
 
 def _explicit_axes(a) -> tuple[str, ...]:
-  """Mesh axes of size > 1 with ``AxisType.Explicit`` over which ``a`` is sharded (empty outside that mode)."""
+  """Mesh axes with ``AxisType.Explicit`` over which ``a``'s type says it is sharded (empty outside that mode).
+  Axes of size 1 count too: such an array is typed as sharded, and the sharded form (which ignores size-1 axes)
+  takes it as it is."""
   sharding = getattr(jax.typeof(a), "sharding", None)
   mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
   if mesh is None or spec is None or not getattr(mesh, "axis_types", ()):
     return ()
   explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
-  return tuple(n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,))
-               if n in explicit and mesh.shape[n] > 1)
+  return tuple(n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,)) if n in explicit)
 
 
 # ------------------------------------------------------------------------------------------------ dispatch

@@ -71,6 +71,26 @@ def test_sm80_lean_kernels_and_fast_fallback_are_visible(fake_gpu):
     explain(**LLAMA, impl="pallas_triton", mode="fast")
 
 
+def test_vocab_parallel_designs_are_visible(fake_gpu):
+  """A vocabulary split over devices: auto's fast design is the chunked token loop (the kernels have no
+  vocab-parallel fast design, and the skip is in the notes), lean runs the kernels on V/t columns; a kernel asked
+  for with mode="fast" is an error; the design and memory are one device's."""
+  fake_gpu((9, 0))
+  fast = explain(**LLAMA, vocab_shards=2)
+  assert (fast.impl, fast.mode) == ("chunked", "fast")
+  assert any("no vocab-parallel fast design" in n for n in fast.notes)
+  assert any("each of 2 devices runs 64128 columns" in n for n in fast.notes)
+  lean = explain(**LLAMA, vocab_shards=2, mode="lean")
+  assert (lean.impl, lean.mode) == ("pallas_mosaic", "lean")
+  assert lean.memory_bytes <= explain(**LLAMA, mode="lean").memory_bytes
+  named = explain(**LLAMA, vocab_shards=4, impl="pallas_mosaic")
+  assert (named.impl, named.mode) == ("pallas_mosaic", "lean") and any("vocab-parallel" in n for n in named.notes)
+  with pytest.raises(ValueError, match="impl='pallas_mosaic' has no vocab-parallel fast design"):
+    explain(**LLAMA, vocab_shards=2, impl="pallas_mosaic", mode="fast")
+  with pytest.raises(ValueError, match="vocab_shards=5 must be a positive int dividing V=128256"):
+    explain(**LLAMA, vocab_shards=5)
+
+
 def test_explicit_impl_that_cannot_run_names_reason_and_alternatives():
   with pytest.raises(ValueError, match=r"pallas_mosaic: .*implementations that can run bfloat16 inputs: "
                                        r"\[.*'xla'.*'chunked'"):

@@ -430,6 +430,24 @@ def test_auto_vocab_parallel_kernels(impl, reduction):
                 batch_shape=(4, 4) if reduction == "none" else (AB,))
 
 
+@pytest.mark.parametrize("mesh_shape,tok,wspec", [((1, 1, 8), "data", P(None, "tensor")),
+                                                   ((1, 2, 4), ("data", "fsdp"), P("data", "tensor")),
+                                                   ((1, 1, 1), "data", P("fsdp", "tensor"))])
+def test_explicit_size_one_axes(mesh_shape, tok, wspec):
+  """Arrays typed as split over Explicit axes of size 1 (tokens over "data" = 1, w's H over "data" = 1, a 1-device
+  mesh) run as if those axes were absent."""
+  devices = jax.devices()[:math.prod(mesh_shape)]
+  x, w, b, y, wh = _auto_inputs(15)
+  mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 3,
+                       devices=devices)
+  l0, g0 = jax.value_and_grad(lambda x, w: linear_cross_entropy(x, w, y, bias=b, z_loss=1e-3), (0, 1))(x, w)
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  with jax.set_mesh(mesh):
+    f = jax.jit(jax.value_and_grad(lambda x, w, y, b: linear_cross_entropy(x, w, y, bias=b, z_loss=1e-3), (0, 1)))
+    l1, g1 = f(put(x, P(tok)), put(w, wspec), put(y, P(tok)), put(b, P()))
+  assert rel_err(l1, l0) <= TOL and all(rel_err(s, r) <= TOL for s, r in zip(g1, g0))
+
+
 def test_explicit_axes_vocab_parallel_kernels():
   _auto_compare((2, 2, 2), ("data", "fsdp"), P("fsdp", "tensor"), axis_type=AxisType.Explicit, impl="pallas_triton",
                 options=OPTIONS["all"], seed=14)
@@ -501,24 +519,27 @@ def _as_gpu(monkeypatch, impl):
     pytest.skip(f"{impl} cannot be dispatched for sm90 here: {e}")
 
 
+@pytest.mark.parametrize("wspec", [P("fsdp", None), P("fsdp", "tensor")], ids=["fsdp", "fsdp+vocab"])
 @pytest.mark.parametrize("impl", ["pallas_triton", "pallas_mosaic"])
-def test_gpu_auto_path_is_custom_partitioned(monkeypatch, impl):
-  """Lowered for CUDA under Auto axes: the only custom call is the partitioner's; no kernel outside it."""
+def test_gpu_auto_path_is_custom_partitioned(monkeypatch, impl, wspec):
+  """Lowered for CUDA under Auto axes: the only custom call is the partitioner's; no kernel outside it (w's V split
+  over "tensor" too: the vocab-parallel head, lean design, runs the kernels per device)."""
   _as_gpu(monkeypatch, impl)
   mesh = _mesh((2, 2, 2))
   tok = NamedSharding(mesh, P(("data", "fsdp")))
   xs = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16, sharding=tok)
-  ws = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", None)))
+  ws = jax.ShapeDtypeStruct((128, 512), jnp.bfloat16, sharding=NamedSharding(mesh, wspec))
   ys = jax.ShapeDtypeStruct((256,), jnp.int32, sharding=tok)
-  f = lambda x, w, y: linear_cross_entropy(x, w, y, impl=impl, interpret=False)
+  f = lambda x, w, y: linear_cross_entropy(x, w, y, impl=impl, interpret=False, mode="lean")
   with jax.set_mesh(mesh):
     text = jax.jit(jax.value_and_grad(f, (0, 1))).trace(xs, ws, ys).lower(lowering_platforms=("cuda",)).as_text()
   targets = set(re.findall(r"custom_call @([\w$.]+)", text))
   assert "CustomSPMDPartitioning" in targets and not any(GPU_KERNEL_TARGETS[impl] in t for t in targets), targets
 
 
+@pytest.mark.parametrize("vocab", [(), ("tensor",)], ids=["fsdp", "fsdp+vocab"])
 @pytest.mark.parametrize("impl", ["pallas_triton", "pallas_mosaic"])
-def test_gpu_per_shard_body_runs_kernels_on_shards(monkeypatch, impl):
+def test_gpu_per_shard_body_runs_kernels_on_shards(monkeypatch, impl, vocab):
   """The per-shard body (what the partition rule lowers per device, and the explicit form's shard_map), lowered
   for an abstract H100 mesh: every kernel custom call sits inside the manual computation, on this shard's tokens."""
   from jax._src.mesh import AbstractDevice
@@ -529,8 +550,8 @@ def test_gpu_per_shard_body_runs_kernels_on_shards(monkeypatch, impl):
                                  abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
                                                                 platform="cuda"))
   b, h, v = 256, 128, 512
-  s = _partition.Static(LossOptions(impl=impl, interpret=False), "hv", v)
-  lay = _partition.Layout(("data", "fsdp"), ("fsdp",))
+  s = _partition.Static(LossOptions(impl=impl, interpret=False, mode="lean"), "hv", v)
+  lay = _partition.Layout(("data", "fsdp"), ("fsdp",), vocab)
   args = (jax.ShapeDtypeStruct((b, h), jnp.bfloat16), jax.ShapeDtypeStruct((h, v), jnp.bfloat16),
           jax.ShapeDtypeStruct((b,), jnp.int32))
   with jax.sharding.use_abstract_mesh(am):
@@ -548,6 +569,8 @@ def test_gpu_per_shard_body_runs_kernels_on_shards(monkeypatch, impl):
   body = "\n".join(lines[start + 1:end])
   assert f"tensor<{b}x{h}xbf16>" not in body  # never all tokens' activations inside the per-device region
   assert f"tensor<{b // 4}x{h}xbf16>" in body  # this device's 64 tokens
+  if vocab:  # this device's shard of w (H over fsdp, V over tensor); the whole head never inside the region
+    assert f"tensor<{h // 2}x{v // 2}xbf16>" in body and f"x{v}xbf16>" not in body
 
 
 def test_auto_uneven_token_split():
