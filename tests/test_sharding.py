@@ -17,15 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 from lce_flax import linear_cross_entropy
 from lce_flax.sharding import DEFAULT_RULES, make_mesh, sharded_linear_cross_entropy
+from tests._checks import OPTIONS
 from tests.reference_np import linear_cross_entropy_np, rel_err
 
-OPTIONS = {
-    "plain": {},
-    "smoothing": dict(label_smoothing=0.1),
-    "z_loss": dict(z_loss=1e-2),
-    "softcap": dict(logit_softcap=3.0),
-    "all": dict(label_smoothing=0.2, z_loss=1e-3, logit_softcap=4.0),
-}
 # (data, fsdp, tensor)
 # B = 8·5 tokens (5 per device on 8 devices), V = 8·37 (37 columns per shard: ragged against chunk 16),
 # H = 24 (12 per FSDP shard).
