@@ -1,0 +1,130 @@
+"""The model: a small decoder-only transformer whose head is either the fused one (``lce_flax.linen.LMHead``) or the
+plain one, written as users write it (``nn.Dense(V, dtype=...)`` + ``optax.softmax_cross_entropy_with_integer_labels``).
+
+Both heads build the same parameter tree (``params/head/kernel`` is ``[H, V]``, same initialiser, same logical axis
+names), so at the same seed they start from the same numbers and a checkpoint of one loads into the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from lce_flax import LossOptions
+from lce_flax.linen import LMHead
+
+HEADS = ("fused", "plain")
+HEAD_INIT = nn.initializers.normal(0.02)
+HEAD_AXES = ("embed", "vocab")  # logical names of the head's kernel [H, V]: H over "fsdp", V over "tensor"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  seq_len: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  d_ff: int
+  dtype: str = "float32"
+  remat: bool = False
+
+
+class Block(nn.Module):
+  """Pre-LayerNorm transformer block: causal self-attention and a GELU MLP."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+    head_dim = cfg.d_model // cfg.num_heads
+    h = nn.LayerNorm(dtype=dtype, name="ln_attn")(x)
+    qkv = nn.DenseGeneral((3, cfg.num_heads, head_dim), use_bias=False, dtype=dtype, name="qkv")(h)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    x = x + nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=False, dtype=dtype, name="attn_out")(a)
+    h = nn.LayerNorm(dtype=dtype, name="ln_mlp")(x)
+    h = nn.gelu(nn.Dense(cfg.d_ff, dtype=dtype, name="mlp_in")(h))
+    return x + nn.Dense(cfg.d_model, dtype=dtype, name="mlp_out")(h)
+
+
+def fsdp_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+  """``lax.dot_general`` that first gathers a contracting dim of the kernel split over a mesh axis (what FSDP does
+  before a matmul; a mesh of Explicit axes will not contract over a dim split on one side only). Without a mesh
+  it is ``lax.dot_general``."""
+  spec = getattr(jax.typeof(rhs).sharding, "spec", None)
+  (_, rc), _ = dimension_numbers
+  if spec is not None and any(d < len(spec) and spec[d] is not None for d in rc):
+    rhs = jax.sharding.reshard(rhs, P(*(None if d in rc else s for d, s in enumerate(spec))))
+  return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                             preferred_element_type=preferred_element_type)
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """``nn.Embed``'s lookup (``table[tokens]``); on an Explicit mesh the rows come out split like ``tokens`` (a gather
+  from a replicated table with split indices needs its output sharding spelled out there)."""
+  sharding = jax.typeof(tokens).sharding
+  if not getattr(getattr(sharding, "mesh", None), "axis_names", ()):
+    return jnp.take(table, tokens, axis=0)
+  spec = tuple(sharding.spec) + (None,) * (tokens.ndim - len(sharding.spec))
+  return table.at[tokens].get(out_sharding=P(*spec, None))
+
+
+class TransformerLM(nn.Module):
+  """Decoder-only LM. ``__call__(tokens, labels)`` is the mean next-token loss; ``logits(tokens)`` the logits."""
+
+  cfg: ModelConfig
+  head: str = "fused"
+  impl: str = "auto"
+
+  def setup(self):
+    cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+    self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(0.02), name="embed")
+    self.pos = self.param("pos", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model), jnp.float32)
+    block = nn.remat(Block) if cfg.remat else Block  # remat: keep only block inputs, so the head dominates memory
+    self.blocks = [block(cfg, name=f"block{i}") for i in range(cfg.num_layers)]
+    self.ln_f = nn.LayerNorm(dtype=dtype, name="ln_f")
+    kernel_init = nn.with_logical_partitioning(HEAD_INIT, HEAD_AXES)
+    if self.head == "fused":
+      # the swap: LMHead holds nn.Dense's kernel and returns the loss; impl="auto" picks the implementation
+      self.lm_head = LMHead(cfg.vocab_size, use_bias=False, dtype=dtype, kernel_init=HEAD_INIT, kernel_axes=HEAD_AXES,
+                            options=LossOptions(impl=self.impl), name="head")
+    elif self.head == "plain":
+      self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, kernel_init=kernel_init,
+                              dot_general=fsdp_dot_general, name="head")
+    else:
+      raise ValueError(f"head={self.head!r} is not one of {HEADS}")
+
+  def hidden(self, tokens: jax.Array) -> jax.Array:
+    t = tokens.shape[-1]
+    if t > self.cfg.seq_len:
+      raise ValueError(f"tokens.shape={tokens.shape}: at most seq_len={self.cfg.seq_len} positions")
+    x = (embed_lookup(self.embed.embedding, tokens) + self.pos[:t]).astype(jnp.dtype(self.cfg.dtype))
+    for blk in self.blocks:
+      x = blk(x)
+    return self.ln_f(x)
+
+  def __call__(self, tokens: jax.Array, labels: jax.Array) -> jax.Array:
+    x = self.hidden(tokens)
+    if self.head == "fused":
+      return self.lm_head(x, labels)
+    # The plain head: [B, T, V] logits (kept for the backward), upcast to float32 for the softmax.
+    logits = self.lm_head(x).astype(jnp.float32)
+    spec = getattr(jax.typeof(logits).sharding, "spec", None)
+    if spec is not None and len(spec) == logits.ndim and spec[-1] is not None:
+      # V split over "tensor" (Explicit mesh): gather the vocabulary for optax's label lookup, as a plain
+      # tensor-parallel head does before its softmax
+      logits = jax.sharding.reshard(logits, P(*spec[:-1], None))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  def logits(self, tokens: jax.Array) -> jax.Array:
+    x = self.hidden(tokens)
+    if self.head == "fused":
+      return self.lm_head.logits(x).astype(jnp.float32)
+    return self.lm_head(x).astype(jnp.float32)
