@@ -1,0 +1,613 @@
+"""One Hopper GEMM (Pallas Mosaic GPU) for the head's three products, with a prologue and an epilogue hook.
+
+``out = epilogue(prologue(A) · B)`` with A [M, K] and B [K, N], each stored either way round
+(``transpose_a``: A is handed in as [K, M]; ``transpose_b``: B as [N, K]), so the head's products need no
+transposed copies:
+
+* forward ``x·w``: A = x [B, H], B = w ([H, V], or [V, H] with ``transpose_b``);
+* ``dx = dz·wᵀ``: A = dz [B, V], B = w ([H, V] with ``transpose_b``, or [V, H]);
+* ``dw = xᵀ·dz``: A = x [B, H] with ``transpose_a``, B = dz [B, V] (or ``dzᵀ·x`` for a [V, H] w).
+
+**Structure (the GPU path).** A persistent grid of one CTA (or one 2-CTA cluster) per SM walks the output tiles
+in a planar-snake order (:func:`plgpu.planar_snake`: neighbouring CTAs share rows of A or columns of B while they
+are in L2). A CTA tile is two warpgroup tiles of ``tile_m × tile_n`` side by side (``wg_split``): two compute
+warpgroups each own one float32 WGMMA accumulator, a third warpgroup only issues the TMA copies of the K steps
+(``plgpu.emit_pipeline_warp_specialized``, ``stages`` deep). With ``cluster`` set, the two CTAs of a cluster
+share the operand tile they have in common through TMA multicast. While one warpgroup runs its epilogue, the
+other's WGMMAs keep the tensor cores busy.
+
+**Ragged shapes.** M, N and K need not be multiples of any tile: TMA fills the out-of-bounds part of a loaded
+tile with zeros (so a ragged K adds nothing) and clips the out-of-bounds part of a stored one. No operand is
+copied or padded. Mosaic's swizzled TMA descriptors need each array's minor dimension to be a multiple of the
+swizzle row (64 bf16 elements: 128 bytes) and its major one a multiple of 8, so V = 50304, 128256, 151936 and
+256000 are read in place as [H, V] or [V, H], while a [H, 128037] w (rows not even 16-byte aligned) is refused
+with a clear error: hand such a w in as [V, H], which only needs H to be a multiple of 64.
+
+**Hooks.**
+
+* prologue (:class:`DzFromLogits`): forms the A tile in registers from the SMEM tile TMA brought in, before the
+  WGMMA (which then takes A from registers). ``DzFromLogits`` turns stored logits into the logit gradient
+  ``dz = exp(z - lse)·coef - [col = label]·a`` of the rows, so ``dx = dz·wᵀ`` needs no separate pass over B×V.
+* epilogue: a tuple of parts, each applied to the float32 accumulator of a warpgroup tile:
+  :class:`Store` (write it in a dtype, through double-buffered SMEM sub-tiles and TMA),
+  :class:`AddTo` (``out = C + acc`` in float32, C read tile by tile: the token-chunked dw),
+  :class:`RowStats` (the softmax-cross-entropy row statistics of each tile, merged by :func:`merge_row_stats`).
+
+**Interpret mode (CPU).** Mosaic GPU's interpreter runs neither collective warpgroup axes (``run_scoped`` with
+``collective_axes``) nor WGMMA. ``interpret=True`` therefore runs a twin of the same kernel: the same persistent
+tile loop, TMA pipeline over K, block specs (transposes, out-of-bounds fills), prologue and epilogue parts, with
+one warpgroup tile per CTA tile and ``lax.dot_general`` on the SMEM tiles in place of the WGMMA. The GPU path is
+checked on CPU by lowering it for CUDA (layouts, shared-memory budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from lce_flax import _device, _math
+from lce_flax._impl.common import F32, cdiv
+
+_SUPPORTED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_MINOR = 64  # elements of a 128-byte swizzle row (16-bit operands)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+  """Static tiling of one GEMM call.
+
+  ``tile_m × tile_n`` is one compute warpgroup's accumulator; the CTA tile doubles it along ``wg_split``
+  ("m" or "n"), a cluster of two CTAs doubles that along ``cluster`` ("m", "n" or None). ``order_minor`` /
+  ``order_width`` set the planar-snake tile order; ``epi_m × epi_n`` is the sub-tile of the stored output.
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 4
+  wg_split: str = "n"
+  cluster: str | None = None
+  order_minor: str = "n"
+  order_width: int = 16
+  epi_m: int = 64
+  epi_n: int = 64
+
+  def cta_tile(self) -> tuple[int, int]:
+    return (self.tile_m * (2 if self.wg_split == "m" else 1), self.tile_n * (2 if self.wg_split == "n" else 1))
+
+  def cluster_size(self) -> int:
+    return 1 if self.cluster is None else 2
+
+  def cluster_tile(self) -> tuple[int, int]:
+    cm, cn = self.cta_tile()
+    return (cm * (2 if self.cluster == "m" else 1), cn * (2 if self.cluster == "n" else 1))
+
+  def short(self) -> str:
+    return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} wg={self.wg_split} cl={self.cluster} "
+            f"order={self.order_minor}{self.order_width}")
+
+  def validate(self):
+    for name in ("tile_m", "tile_n", "tile_k"):
+      if getattr(self, name) % 64:
+        raise ValueError(f"GemmConfig.{name}={getattr(self, name)} must be a multiple of 64")
+    if self.wg_split not in ("m", "n") or self.cluster not in (None, "m", "n") or self.order_minor not in ("m", "n"):
+      raise ValueError(f"bad GemmConfig dimension names: {self}")
+    if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
+      raise ValueError(f"the epilogue sub-tile {self.epi_m}x{self.epi_n} must divide the warpgroup tile")
+    if self.stages < 2:
+      raise ValueError("GemmConfig.stages must be >= 2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """Static facts of one call: sizes, operand layouts, and the twin (interpret) or GPU structure."""
+
+  m: int
+  n: int
+  k: int
+  transpose_a: bool
+  transpose_b: bool
+  dtype: Any
+  interpret: bool
+  nwg: int  # warpgroup tiles per CTA tile (2 on the GPU path, 1 in the interpret twin)
+
+  def rows_padded(self, cfg: GemmConfig) -> int:
+    tm = cfg.cluster_tile()[0] if not self.interpret else cfg.tile_m
+    return cdiv(self.m, tm) * tm
+
+  def col_tiles(self, cfg: GemmConfig) -> int:
+    """Warpgroup tiles along N the tile loop visits (those past N included, when a cluster overhangs)."""
+    tn = cfg.cluster_tile()[1] if not self.interpret else cfg.tile_n
+    return cdiv(self.n, tn) * (tn // cfg.tile_n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+  """Where a warpgroup tile lies, as the hooks see it."""
+
+  g: Any  # warpgroup index within the CTA (0 in the interpret twin)
+  row0: Any  # first output row
+  col0: Any  # first output column
+  col_tile: Any  # col0 // tile_n
+  cfg: GemmConfig
+  prob: Problem
+
+  @property
+  def rows(self):
+    return pl.ds(self.row0, self.cfg.tile_m)
+
+  @property
+  def cols(self):
+    return pl.ds(self.col0, self.cfg.tile_n)
+
+
+def _transforms(dtype, minor_elems: int):
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+# ------------------------------------------------------------------------------------------------ epilogue parts
+
+
+class Part:
+  """One epilogue part. ``inputs``: extra GMEM arrays; ``out_types``: its outputs; ``smem``: its SMEM (one slot
+  per warpgroup); ``prefetch`` runs before a tile's K loop (issue small copies), ``apply`` after it, on the
+  float32 accumulator value ``z`` [tile_m, tile_n]."""
+
+  def inputs(self, prob: Problem, cfg: GemmConfig) -> tuple:
+    return ()
+
+  def out_types(self, prob: Problem, cfg: GemmConfig) -> tuple:
+    return ()
+
+  def smem(self, prob: Problem, cfg: GemmConfig) -> tuple:
+    return ()
+
+  def prefetch(self, t: Tile, ins, smem):
+    del t, ins, smem
+
+  def apply(self, z, t: Tile, ins, outs, smem):
+    raise NotImplementedError
+
+  def finish(self, outs, prob: Problem, cfg: GemmConfig):
+    return outs
+
+
+def _subtiles(cfg: GemmConfig):
+  for i in range(cfg.tile_m // cfg.epi_m):
+    for j in range(cfg.tile_n // cfg.epi_n):
+      yield slice(i * cfg.epi_m, (i + 1) * cfg.epi_m), slice(j * cfg.epi_n, (j + 1) * cfg.epi_n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Store(Part):
+  """Stores the accumulator as ``dtype`` (the operands' dtype when None) [M, N]: each ``epi_m × epi_n``
+  sub-tile goes registers → SMEM (two slots, alternating) → TMA, so a copy drains while the next is written."""
+
+  dtype: Any = None
+
+  def _dt(self, prob):
+    return jnp.dtype(self.dtype or prob.dtype)
+
+  def out_types(self, prob, cfg):
+    return (jax.ShapeDtypeStruct((prob.m, prob.n), self._dt(prob)),)
+
+  def smem(self, prob, cfg):
+    return (plgpu.SMEM((prob.nwg, 2, cfg.epi_m, cfg.epi_n), self._dt(prob),
+                       transforms=_transforms(self._dt(prob), cfg.epi_n)),)
+
+  def apply(self, z, t, ins, outs, smem):
+    (out,), (buf,) = outs, smem
+    for q, (ms, ns) in enumerate(_subtiles(t.cfg)):
+      slot = q % 2
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the copy that last read this slot is done
+      buf[t.g, slot] = z[ms, ns].astype(buf.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(buf.at[t.g, slot], out.at[pl.ds(t.row0 + ms.start, t.cfg.epi_m),
+                                                         pl.ds(t.col0 + ns.start, t.cfg.epi_n)])
+
+
+@dataclasses.dataclass(frozen=True)
+class AddTo(Part):
+  """``out = c + acc`` in float32 [M, N] (``c`` float32 [M, N]): the accumulation of a token-chunked dw. Each
+  sub-tile of ``c`` comes in by TMA into the SMEM slot that then carries the sum out."""
+
+  c: Any
+
+  def inputs(self, prob, cfg):
+    if self.c.shape != (prob.m, prob.n) or self.c.dtype != F32:
+      raise ValueError(f"AddTo: c must be float32 {(prob.m, prob.n)}, got {self.c.dtype} {self.c.shape}")
+    return (self.c,)
+
+  def out_types(self, prob, cfg):
+    return (jax.ShapeDtypeStruct((prob.m, prob.n), F32),)
+
+  def smem(self, prob, cfg):
+    return (plgpu.SMEM((prob.nwg, 2, cfg.epi_m, cfg.epi_n), F32, transforms=_transforms(F32, cfg.epi_n)),
+            plgpu.Barrier(num_barriers=2 * prob.nwg))
+
+  def apply(self, z, t, ins, outs, smem):
+    (c,), (out,), (buf, bars) = ins, outs, smem
+    for q, (ms, ns) in enumerate(_subtiles(t.cfg)):
+      slot = q % 2
+      where = (pl.ds(t.row0 + ms.start, t.cfg.epi_m), pl.ds(t.col0 + ns.start, t.cfg.epi_n))
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      bar = bars.at[t.g * 2 + slot]
+      plgpu.copy_gmem_to_smem(c.at[where], buf.at[t.g, slot], bar)
+      plgpu.barrier_wait(bar)
+      buf[t.g, slot] = buf[t.g, slot] + z[ms, ns]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(buf.at[t.g, slot], out.at[where])
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsOptions:
+  """What :class:`RowStats` needs of the loss options (any object with these two attributes will do, e.g. the
+  package's loss spec): the logit soft-cap and whether the loss needs Σz (label smoothing)."""
+
+  logit_softcap: float | None = None
+  needs_logit_sum: bool = False
+
+
+def _rows(v, shape):
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def tile_stats(z, cols, valid, labels, opts):
+  """Row statistics ``(max, Σexp(zc - max), zc[label], Σzc)`` of a float32 tile over its ``valid`` columns, with
+  ``zc`` the soft-capped logits (written for Mosaic registers: per-row values enter through broadcasts; a row
+  with no valid column gets max = -inf, Σexp = 0)."""
+  zc = _math.softcap(z, opts.logit_softcap)
+  masked = jnp.where(valid, zc, -jnp.inf)
+  m = masked.max(axis=1)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  s = jnp.exp(masked - _rows(m_safe, zc.shape)).sum(axis=1)
+  target = jnp.where(valid & (cols == _rows(labels, zc.shape)), zc, 0.0).sum(axis=1)
+  zsum = jnp.where(valid, zc, 0.0).sum(axis=1) if opts.needs_logit_sum else jnp.zeros_like(m)
+  return m, s, target, zsum
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStats(Part):
+  """The loss statistics of each warpgroup tile (the forward's lean epilogue): per row, over the tile's columns
+  ``< N`` (the vocabulary), :func:`tile_stats`. Output: float32 [4, column tiles, M_padded];
+  :func:`merge_row_stats` turns it into the rows' :class:`lce_flax._math.RowStats`. ``labels`` int32 [M] (column
+  ids; negative: no target); ``opts``: :class:`StatsOptions` or the package's loss spec."""
+
+  labels: Any
+  opts: Any = StatsOptions()
+
+  def inputs(self, prob, cfg):
+    mp = prob.rows_padded(cfg)
+    y = self.labels.astype(jnp.int32)
+    return (jnp.pad(y, (0, mp - prob.m), constant_values=-1),)
+
+  def out_types(self, prob, cfg):
+    return (jax.ShapeDtypeStruct((4, prob.col_tiles(cfg), prob.rows_padded(cfg)), F32),)
+
+  def smem(self, prob, cfg):
+    return (plgpu.SMEM((prob.nwg, cfg.tile_m), jnp.int32), plgpu.SMEM((prob.nwg, 4, cfg.tile_m), F32),
+            plgpu.Barrier(num_barriers=prob.nwg))
+
+  def prefetch(self, t, ins, smem):
+    (y,), (y_smem, _, bars) = ins, smem
+    plgpu.copy_gmem_to_smem(y.at[t.rows], y_smem.at[t.g], bars.at[t.g])
+
+  def apply(self, z, t, ins, outs, smem):
+    (st,), (y_smem, st_smem, bars) = outs, smem
+    plgpu.barrier_wait(bars.at[t.g])
+    cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
+    new = tile_stats(z, cols, cols < t.prob.n, y_smem[t.g], self.opts)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's statistics have left st_smem
+    for q in range(4):
+      st_smem[t.g, q] = new[q]
+    plgpu.commit_smem()
+    for q in range(4):
+      plgpu.copy_smem_to_gmem(st_smem.at[t.g, q], st.at[q, t.col_tile, t.rows])
+
+
+def merge_row_stats(stats, m: int) -> _math.RowStats:
+  """The rows' statistics over all column tiles from :class:`RowStats`' output [4, tiles, M_padded]."""
+  mx, s, tgt, zs = (stats[q, :, :m] for q in range(4))
+  top = mx.max(axis=0)
+  safe = jnp.where(top == -jnp.inf, 0.0, top)
+  return _math.RowStats(top, (s * jnp.exp(mx - safe)).sum(axis=0), tgt.sum(axis=0), zs.sum(axis=0))
+
+
+# ------------------------------------------------------------------------------------------------ prologue
+
+
+@dataclasses.dataclass(frozen=True)
+class DzFromLogits:
+  """A prologue: A = the logit gradient of stored logits, formed tile by tile before the MMA.
+
+  A is handed in as logits ``z`` [M, K] (bf16, not transposed); the A tile the MMA takes is
+  ``dz = exp(z - lse)·coef - [col = label]·a`` (columns ``≥ K`` zero), with per-row ``lse``, ``coef``, ``a``
+  float32 [M] and ``labels`` int32 [M] (as :func:`lce_flax._impl.pallas_mosaic.epilogue.row_coefficients` gives
+  them; ``lse`` may already hold a per-row shift of the stored logits). Then ``dx = gemm(z, w, prologue=...)``."""
+
+  lse: Any
+  coef: Any
+  a: Any
+  labels: Any
+
+  def inputs(self, prob, cfg):
+    mp = prob.rows_padded(cfg)
+    pad = lambda v, fill: jnp.pad(v, (0, mp - prob.m), constant_values=fill)
+    vecs = jnp.stack([pad(self.lse.astype(F32), 0.0), pad(self.coef.astype(F32), 0.0), pad(self.a.astype(F32), 0.0)])
+    return (vecs, pad(self.labels.astype(jnp.int32), -1))
+
+  def smem(self, prob, cfg):
+    return (plgpu.SMEM((prob.nwg, 3, cfg.tile_m), F32), plgpu.SMEM((prob.nwg, cfg.tile_m), jnp.int32),
+            plgpu.Barrier(num_barriers=4 * prob.nwg))
+
+  def fetch(self, t: Tile, ins, smem):
+    """Brings the tile's row vectors into SMEM and waits for them (once per output tile; one barrier per copy,
+    since each TMA copy is one arrival)."""
+    (vecs, y), (v_smem, y_smem, bars) = ins, smem
+    pairs = [(vecs.at[q, t.rows], v_smem.at[t.g, q]) for q in range(3)] + [(y.at[t.rows], y_smem.at[t.g])]
+    for q, (src, dst) in enumerate(pairs):
+      plgpu.copy_gmem_to_smem(src, dst, bars.at[4 * t.g + q])
+    for q in range(4):
+      plgpu.barrier_wait(bars.at[4 * t.g + q])
+
+  def form(self, z, k0, t: Tile, smem):
+    """The A tile [tile_m, tile_k] (operand dtype) from the stored-logit tile ``z`` (float32)."""
+    v_smem, y_smem, _ = smem
+    shape = z.shape
+    row = lambda v: _rows(v, shape)
+    cols = lax.broadcasted_iota(jnp.int32, shape, 1) + k0
+    dz = jnp.exp(z - row(v_smem[t.g, 0])) * row(v_smem[t.g, 1])
+    dz = dz - jnp.where(cols == row(y_smem[t.g]), row(v_smem[t.g, 2]), 0.0)
+    return jnp.where(cols < t.prob.k, dz, 0.0)
+
+
+# ------------------------------------------------------------------------------------------------ the kernel
+
+
+def _in_specs(prob: Problem, cfg: GemmConfig, cta_m: int, cta_n: int):
+  tk = cfg.tile_k
+  multicast_a = ("cluster",) if cfg.cluster == "n" else ()
+  multicast_b = ("cluster",) if cfg.cluster == "m" else ()
+  extra = {} if prob.interpret else {"memory_space": plgpu.SMEM}
+  if prob.transpose_a:
+    a_spec = plgpu.BlockSpec((tk, cta_m), lambda k: (k, 0), transforms=_transforms(prob.dtype, cta_m),
+                             collective_axes=multicast_a, **extra)
+  else:
+    a_spec = plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=_transforms(prob.dtype, tk),
+                             collective_axes=multicast_a, **extra)
+  if prob.transpose_b:
+    b_spec = plgpu.BlockSpec((cta_n, tk), lambda k: (0, k), transforms=_transforms(prob.dtype, tk),
+                             collective_axes=multicast_b, **extra)
+  else:
+    b_spec = plgpu.BlockSpec((tk, cta_n), lambda k: (k, 0), transforms=_transforms(prob.dtype, cta_n),
+                             collective_axes=multicast_b, **extra)
+  return [a_spec, b_spec]
+
+
+def _windows(a_ref, b_ref, prob: Problem, m0, n0, cta_m: int, cta_n: int):
+  a_win = a_ref.at[:, pl.ds(m0, cta_m)] if prob.transpose_a else a_ref.at[pl.ds(m0, cta_m)]
+  b_win = b_ref.at[pl.ds(n0, cta_n)] if prob.transpose_b else b_ref.at[:, pl.ds(n0, cta_n)]
+  return a_win, b_win
+
+
+def _wg_operands(a_smem, b_smem, prob: Problem, cfg: GemmConfig, g):
+  """This warpgroup's [tile_m, tile_k] A view and [tile_k, tile_n] B view of the CTA's SMEM tiles."""
+  tm, tn = cfg.tile_m, cfg.tile_n
+  rows = pl.ds(g * tm, tm) if (prob.nwg > 1 and cfg.wg_split == "m") else slice(None)
+  cols = pl.ds(g * tn, tn) if (prob.nwg > 1 and cfg.wg_split == "n") else slice(None)
+  a = a_smem.at[:, rows].T if prob.transpose_a else a_smem.at[rows]
+  b = b_smem.at[cols].T if prob.transpose_b else b_smem.at[:, cols]
+  return a, b
+
+
+def _tile_origin(lin, prob: Problem, cfg: GemmConfig, cta_m: int, cta_n: int):
+  """The CTA tile (its first row and column) of step ``lin`` of the persistent loop."""
+  cl_m, cl_n = (cfg.cluster_tile() if not prob.interpret else (cta_m, cta_n))
+  shape = (cdiv(prob.m, cl_m), cdiv(prob.n, cl_n))
+  mi, ni = plgpu.planar_snake(lin, shape, 0 if cfg.order_minor == "m" else 1, cfg.order_width)
+  if not prob.interpret and cfg.cluster is not None:
+    c = lax.axis_index("cluster")
+    if cfg.cluster == "m":
+      mi = mi * 2 + c
+    else:
+      ni = ni * 2 + c
+  return mi * cta_m, ni * cta_n
+
+
+def _split(seq, sizes):
+  out, i = [], 0
+  for s in sizes:
+    out.append(tuple(seq[i:i + s]))
+    i += s
+  return out
+
+
+def _ignore(*_, **__):
+  return None
+
+
+def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out):
+  """The GPU kernel: 2 compute warpgroups + 1 TMA warpgroup, persistent over the output tiles."""
+  ins = _split(refs[:sum(n_in)], n_in)
+  outs = _split(refs[sum(n_in):], n_out)
+  pro_ins, part_ins = ins[0], ins[1:]
+  cta_m, cta_n = cfg.cta_tile()
+  specs = _in_specs(prob, cfg, cta_m, cta_n)
+  steps = cdiv(prob.k, cfg.tile_k)
+
+  def pipeline(body, ctx):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
+        max_concurrent_steps=cfg.stages, compute_context=ctx)
+
+  smem_types = [p.smem(prob, cfg) for p in parts]
+  pro_smem_types = prologue.smem(prob, cfg) if prologue is not None else ()
+  a_tmpl, b_tmpl = _windows(a_ref, b_ref, prob, 0, 0, cta_m, cta_n)
+
+  def scope(allocs, pro_smem, *part_smem):
+    cl_m, cl_n = cfg.cluster_tile()
+    tiles = cdiv(prob.m, cl_m) * cdiv(prob.n, cl_n)
+
+    @plgpu.nd_loop((tiles,), collective_axes="sm")
+    def _tile(info):
+      (lin,) = info.index
+      m0, n0 = _tile_origin(lin, prob, cfg, cta_m, cta_n)
+
+      def tile_of(g):
+        row0 = m0 + (g * cfg.tile_m if cfg.wg_split == "m" else 0)
+        col0 = n0 + (g * cfg.tile_n if cfg.wg_split == "n" else 0)
+        return Tile(g, row0, col0, col0 // cfg.tile_n, cfg, prob)
+
+      def ctx(eval_pipeline):
+        t = tile_of(lax.axis_index("wg"))
+        for p, pi, ps in zip(parts, part_ins, part_smem):
+          p.prefetch(t, pi, ps)
+        if prologue is not None:
+          prologue.fetch(t, pro_ins, pro_smem)
+
+        def acc_scope(acc_ref):
+          eval_pipeline(acc_ref)
+          z = acc_ref[...]
+          for p, pi, po, ps in zip(parts, part_ins, outs, part_smem):
+            p.apply(z, t, pi, po, ps)
+
+        pl.run_scoped(acc_scope, plgpu.ACC((cfg.tile_m, cfg.tile_n), F32))
+
+      def mma(idx, a_smem, b_smem, acc_ref):
+        g = lax.axis_index("wg")
+        a, b = _wg_operands(a_smem, b_smem, prob, cfg, g)
+        if prologue is not None:
+          (k,) = idx
+          a = prologue.form(a[...].astype(F32), k * cfg.tile_k, tile_of(g), pro_smem).astype(prob.dtype)
+        plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma_wait(0)
+        return acc_ref
+
+      a_win, b_win = _windows(a_ref, b_ref, prob, m0, n0, cta_m, cta_n)
+      pipeline(mma, ctx)(a_win, b_win, allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # no SMEM is released while a copy still reads it
+
+  pl.run_scoped(scope, pipeline(_ignore, _ignore).get_allocations(a_tmpl, b_tmpl), pro_smem_types, *smem_types,
+                collective_axes="wg")
+
+
+def _body_twin(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out, n_smem):
+  """The interpret twin: one warpgroup tile per CTA tile, the same loop, pipeline, hooks; a dot for the MMA."""
+  ins = _split(refs[:sum(n_in)], n_in)
+  outs = _split(refs[sum(n_in):sum(n_in) + sum(n_out)], n_out)
+  smem = _split(refs[sum(n_in) + sum(n_out):], n_smem)
+  pro_ins, part_ins = ins[0], ins[1:]
+  pro_smem, part_smem = smem[0], smem[1:]
+  tm, tn = cfg.tile_m, cfg.tile_n
+  specs = _in_specs(prob, cfg, tm, tn)
+  steps = cdiv(prob.k, cfg.tile_k)
+  dims = (((0 if prob.transpose_a else 1,), (1 if prob.transpose_b else 0,)), ((), ()))
+  tiles = cdiv(prob.m, tm) * cdiv(prob.n, tn)
+
+  @plgpu.nd_loop((tiles,), collective_axes="sm")
+  def _tile(info):
+    (lin,) = info.index
+    m0, n0 = _tile_origin(lin, prob, cfg, tm, tn)
+    t = Tile(0, m0, n0, n0 // tn, cfg, prob)
+    for p, pi, ps in zip(parts, part_ins, part_smem):
+      p.prefetch(t, pi, ps)
+    if prologue is not None:
+      prologue.fetch(t, pro_ins, pro_smem)
+
+    def step(idx, a_smem, b_smem, acc):
+      a = a_smem[...]
+      if prologue is not None:
+        (k,) = idx
+        a = prologue.form(a.astype(F32), k * cfg.tile_k, t, pro_smem).astype(prob.dtype)
+      return acc + lax.dot_general(a, b_smem[...], dims, preferred_element_type=F32)
+
+    a_win, b_win = _windows(a_ref, b_ref, prob, m0, n0, tm, tn)
+    z = plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=cfg.stages,
+                            init_carry=jnp.zeros((tm, tn), F32))(a_win, b_win)
+    for p, pi, po, ps in zip(parts, part_ins, outs, part_smem):
+      p.apply(z, t, pi, po, ps)
+
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _check_operand(name, arr, minor_dim_name):
+  if jnp.dtype(arr.dtype) not in _SUPPORTED:
+    raise TypeError(f"gemm: {name} has dtype {arr.dtype}; this GEMM takes bf16 or fp16 operands (WGMMA's 16-bit "
+                    "path); cast float32 operands first or use jnp.dot")
+  if arr.ndim != 2:
+    raise ValueError(f"gemm: {name} must be 2-D, got {arr.shape}")
+  if arr.shape[1] % _MINOR or arr.shape[0] % 8:
+    raise ValueError(f"gemm: {name} {arr.shape}: TMA with the 128-byte swizzle reads arrays whose minor dimension "
+                     f"({minor_dim_name}={arr.shape[1]}) is a multiple of {_MINOR} and whose major one is a multiple "
+                     "of 8; store it the other way round (e.g. w as [V, H]) or pad it once where it is created")
+
+
+def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue=None, prologue=None,
+         config: GemmConfig | None = None, interpret: bool = False, role: str = "plain"):
+  """``epilogue(prologue(A) · B)``; see the module docstring. Returns the epilogue parts' outputs (a tuple, or the
+  one array of a one-output epilogue). ``epilogue``: a :class:`Part` or a tuple of them (default ``Store()``);
+  ``config``: a :class:`GemmConfig` (default: :func:`.tuning.select_config` for ``role``)."""
+  _check_operand("a", a, "M" if transpose_a else "K")
+  _check_operand("b", b, "K" if transpose_b else "N")
+  if a.dtype != b.dtype:
+    raise TypeError(f"gemm: operand dtypes differ ({a.dtype} vs {b.dtype})")
+  m, k = (a.shape[1], a.shape[0]) if transpose_a else a.shape
+  k2, n = (b.shape[1], b.shape[0]) if transpose_b else b.shape
+  if k != k2:
+    raise ValueError(f"gemm: contraction sizes differ: A gives K={k}, B gives K={k2}")
+  if prologue is not None and transpose_a:
+    raise NotImplementedError("gemm: a prologue forms A from a non-transposed [M, K] tile")
+  parts = (Store(),) if epilogue is None else (tuple(epilogue) if isinstance(epilogue, (tuple, list)) else (epilogue,))
+  if config is None:
+    from lce_flax._impl.pallas_mosaic import tuning  # noqa: PLC0415  (tuning imports this module)
+    config = tuning.select_config(role, m, n, k, _device_kind())
+  if interpret:
+    config = dataclasses.replace(config, cluster=None)
+  config.validate()
+  prob = Problem(m, n, k, transpose_a, transpose_b, jnp.dtype(a.dtype), interpret, 1 if interpret else 2)
+
+  pro_in = prologue.inputs(prob, config) if prologue is not None else ()
+  part_in = [p.inputs(prob, config) for p in parts]
+  part_out = [p.out_types(prob, config) for p in parts]
+  n_in = [len(pro_in)] + [len(x) for x in part_in]
+  n_out = [len(x) for x in part_out]
+  out_type = tuple(o for x in part_out for o in x)
+  args = (a, b, *pro_in, *(x for xs in part_in for x in xs))
+  hooks = dict(prob=prob, cfg=config, parts=parts, prologue=prologue, n_in=n_in, n_out=n_out)
+
+  if interpret:
+    pro_smem = prologue.smem(prob, config) if prologue is not None else ()
+    smem = [pro_smem] + [p.smem(prob, config) for p in parts]
+    body = functools.partial(_body_twin, n_smem=[len(s) for s in smem], **hooks)
+    kern = plgpu.kernel(body, out_type=out_type, scratch_types=[s for ss in smem for s in ss],
+                        grid=(min(3, cdiv(m, config.tile_m) * cdiv(n, config.tile_n)),), grid_names=("sm",),
+                        interpret=plgpu.InterpretGPUParams())
+  else:
+    cs = config.cluster_size()
+    kern = plgpu.kernel(functools.partial(_body_ws, **hooks), out_type=out_type, grid=(_device.num_sms() // cs,),
+                        grid_names=("sm",), cluster=(cs,), cluster_names=("cluster",), num_threads=3,
+                        thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  res = kern(*args)
+  res = list(res) if isinstance(res, (tuple, list)) else [res]
+  flat = []
+  for p, os_ in zip(parts, _split(res, n_out)):
+    flat.extend(p.finish(os_, prob, config))
+  return flat[0] if len(flat) == 1 else tuple(flat)
+
+
+def _device_kind() -> str:
+  try:
+    return jax.devices()[0].device_kind
+  except Exception:  # noqa: BLE001  (no backend: the tuning table's default row)
+    return "unknown"

@@ -1,0 +1,251 @@
+"""The Hopper GEMM of ``lce_flax/_impl/pallas_mosaic/gemm.py`` against float64 NumPy.
+
+On CPU: the kernel's interpret twin (same persistent tile loop, TMA pipeline, block specs, prologue and epilogue
+parts; a dot in place of the WGMMA, one warpgroup tile per CTA tile; the warp-specialised structure itself does
+not run under Mosaic GPU's interpreter) at ragged sizes for every role, and the warp-specialised GPU kernel
+lowered for CUDA (layouts, shared-memory budget) for every role and config shape. On a Hopper GPU
+(``@pytest.mark.gpu``): the real kernel, every role, ragged sizes, against the same float64 references.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lce_flax._impl.pallas_mosaic import gemm as G
+from lce_flax._impl.pallas_mosaic import tuning
+
+BF = jnp.bfloat16
+TWIN = G.GemmConfig(tile_m=64, tile_n=128, tile_k=64, stages=2)
+# ragged against every tile: M = 3·64 + 8, N = 2·128 + 64, K (as a major dimension) = 3·64 + 8
+M, N, K = 200, 320, 192
+
+
+def _rand(rng, shape, scale=1.0):
+  return jnp.asarray(scale * rng.standard_normal(shape), BF)
+
+
+def _f64(a):
+  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def _rel(got, ref):
+  got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+  assert np.isfinite(got).all(), "unwritten or non-finite output entries"
+  return np.linalg.norm(got - ref) / np.linalg.norm(ref)
+
+
+def _operands(rng, layout, m=M, n=N, k=K):
+  """A and B stored as ``layout`` says, and their float64 product."""
+  ta, tb = layout
+  a = _rand(rng, (k, m) if ta else (m, k))
+  b = _rand(rng, (n, k) if tb else (k, n))
+  a64 = _f64(a).T if ta else _f64(a)
+  b64 = _f64(b).T if tb else _f64(b)
+  return a, b, a64 @ b64
+
+
+LAYOUTS = {"x.w": (False, False), "dz.wT": (False, True), "xT.dz": (True, False)}
+
+
+# ------------------------------------------------------------------------------------------------ interpret twin
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_twin_products_ragged(name):
+  rng = np.random.default_rng(hash(name) % 2**32)
+  ta, tb = LAYOUTS[name]
+  # xT.dz contracts over tokens: a ragged K (zero-filled by TMA); its M (= H) is A's minor dimension, a multiple of 64
+  m, k = (320, 200) if ta else (M, K)
+  a, b, ref = _operands(rng, (ta, tb), m=m, k=k)
+  out = G.gemm(a, b, transpose_a=ta, transpose_b=tb, epilogue=G.Store(jnp.float32), config=TWIN, interpret=True)
+  assert out.shape == (m, N) and out.dtype == jnp.float32
+  assert _rel(out, ref) < 1e-5
+  out16 = G.gemm(a, b, transpose_a=ta, transpose_b=tb, config=TWIN, interpret=True)
+  assert out16.dtype == BF and _rel(out16, ref) < 1e-2
+
+
+def test_twin_accumulate_into_c():
+  rng = np.random.default_rng(1)
+  a, b, ref = _operands(rng, LAYOUTS["xT.dz"], m=320, k=200)
+  c = jnp.asarray(rng.standard_normal((320, N)), jnp.float32)
+  out = G.gemm(a, b, transpose_a=True, epilogue=G.AddTo(c), config=TWIN, interpret=True)
+  assert out.dtype == jnp.float32
+  assert _rel(out, ref + np.asarray(c, np.float64)) < 1e-5
+  with pytest.raises(ValueError, match="float32"):
+    G.gemm(a, b, transpose_a=True, epilogue=G.AddTo(c.astype(BF)), config=TWIN, interpret=True)
+
+
+def _stats_ref(z, labels, cap, n):
+  zc = cap * np.tanh(z / cap) if cap else z
+  zc = zc[:, :n]
+  m = zc.max(1)
+  lse = m + np.log(np.exp(zc - m[:, None]).sum(1))
+  tgt = np.where(labels >= 0, zc[np.arange(len(labels)), np.maximum(labels, 0)], 0.0)
+  return lse, tgt, zc.sum(1)
+
+
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_twin_row_stats(cap):
+  rng = np.random.default_rng(2)
+  a, b, ref = _operands(rng, LAYOUTS["x.w"])
+  labels = jnp.asarray(rng.integers(0, N, M), jnp.int32).at[3].set(-1)
+  opts = G.StatsOptions(cap, True)
+  st = G.gemm(a, b, epilogue=G.RowStats(labels, opts), config=TWIN, interpret=True)
+  assert st.shape == (4, 3, 256)
+  rs = G.merge_row_stats(st, M)
+  lse_ref, tgt_ref, zsum_ref = _stats_ref(ref, np.asarray(labels), cap, N)
+  lse = np.asarray(rs.m, np.float64) + np.log(np.asarray(rs.s, np.float64))
+  np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(rs.target), tgt_ref, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(rs.zsum), zsum_ref, rtol=1e-4, atol=1e-3)
+  # statistics and the stored logits from one pass
+  st2, z = G.gemm(a, b, epilogue=(G.RowStats(labels, opts), G.Store(jnp.float32)), config=TWIN, interpret=True)
+  np.testing.assert_array_equal(np.asarray(st2), np.asarray(st))
+  assert _rel(z, ref) < 1e-5
+
+
+def _dz_ref(z, lse, coef, a, labels):
+  d = np.exp(z - lse[:, None]) * coef[:, None]
+  d[np.arange(len(labels)), labels] -= a
+  return d
+
+
+def test_twin_prologue_dz_from_logits():
+  rng = np.random.default_rng(3)
+  v, h = 320, 192  # dx = dz·wᵀ: A = stored logits [M, V], B = w [H, V] (transpose_b)
+  z = _rand(rng, (M, v))
+  w = _rand(rng, (h, v), 0.1)
+  lse = jnp.asarray(rng.uniform(2, 4, M), jnp.float32)
+  coef = jnp.asarray(rng.uniform(0.5, 1.5, M), jnp.float32)
+  aa = jnp.asarray(rng.uniform(0.5, 1.5, M), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, v, M), jnp.int32)
+  out = G.gemm(z, w, transpose_b=True, prologue=G.DzFromLogits(lse, coef, aa, labels),
+               epilogue=G.Store(jnp.float32), config=TWIN, interpret=True)
+  dz = _dz_ref(_f64(z), _f64(lse), _f64(coef), _f64(aa), np.asarray(labels))
+  ref = dz @ _f64(w).T
+  assert _rel(out, ref) < 1e-2  # dz is rounded to bf16 before the MMA
+
+
+def test_refusals():
+  f32 = jnp.zeros((64, 64), jnp.float32)
+  with pytest.raises(TypeError, match="bf16 or fp16"):
+    G.gemm(f32, f32, interpret=True)
+  with pytest.raises(ValueError, match="multiple of 64"):  # a [H, 128037] w: rows TMA cannot address
+    G.gemm(jnp.zeros((64, 128), BF), jnp.zeros((128, 1000), BF), interpret=True)
+  with pytest.raises(ValueError, match="contraction"):
+    G.gemm(jnp.zeros((64, 128), BF), jnp.zeros((192, 64), BF), interpret=True)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    dataclasses.replace(G.GemmConfig(), tile_n=96).validate()
+
+
+# ------------------------------------------------------------------------------------------------ CUDA lowering
+
+
+def _lower(f, *args):
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+SDS = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("cfg", [G.GemmConfig(), G.GemmConfig(wg_split="m", cluster="n"),
+                                 G.GemmConfig(cluster="m", order_minor="m", order_width=8)], ids=lambda c: c.short())
+def test_gpu_kernel_lowers_for_cuda(cfg):
+  """The warp-specialised kernel, every role, through the whole Pallas → Mosaic GPU lowering on CPU."""
+  m, n, k = 1000, 2112, 576
+  y = SDS((m,), jnp.int32)
+  vec = SDS((m,), jnp.float32)
+  cases = [
+      (lambda a, b: G.gemm(a, b, config=cfg), SDS((m, k), BF), SDS((k, n), BF)),
+      (lambda a, b: G.gemm(a, b, transpose_b=True, config=cfg), SDS((m, k), BF), SDS((n, k), BF)),
+      (lambda a, b: G.gemm(a, b, transpose_a=True, config=cfg), SDS((m, 1088), BF), SDS((m, n), BF)),
+      (lambda a, b, c: G.gemm(a, b, transpose_a=True, epilogue=G.AddTo(c), config=tuning.fit_role("dw_acc", cfg)),
+       SDS((m, 1088), BF), SDS((m, n), BF), SDS((1088, n), jnp.float32)),
+      (lambda a, b, y: G.merge_row_stats(G.gemm(a, b, epilogue=G.RowStats(y, G.StatsOptions(30.0, True)),
+                                                config=cfg), m).s, SDS((m, k), BF), SDS((k, n), BF), y),
+      (lambda a, b, y: G.gemm(a, b, epilogue=(G.RowStats(y), G.Store()), config=tuning.fit_role("fwd_store", cfg)),
+       SDS((m, k), BF), SDS((k, n), BF), y),
+      (lambda z, w, l, c, a, y: G.gemm(z, w, transpose_b=True, prologue=G.DzFromLogits(l, c, a, y),
+                                       config=tuning.fit_role("dx_prologue", cfg)),
+       SDS((m, n), BF), SDS((k, n), BF), vec, vec, vec, y),
+  ]
+  for f, *args in cases:
+    assert "mosaic_gpu" in _lower(f, *args)
+
+
+def test_shared_memory_budget_is_checked_when_lowering():
+  a, b = SDS((1024, 1024), BF), SDS((1024, 1024), BF)
+  with pytest.raises(ValueError, match="shared memory"):  # 5 stages of 48 KB + the epilogue exceed 227 KB
+    _lower(lambda a, b: G.gemm(a, b, config=G.GemmConfig(stages=5)), a, b)
+
+
+# ------------------------------------------------------------------------------------------------ tuning table
+
+
+def test_select_config():
+  cfg = tuning.select_config("fwd", 8192, 128256, 4096, "no such device")
+  assert cfg == tuning.DEFAULT
+  assert tuning.select_config("dw_acc", 4096, 128256, 8192, "no such device").stages == 3
+  assert tuning.select_config("fwd_store", 8192, 128256, 4096, "no such device").epi_n == 32
+  assert "default" in tuning.describe("dx", 8192, 4096, 128256, "no such device")
+  table = tuning.load_table()
+  for kind, roles in table.items():
+    for role, rows in roles.items():
+      for row in rows:
+        got, src = tuning.select_row(role, *row["shape"], kind)
+        assert got == G.GemmConfig(**row["config"]) and src.startswith("table")
+        got.validate()
+
+
+# ------------------------------------------------------------------------------------------------ on a Hopper GPU
+
+
+GPU_CFGS = [None, G.GemmConfig(wg_split="m", cluster="n"), G.GemmConfig(cluster="m", order_minor="m")]
+
+
+@pytest.mark.gpu(min_cc=(9, 0))
+@pytest.mark.parametrize("cfg", GPU_CFGS, ids=lambda c: c.short() if c else "table")
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_gpu_products(name, cfg):
+  rng = np.random.default_rng(7)
+  ta, tb = LAYOUTS[name]
+  m, n, k = (1088, 2112, 1000) if ta else (1000, 2112, 576)
+  a, b, ref = _operands(rng, (ta, tb), m, n, k)
+  out = G.gemm(a, b, transpose_a=ta, transpose_b=tb, epilogue=G.Store(jnp.float32), config=cfg)
+  assert _rel(out, ref) < 1e-5
+  assert _rel(G.gemm(a, b, transpose_a=ta, transpose_b=tb, config=cfg), ref) < 1e-2
+
+
+@pytest.mark.gpu(min_cc=(9, 0))
+def test_gpu_hooks():
+  rng = np.random.default_rng(8)
+  m, n, k = 1000, 2112, 576
+  a, b, ref = _operands(rng, LAYOUTS["x.w"], m, n, k)
+  labels = jnp.asarray(rng.integers(0, n, m), jnp.int32)
+  opts = G.StatsOptions(30.0, True)
+  st, z = G.gemm(a, b, epilogue=(G.RowStats(labels, opts), G.Store(jnp.float32)),
+                 config=tuning.fit_role("fwd_store", tuning.DEFAULT))
+  assert _rel(z, ref) < 1e-5
+  rs = G.merge_row_stats(st, m)
+  lse_ref, tgt_ref, zsum_ref = _stats_ref(ref, np.asarray(labels), 30.0, n)
+  np.testing.assert_allclose(np.asarray(rs.m, np.float64) + np.log(np.asarray(rs.s, np.float64)), lse_ref, rtol=1e-5,
+                             atol=1e-4)
+  np.testing.assert_allclose(np.asarray(rs.target), tgt_ref, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(rs.zsum), zsum_ref, rtol=1e-4, atol=1e-2)
+  # +C
+  a2, b2, ref2 = _operands(rng, LAYOUTS["xT.dz"], 1088, n, 1000)
+  c = jnp.asarray(rng.standard_normal((1088, n)), jnp.float32)
+  out = G.gemm(a2, b2, transpose_a=True, epilogue=G.AddTo(c))
+  assert _rel(out, ref2 + np.asarray(c, np.float64)) < 1e-5
+  # prologue
+  zl = _rand(rng, (m, n))
+  w = _rand(rng, (k, n), 0.1)
+  lse = jnp.asarray(rng.uniform(2, 4, m), jnp.float32)
+  coef = jnp.asarray(rng.uniform(0.5, 1.5, m), jnp.float32)
+  out = G.gemm(zl, w, transpose_b=True, prologue=G.DzFromLogits(lse, coef, coef, labels), epilogue=G.Store(jnp.float32),
+               config=tuning.fit_role("dx_prologue", tuning.DEFAULT))
+  dz = _dz_ref(_f64(zl), _f64(lse), _f64(coef), _f64(coef), np.asarray(labels))
+  assert _rel(out, dz @ _f64(w).T) < 1e-2
