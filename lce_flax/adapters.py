@@ -48,10 +48,10 @@ from lce_flax import api
 from lce_flax.options import LossOptions, for_head
 
 LAYOUTS = ("hv", "vh")
+MAX_MESSAGE = 200  # every error of this module is one line of at most this many characters
 
-ACCEPTED = ("accepted: nnx.Linear, nnx.Einsum, nnx.Embed, an object holding a 2-D nnx.Param/nnx.Variable table "
-            "(attr= picks one of several), a linen param dict {'kernel'[, 'bias']} (nn.Dense) or {'embedding'} "
-            "(nn.Embed), or an array with w_layout='hv' ([H, V]) or 'vh' ([V, H])")
+ACCEPTED = ("accepted: nnx.Linear/Einsum/Embed, a bound nn.Dense/nn.Embed, an object or param dict holding a 2-D "
+            "table (attr= picks one), an array with w_layout=")
 
 
 class HeadWeights(NamedTuple):
@@ -70,7 +70,25 @@ class _Read(NamedTuple):
 
 def _type_name(obj: Any) -> str:
   t = type(obj)
-  return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+  if t.__module__ == "builtins":
+    return t.__qualname__
+  if t.__module__.startswith("flax."):  # flax.nnx.nn.linear.Linear -> nnx.Linear, flax.linen...Dense -> nn.Dense
+    return f"{'nnx' if '.nnx.' in t.__module__ else 'nn'}.{t.__qualname__}"
+  return f"{t.__module__.rsplit('.', 1)[-1]}.{t.__qualname__}"
+
+
+def _short(items: Any, limit: int = 80) -> str:
+  """A list for an error message, cut at ``limit`` characters so the message stays one short line."""
+  text = str(items)
+  return text if len(text) <= limit else text[:limit - 4] + " ...]"
+
+
+def _error(kind: type, message: str) -> Exception:
+  """A one-line error of at most MAX_MESSAGE characters."""
+  message = " ".join(message.split())
+  if len(message) > MAX_MESSAGE:
+    message = message[:MAX_MESSAGE - 3] + "..."
+  return kind(message)
 
 
 def _value(v: Any) -> Any:
@@ -83,18 +101,24 @@ def _value(v: Any) -> Any:
 
 
 def _is_array(v: Any) -> bool:
-  return isinstance(v, (jax.Array, np.ndarray))
+  return isinstance(v, (jax.Array, np.ndarray)) or (hasattr(v, "shape") and hasattr(v, "dtype")
+                                                     and isinstance(getattr(v, "shape"), tuple))
+
+
+def _shape(v: Any) -> tuple[int, ...] | None:
+  v = _value(v)
+  return tuple(v.shape) if _is_array(v) else None
 
 
 def _check_layout(w_layout: str | None) -> None:
   if w_layout is not None and w_layout not in LAYOUTS:
-    raise ValueError(f"w_layout={w_layout!r} must be 'hv' (w is [H, V], a Dense kernel) or 'vh' ([V, H], an "
-                     "Embed table), or None")
+    raise _error(ValueError, f"w_layout={w_layout!r} must be 'hv' (w is [H, V], a Dense kernel), 'vh' ([V, H], an "
+                 "Embed table) or None")
 
 
 def _agree(found: str, given: str | None, what: str) -> str:
   if given is not None and given != found:
-    raise ValueError(f"w_layout={given!r} contradicts {what}, which is {found!r}; leave w_layout=None")
+    raise _error(ValueError, f"w_layout={given!r} contradicts {what}, which is {found!r}; leave w_layout=None")
   return found
 
 
@@ -103,8 +127,21 @@ def _as_vector(bias: Any, vocab: int, what: str) -> jax.Array | None:
     return None
   bias = jnp.asarray(_value(bias))
   if bias.size != vocab or sum(d != 1 for d in bias.shape) > 1:
-    raise ValueError(f"{what}: bias of shape {bias.shape} cannot be mapped onto the fused op's [V]=[{vocab}] bias")
+    raise _error(ValueError, f"{what}: bias of shape {bias.shape} cannot be mapped onto the fused op's "
+                 f"[V]=[{vocab}] bias")
   return bias.reshape(vocab)
+
+
+def _module_dtype(head: Any) -> Any:
+  """The head's own computation dtype (a ``dtype`` attribute holding a floating dtype), or None."""
+  dtype = getattr(head, "dtype", None)
+  if dtype is None or isinstance(dtype, (str, bytes)) and not dtype:
+    return None
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError:
+    return None
+  return dtype if jnp.issubdtype(dtype, jnp.floating) else None
 
 
 def einsum_layout(einsum_str: str, kernel_shape: tuple[int, ...]) -> str:
@@ -121,8 +158,8 @@ def einsum_layout(einsum_str: str, kernel_shape: tuple[int, ...]) -> str:
     ``"hv"`` or ``"vh"``.
 
   Raises:
-    ValueError: naming the equation and why it cannot be mapped (several contracted axes, a kernel that is not
-      2-D, a vocabulary axis that is not last, ...).
+    ValueError: (one line) naming the equation and why it cannot be mapped (several contracted axes, a kernel
+      that is not 2-D, a vocabulary axis that is not last, ...).
 
   Example:
     >>> einsum_layout("BTD,VD->BTV", (256, 64))
@@ -131,14 +168,13 @@ def einsum_layout(einsum_str: str, kernel_shape: tuple[int, ...]) -> str:
   eq = einsum_str.replace(" ", "")
 
   def fail(why: str):
-    return ValueError(f"einsum_str={einsum_str!r} (kernel shape {tuple(kernel_shape)}) cannot be mapped onto the "
-                      f"fused op: {why}; supported: x's last axis contracted with one axis of a 2-D kernel, the "
-                      "other kernel axis last in the output, e.g. '...d,dv->...v' or '...d,vd->...v'")
+    return _error(ValueError, f"einsum_str={einsum_str!r} (kernel {tuple(kernel_shape)}) does not map onto the "
+                  f"fused op: {why}")
 
   m = re.fullmatch(r"((?:\.\.\.)?[A-Za-z]*(?:\.\.\.)?[A-Za-z]*),([A-Za-z]*)->((?:\.\.\.)?[A-Za-z]*(?:\.\.\.)?"
                    r"[A-Za-z]*)", eq)
   if m is None:
-    raise fail("it is not of the form '<x>,<kernel>-><out>' with letters and '...' only, the kernel named by letters")
+    raise fail("not '<x>,<kernel>-><out>' with letters and '...' only")
   lhs, rhs, out = m.groups()
   if lhs.count("...") > 1 or out.count("...") > 1 or ("..." in lhs) != ("..." in out):
     raise fail("'...' must appear once in both x and the output, or in neither")
@@ -148,9 +184,9 @@ def einsum_layout(einsum_str: str, kernel_shape: tuple[int, ...]) -> str:
       raise fail(f"the {name} term repeats an axis (a diagonal)")
   contracted = sorted(set(lhs_axes) & set(rhs) - set(out_axes))
   if len(contracted) > 1:
-    raise fail(f"it contracts {len(contracted)} axes {contracted}; the fused op contracts exactly one (H)")
+    raise fail(f"it contracts {len(contracted)} axes {contracted}, the op exactly one (H)")
   if len(rhs) != 2 or len(kernel_shape) != 2:
-    raise fail(f"the kernel has {max(len(rhs), len(kernel_shape))} axes; only 2-D [H, V] or [V, H] kernels map")
+    raise fail(f"the kernel has {max(len(rhs), len(kernel_shape))} axes, not 2-D [H, V] or [V, H]")
   if not contracted:
     raise fail("no axis of x is contracted with the kernel")
   (h,) = contracted
@@ -160,107 +196,190 @@ def einsum_layout(einsum_str: str, kernel_shape: tuple[int, ...]) -> str:
   if v in lhs_axes:
     raise fail(f"the kernel axis {v!r} also indexes x (a batched kernel)")
   if out_axes[-1:] != v or out_axes[:-1] != lhs_axes[:-1]:
-    raise fail(f"the output must be x's leading axes then the vocabulary axis {v!r}, i.e. "
-               f"'{lhs[:-1]}{v}' (x's leading axes in order, {v!r} last)")
+    raise fail(f"the output must be x's leading axes then the vocabulary axis {v!r} last")
   return "hv" if rhs == h + v else "vh"
 
 
 def _from_einsum(head: Any, kernel: jax.Array, bias: Any, what: str, w_layout: str | None) -> HeadWeights:
   eq = getattr(head, "einsum_str", None)
   if not isinstance(eq, str):
-    raise ValueError(f"{what} has no einsum_str (einsum_str={eq!r}); give the layout with w_layout='hv'|'vh'")
+    raise _error(ValueError, f"{what} has no einsum_str (einsum_str={eq!r}); give the layout with "
+                 "w_layout='hv'|'vh'")
   layout = _agree(einsum_layout(eq, kernel.shape), w_layout, f"{what}'s einsum_str={eq!r}")
   vocab = kernel.shape[1] if layout == "hv" else kernel.shape[0]
   return HeadWeights(kernel, _as_vector(bias, vocab, what), layout)
 
 
-def _table_candidates(head: Any) -> dict[str, Any]:
-  """The attributes of ``head`` that are 2-D ``nnx.Variable``s, name -> variable."""
-  found = {}
-  for name, v in getattr(head, "__dict__", {}).items():
-    if isinstance(v, nnx.Variable) and getattr(v, "ndim", None) == 2:
-      found[name] = v
-  return found
+def _tables(entries: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+  """The 2-D arrays (or variables, or boxed arrays) among ``entries``: name -> shape."""
+  return {str(k): s for k, v in entries.items() if (s := _shape(v)) is not None and len(s) == 2}
+
+
+def _listing(tables: Mapping[str, tuple[int, ...]]) -> str:
+  return _short(", ".join(f"{k} {s}" for k, s in tables.items()) or "none", 90)
+
+
+def _pick(owner: str, entries: Mapping[str, Any], attr: str | None) -> tuple[str, jax.Array]:
+  """The table named ``attr`` among ``entries``, or the only 2-D one."""
+  tables = _tables(entries)
+  if attr is not None:
+    if attr not in entries:
+      raise _error(ValueError, f"attr={attr!r}: {owner} has no entry {attr!r}; its 2-D tables: {_listing(tables)}")
+    if attr not in tables:
+      raise _error(ValueError, f"attr={attr!r}: {owner}[{attr!r}] is not a 2-D table (shape "
+                   f"{_shape(entries[attr])}); its 2-D tables: {_listing(tables)}")
+    return attr, jnp.asarray(_value(entries[attr]))
+  if len(tables) > 1:
+    raise _error(ValueError, f"{owner} holds several 2-D tables ({_listing(tables)}); pick the table with "
+                 "attr=<name>")
+  if not tables:
+    return "", None
+  ((name, _),) = tables.items()
+  return name, jnp.asarray(_value(entries[name]))
+
+
+def _object_entries(head: Any) -> dict[str, Any]:
+  return {k: v for k, v in getattr(head, "__dict__", {}).items() if isinstance(v, nnx.Variable)}
 
 
 def _from_object(head: Any, attr: str | None, w_layout: str | None) -> _Read:
   tname = _type_name(head)
-  if attr is not None:
-    if not hasattr(head, attr):
-      raise ValueError(f"attr={attr!r}: {tname} has no attribute {attr!r}; its 2-D variables: "
-                       f"{sorted(_table_candidates(head))}")
-    table = _value(getattr(head, attr))
-    if not _is_array(table) or table.ndim != 2:
-      raise ValueError(f"attr={attr!r}: {tname}.{attr} is not a 2-D array or nnx.Variable (got "
-                       f"{_type_name(table)}{'' if not _is_array(table) else f' of shape {table.shape}'})")
-    name = attr
-  else:
-    candidates = _table_candidates(head)
-    if not candidates:
-      raise TypeError(f"cannot read a head from {tname}: it is not a known head and holds no 2-D nnx.Param/"
-                      f"nnx.Variable attribute; {ACCEPTED}")
-    if len(candidates) > 1:
-      shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in candidates.items())
-      raise ValueError(f"{tname} holds several 2-D variables ({shapes}); pick the table with attr=<name>")
-    ((name, var),) = candidates.items()
-    table = var[...]
+  entries = _object_entries(head)
+  if attr is not None and attr not in entries and hasattr(head, attr):
+    entries[attr] = getattr(head, attr)  # a property or a plain array attribute named explicitly
+  name, table = _pick(tname, entries, attr)
+  if table is None:
+    raise _error(TypeError, f"cannot read a head from {tname}: it holds no 2-D nnx.Param/nnx.Variable; {ACCEPTED}")
   what = f"{tname}.{name}"
+  dtype = _module_dtype(head)
   if isinstance(getattr(head, "einsum_str", None), str):  # an einsum class of a framework: its equation decides
-    return _Read(_from_einsum(head, table, None, what, w_layout), None, what)
-  return _Read(HeadWeights(table, None, w_layout or "vh"), None, what)
+    return _Read(_from_einsum(head, table, None, what, w_layout), dtype, what)
+  return _Read(HeadWeights(table, None, w_layout or "vh"), dtype, what)
 
 
-def _from_mapping(head: Mapping, w_layout: str | None) -> _Read:
+def _from_mapping(head: Mapping, attr: str | None, w_layout: str | None, owner: str = "the param dict") -> _Read:
   keys = sorted(map(str, head.keys()))
-  if "kernel" in head and set(keys) <= {"kernel", "bias"}:
-    kernel = jnp.asarray(_value(head["kernel"]))
-    if kernel.ndim != 2:
-      raise ValueError(f"params['kernel'] must be a 2-D [H, V] Dense kernel, got shape {kernel.shape}")
+  if attr is None and "kernel" in head and set(keys) <= {"kernel", "bias"} or attr == "kernel":
+    kernel = jnp.asarray(_value(head["kernel"])) if "kernel" in head else None
+    if kernel is None or kernel.ndim != 2:
+      raise _error(ValueError, f"{owner}['kernel'] must be a 2-D [H, V] Dense kernel, got shape "
+                   f"{None if kernel is None else kernel.shape}")
     layout = _agree("hv", w_layout, "a Dense kernel [H, V]")
-    return _Read(HeadWeights(kernel, _as_vector(head.get("bias"), kernel.shape[1], "params"), layout), None,
-                 "params['kernel']")
-  if keys == ["embedding"]:
-    table = jnp.asarray(_value(head["embedding"]))
-    if table.ndim != 2:
-      raise ValueError(f"params['embedding'] must be a 2-D [V, H] Embed table, got shape {table.shape}")
-    return _Read(HeadWeights(table, None, _agree("vh", w_layout, "an Embed table [V, H]")), None,
-                 "params['embedding']")
-  raise ValueError(f"a linen param dict must be nn.Dense's {{'kernel'[, 'bias']}} or nn.Embed's {{'embedding'}}, "
-                   f"got keys {keys}; pass the head's own entry, e.g. params['params']['head']")
+    return _Read(HeadWeights(kernel, _as_vector(head.get("bias"), kernel.shape[1], owner), layout), None,
+                 f"{owner}['kernel']")
+  if attr is None and "kernel" in head:
+    raise _error(ValueError, f"{owner} has keys {_short(keys, 60)}: an nn.Dense head has only 'kernel' and "
+                 "'bias'; name the table with attr=<key>")
+  name, table = _pick(f"{owner} (keys {_short(keys, 60)})", head, attr)
+  if table is None:
+    raise _error(ValueError, f"{owner} has keys {_short(keys, 60)} and no 2-D table; pass the head's own entry, "
+                 "e.g. params['head'] (nn.Dense) or params['embed'] (nn.Embed)")
+  layout = _agree("vh", w_layout, "an Embed table [V, H]") if name == "embedding" else w_layout or "vh"
+  return _Read(HeadWeights(table, None, layout), None, f"{owner}[{name!r}]")
+
+
+_KNOWN = {nnx.Linear: ("kernel", "hv"), nnx.Einsum: ("kernel", None), nnx.Embed: ("embedding", "vh")}
 
 
 def _read(head: Any, attr: str | None, w_layout: str | None) -> _Read:
   _check_layout(w_layout)
-  known = isinstance(head, (nnx.Linear, nnx.Einsum, nnx.Embed, Mapping)) or _is_array(_value(head))
-  if attr is not None and known:
-    raise ValueError(f"attr={attr!r} is for custom classes; {_type_name(head)} has a known weight")
-  if isinstance(head, nnx.Linear):
-    kernel = head.kernel[...]
-    bias = None if head.bias is None else head.bias[...]
-    return _Read(HeadWeights(kernel, bias, _agree("hv", w_layout, "nnx.Linear's kernel [H, V]")), head.dtype,
-                 "nnx.Linear.kernel")
-  if isinstance(head, nnx.Einsum):
-    bias = None if head.bias is None else head.bias[...]
-    return _Read(_from_einsum(head, head.kernel[...], bias, "nnx.Einsum", w_layout), head.dtype, "nnx.Einsum.kernel")
-  if isinstance(head, nnx.Embed):
-    return _Read(HeadWeights(head.embedding[...], None, _agree("vh", w_layout, "nnx.Embed's embedding [V, H]")),
-                 head.dtype, "nnx.Embed.embedding")
+  if attr is not None and not isinstance(attr, str):
+    raise _error(TypeError, f"attr must be the name of the table (a str), got {_type_name(attr)}")
+  for cls, (name, layout) in _KNOWN.items():
+    if isinstance(head, cls):
+      tname = _type_name(head)
+      if attr is not None and attr != name:
+        raise _error(ValueError, f"attr={attr!r}: {tname}'s weight is {name!r}; leave attr=None")
+      weight = getattr(head, name)[...]
+      bias = getattr(head, "bias", None)
+      bias = None if bias is None else bias[...]
+      if layout is None:
+        weights = _from_einsum(head, weight, bias, tname, w_layout)
+      else:
+        weights = HeadWeights(weight, _as_vector(bias, weight.shape[1 if layout == "hv" else 0], tname),
+                              _agree(layout, w_layout, f"{tname}.{name} ({'[H, V]' if layout == 'hv' else '[V, H]'})"))
+      return _Read(weights, _module_dtype(head), f"{tname}.{name}")
+  if isinstance(head, nn.Module):
+    tname = _type_name(head)
+    if head.scope is None:
+      raise _error(TypeError, f"cannot read a head from the unbound linen module {tname}: pass its param dict "
+                   "(e.g. params['params']['head']) or call inside the model's apply")
+    if isinstance(head, nn.Embed) and attr in (None, "embedding"):  # .embedding runs setup() if need be
+      table = head.embedding
+      return _Read(HeadWeights(table, None, _agree("vh", w_layout, "nn.Embed.embedding ([V, H])")),
+                   _module_dtype(head), "nn.Embed.embedding")
+    params = head.variables.get("params", {})
+    read = _from_mapping(params, attr, w_layout, owner=f"{tname}'s params")
+    return read._replace(dtype=_module_dtype(head))
   if isinstance(head, Mapping):
-    return _from_mapping(head, w_layout)
+    return _from_mapping(head, attr, w_layout)
   value = _value(head)
   if _is_array(value):
+    if attr is not None:
+      raise _error(ValueError, f"attr={attr!r} names a table inside a module or dict; {_type_name(head)} is the "
+                   "table itself")
     if w_layout is None:
-      raise ValueError(f"a bare {_type_name(head)} of shape {value.shape} needs w_layout='hv' ([H, V]) or 'vh' "
-                       "([V, H])")
+      raise _error(ValueError, f"a bare {_type_name(head)} of shape {tuple(value.shape)} needs w_layout='hv' "
+                   "([H, V]) or 'vh' ([V, H])")
     if value.ndim != 2:
-      raise ValueError(f"the head's weight must be 2-D ([H, V] or [V, H]), got shape {value.shape}")
-    return _Read(HeadWeights(value, None, w_layout), None, "the array")
+      raise _error(ValueError, f"the head's weight must be 2-D ([H, V] or [V, H]), got shape {tuple(value.shape)}")
+    return _Read(HeadWeights(jnp.asarray(value), None, w_layout), None, "the array")
   if isinstance(head, (str, bytes, int, float, complex, bool, list, tuple, type(None))):
-    raise TypeError(f"cannot read a head from {_type_name(head)}; {ACCEPTED}")
-  if isinstance(head, nn.Module):
-    raise TypeError(f"cannot read a head from the linen module {_type_name(head)}; pass its param dict (e.g. "
-                    f"params['params']['head']); {ACCEPTED}")
+    raise _error(TypeError, f"cannot read a head from {_type_name(head)}; {ACCEPTED}")
   return _from_object(head, attr, w_layout)
+
+
+def is_table(head: Any) -> bool:
+  """Whether ``head`` is a bare weight (an array or an ``nnx.Variable``/boxed array) rather than a module or dict."""
+  return not isinstance(head, (nnx.Module, nn.Module, Mapping)) and _is_array(_value(head))
+
+
+def read_head(head: Any, *, attr: str | None = None, w_layout: str | None = None):
+  """``(HeadWeights, dtype)``: the weights as :func:`head_weights` and the head's own computation dtype (None
+  when it has none: linen param dicts, arrays, objects without a floating ``dtype`` attribute)."""
+  read = _read(head, attr, w_layout)
+  return read.weights, read.dtype
+
+
+def head_logits(head: Any, x: jax.Array, *, attr: str | None = None, w_layout: str | None = None,
+                dtype: Any = None, precision: Any = None) -> jax.Array:
+  """``[..., V]`` logits of the head on ``x``, as the head computes them (``x @ w + bias``, or ``x @ table.T``).
+
+  ``x``, the weight and the bias are cast to ``dtype`` (None: the head's own ``dtype``, else their promoted type)
+  before the matmul, as flax's ``Linear``/``Einsum``/``Embed.attend`` do. For evaluation and generation; the loss
+  never needs these logits.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> head_logits({"embedding": jnp.ones((5, 3))}, jnp.ones((2, 3))).shape
+    (2, 5)
+  """
+  read = _read(head, attr, w_layout)
+  w, bias, layout = read.weights
+  x = _check_x(x, read)
+  dtype = dtype if dtype is not None else read.dtype
+  args = [x, w] if bias is None else [x, w, bias]
+  args = list(nn.dtypes.promote_dtype(*args, dtype=dtype))
+  x, w = args[0], args[1]
+  contract = 0 if layout == "hv" else 1
+  y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())), precision=precision)
+  if bias is not None:
+    y = y + args[2]
+  return y
+
+
+def _check_x(x: jax.Array, read: _Read) -> jax.Array:
+  w, _, layout = read.weights
+  x = jnp.asarray(x)
+  hidden = w.shape[0] if layout == "hv" else w.shape[1]
+  if x.ndim < 1 or x.shape[-1] != hidden:
+    flipped = {"hv": "vh", "vh": "hv"}[layout]
+    hint = ""
+    if x.ndim >= 1 and x.shape[-1] == (w.shape[1] if layout == "hv" else w.shape[0]):
+      hint = f"; if it is {'a [V, H] table' if flipped == 'vh' else 'an [H, V] kernel'}, pass w_layout={flipped!r}"
+    raise _error(ValueError, f"x.shape={x.shape} does not end in H={hidden} of {read.what} (shape "
+                 f"{tuple(w.shape)}, w_layout={layout!r}){hint}")
+  return x
 
 
 def head_weights(head: Any, *, attr: str | None = None, w_layout: str | None = None) -> HeadWeights:
@@ -332,15 +451,7 @@ def head_loss(head: Any, x: jax.Array, labels: jax.Array, *, where: jax.Array | 
   """
   read = _read(head, attr, w_layout)
   w, bias, layout = read.weights
-  x = jnp.asarray(x)
-  hidden = w.shape[0] if layout == "hv" else w.shape[1]
-  if x.ndim < 1 or x.shape[-1] != hidden:
-    flipped = {"hv": "vh", "vh": "hv"}[layout]
-    hint = ""
-    if x.ndim >= 1 and x.shape[-1] == (w.shape[1] if layout == "hv" else w.shape[0]):
-      hint = f"; if it is {'a [V, H] table' if flipped == 'vh' else 'an [H, V] kernel'}, pass w_layout={flipped!r}"
-    raise ValueError(f"x.shape={x.shape} does not end in H={hidden} of {read.what} (shape {w.shape}, "
-                     f"w_layout={layout!r}){hint}")
+  x = _check_x(x, read)
   # The head computes its logits in its own Flax dtype (None: promotion), and so does the loss, unless the options
   # or the call set one: the same rule as lce_flax's own heads.
   opts = for_head(options, read.dtype, overrides)
@@ -348,4 +459,4 @@ def head_loss(head: Any, x: jax.Array, labels: jax.Array, *, where: jax.Array | 
                                   options=opts)
 
 
-__all__ = ["ACCEPTED", "HeadWeights", "einsum_layout", "head_loss", "head_weights"]
+__all__ = ["ACCEPTED", "HeadWeights", "einsum_layout", "head_logits", "head_loss", "head_weights", "read_head"]

@@ -28,7 +28,7 @@ from flax import linen as nn
 from flax.linen import dtypes as linen_dtypes
 from flax.typing import Dtype, Initializer
 
-from lce_flax import api
+from lce_flax import adapters, api
 from lce_flax.options import LossOptions, for_head, resolve
 
 # Logical axis names of the head's parameters, as used by MaxText-style sharding rules.
@@ -40,6 +40,15 @@ def check_input(x: jax.Array, hidden: int | None, what: str) -> None:
     raise ValueError(f"{what}: x must be [..., H], got x.shape={x.shape}")
   if hidden is not None and x.shape[-1] != hidden:
     raise ValueError(f"{what}: x.shape={x.shape} does not end in the head's H={hidden}")
+
+
+def _no_loss_arguments(what: str, where: Any, return_aux: bool, overrides: dict[str, Any]) -> None:
+  """A head called without labels returns logits: loss arguments there are a mistake, said in one line."""
+  given = [n for n, v in (("where", where), ("return_aux", return_aux)) if v is not None and v is not False]
+  given += sorted(overrides)
+  if given:
+    raise TypeError(f"{what} called without labels returns the logits; {', '.join(given)} only apply to the loss "
+                    "(pass labels)")
 
 
 def dense_logits(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, precision: Any = None) -> jax.Array:
@@ -109,20 +118,28 @@ class LMHead(_HeadOptions):
       bias = self.param("bias", _partitioned(self.bias_init, self.bias_axes), (self.vocab_size,), self.param_dtype)
     return x, kernel, bias
 
-  def __call__(self, x: jax.Array, labels: jax.Array, *, where: jax.Array | None = None, return_aux: bool = False,
-               **overrides: Any):
-    """The cross-entropy of ``x @ kernel + bias`` against ``labels``, without the logits.
+  def __call__(self, x: jax.Array, labels: jax.Array | None = None, *, where: jax.Array | None = None,
+               return_aux: bool = False, **overrides: Any):
+    """The cross-entropy of ``x @ kernel + bias`` against ``labels``, without the logits; the logits if no labels.
+
+    ``head(x)`` is ``nn.Dense``'s output (:meth:`logits`), so the head can stand where the model calls
+    ``self.lm_head(h)`` for generation and evaluation; ``head(x, labels)`` is the fused loss.
 
     Args:
       x: ``[..., H]`` hidden states.
-      labels: ``[...]`` integer targets; ``ignore_index`` (default -100) marks tokens that are not counted.
+      labels: ``[...]`` integer targets; ``ignore_index`` (default -100) marks tokens that are not counted. None:
+        return the ``[..., V]`` logits.
       where: optional ``[...]`` mask (bool or 0/1); masked tokens are not counted.
       return_aux: also return the op's :class:`lce_flax.Aux` (per-token loss, lse, accuracy counts).
       **overrides: per-call values of fields of ``options`` (``reduction=``, ``z_loss=``, ``impl=``, ...).
 
     Returns:
-      The float32 loss (and the :class:`lce_flax.Aux` if ``return_aux``), as :func:`lce_flax.linear_cross_entropy`.
+      The float32 loss (and the :class:`lce_flax.Aux` if ``return_aux``), as :func:`lce_flax.linear_cross_entropy`;
+      without labels, the logits.
     """
+    if labels is None:
+      _no_loss_arguments(type(self).__name__, where, return_aux, overrides)
+      return self.logits(x)
     x, kernel, bias = self._params(x)
     return api.linear_cross_entropy(x, kernel, labels, bias=bias, where=where, return_aux=return_aux,
                                     w_layout="hv", options=for_head(self.options, self.dtype, overrides))
@@ -133,37 +150,39 @@ class LMHead(_HeadOptions):
     return dense_logits(x, kernel, bias, self.precision)
 
 
-def _table(embed: nn.Embed | jax.Array, dtype: Dtype | None) -> tuple[jax.Array, Dtype | None]:
-  """The [V, H] table of ``embed`` and the dtype ``Embed.attend`` would compute in."""
-  if isinstance(embed, nn.Embed):
-    return embed.embedding, dtype if dtype is not None else embed.dtype
-  table = jnp.asarray(embed)
-  if table.ndim != 2:
-    raise ValueError(f"embed must be an nn.Embed or its [V, H] table, got an array of shape {table.shape}")
-  return table, dtype
+def _table(embed: Any, dtype: Dtype | None, attr: str | None = None) -> tuple[jax.Array, Dtype | None]:
+  """The [V, H] table of ``embed`` (anything :func:`lce_flax.adapters.head_loss` accepts that holds a [V, H]
+  table) and the dtype ``Embed.attend`` would compute in (``dtype``, else the embedder's own)."""
+  weights, own = adapters.read_head(embed, attr=attr, w_layout="vh" if adapters.is_table(embed) else None)
+  if weights.w_layout != "vh":
+    raise ValueError(f"the embedding must be a [V, H] table, got a {weights.w_layout!r} weight of shape "
+                     f"{tuple(weights.w.shape)}; use lce_flax.adapters.head_loss for other heads")
+  return weights.w, dtype if dtype is not None else own
 
 
-def tied_linear_cross_entropy(embed: nn.Embed | jax.Array, x: jax.Array, labels: jax.Array, *,
+def tied_linear_cross_entropy(embed: Any, x: jax.Array, labels: jax.Array, *,
                               where: jax.Array | None = None, return_aux: bool = False, dtype: Dtype | None = None,
-                              options: LossOptions | None = None, **overrides: Any):
+                              options: LossOptions | None = None, attr: str | None = None, **overrides: Any):
   """Cross-entropy of the tied head ``x @ table.T`` without a transposed copy of the [V, H] ``table``.
 
   Equals ``optax.softmax_cross_entropy_with_integer_labels(embed.attend(x), labels)`` reduced over counted
   tokens; the op reads the table in its [V, H] layout (``w_layout="vh"``).
 
   Args:
-    embed: the model's (bound) ``nn.Embed``, or its ``[V, H]`` embedding table.
+    embed: the model's (bound) ``nn.Embed``, its param dict (``{"embedding"}``, gemma's ``{"input_embedding"}``),
+      an embedder object holding a [V, H] ``nnx.Param``, or the bare ``[V, H]`` table.
     x: ``[..., H]`` hidden states.
     labels: ``[...]`` integer targets.
     where, return_aux: as in :func:`lce_flax.linear_cross_entropy`.
-    dtype: dtype of the matmul (None: ``embed.dtype`` for an ``nn.Embed``, else the promoted type, like
-      ``Embed.attend``).
+    dtype: dtype of the matmul (None: the embedder's own ``dtype`` (``nn.Embed.dtype``), else the promoted type,
+      like ``Embed.attend``).
     options, **overrides: the loss options, as in :func:`lce_flax.linear_cross_entropy`.
+    attr: the table's name when ``embed`` holds several 2-D tables.
 
   Returns:
     As :func:`lce_flax.linear_cross_entropy`.
   """
-  table, dtype = _table(embed, dtype)
+  table, dtype = _table(embed, dtype, attr)
   x = jnp.asarray(x)
   check_input(x, table.shape[1], "tied_linear_cross_entropy")
   return api.linear_cross_entropy(x, table, labels, where=where, return_aux=return_aux, w_layout="vh",
@@ -173,27 +192,34 @@ def tied_linear_cross_entropy(embed: nn.Embed | jax.Array, x: jax.Array, labels:
 class TiedLMHead(_HeadOptions):
   """The loss of a head tied to the input embedding: ``Embed.attend`` + cross-entropy, fused; no parameters.
 
-  Call it with the model's ``nn.Embed`` (or its [V, H] table): ``TiedLMHead()(self.embed, h, labels)``. The table
-  is read in its own [V, H] layout, never transposed or copied, and receives the head's gradient.
+  Call it with the model's embedding: ``TiedLMHead()(self.embed, h, labels)``, or without labels for the logits.
+  The embedding is a bound ``nn.Embed``, its param dict, an embedder object or the bare [V, H] table (as
+  :func:`tied_linear_cross_entropy`). The table is read in its own [V, H] layout, never transposed or copied, and
+  receives the head's gradient.
 
   Attributes:
     dtype: dtype of the matmul (None: the ``nn.Embed``'s ``dtype``, as ``Embed.attend``; for a bare table the
       promoted type).
+    attr: the table's name when the embedding holds several 2-D tables.
     options: the loss options (:class:`lce_flax.LossOptions`, keyword-only); a call's keyword overrides replace
       its fields, ``None`` included.
   """
 
   dtype: Dtype | None = None
+  attr: str | None = None
 
-  def __call__(self, embed: nn.Embed | jax.Array, x: jax.Array, labels: jax.Array, *,
+  def __call__(self, embed: Any, x: jax.Array, labels: jax.Array | None = None, *,
                where: jax.Array | None = None, return_aux: bool = False, **overrides: Any):
-    """The loss of ``embed.attend(x)`` against ``labels``; arguments as :meth:`LMHead.__call__`."""
+    """The loss of ``embed.attend(x)`` against ``labels`` (the logits if no labels); as :meth:`LMHead.__call__`."""
+    if labels is None:
+      _no_loss_arguments(type(self).__name__, where, return_aux, overrides)
+      return self.logits(embed, x)
     return tied_linear_cross_entropy(embed, x, labels, dtype=self.dtype, where=where, return_aux=return_aux,
-                                     options=resolve(self.options, overrides))
+                                     attr=self.attr, options=resolve(self.options, overrides))
 
-  def logits(self, embed: nn.Embed | jax.Array, x: jax.Array) -> jax.Array:
+  def logits(self, embed: Any, x: jax.Array) -> jax.Array:
     """``[..., V]`` logits ``x @ table.T``, as ``Embed.attend(x)``."""
-    table, dtype = _table(embed, self.dtype)
+    table, dtype = _table(embed, self.dtype, self.attr)
     x = jnp.asarray(x)
     check_input(x, table.shape[1], type(self).__name__)
     x, table = linen_dtypes.promote_dtype(x, table, dtype=dtype)

@@ -34,8 +34,8 @@ from flax.core import spmd as flax_spmd
 from flax.nnx.nn import dtypes as nnx_dtypes
 from flax.typing import Dtype, Initializer
 
-from lce_flax import api
-from lce_flax.linen import BIAS_AXES, KERNEL_AXES, check_input, dense_logits
+from lce_flax import adapters, api
+from lce_flax.linen import BIAS_AXES, KERNEL_AXES, _no_loss_arguments, check_input, dense_logits
 from lce_flax.options import LossOptions, for_head
 
 _SHARDING_KEYS = ("out_sharding", "sharding", "sharding_names")  # the last two: flax's deprecated spellings
@@ -58,12 +58,25 @@ def _can_shard_now(axes: Any, metadata: Mapping[str, Any]) -> bool:
   return all(name in mesh.axis_names for entry in resolved for name in _mesh_names(entry))
 
 
+def _harmless(axes: tuple[str | None, ...], metadata: Mapping[str, Any]) -> tuple[str | None, ...]:
+  """``axes`` with each name that no logical rule maps and the active mesh lacks replaced by None (replicated).
+
+  With no mesh active the names are kept as given (they may be mesh names of a mesh set up later)."""
+  mesh = metadata.get("mesh") or flax_meta.get_global_mesh()
+  if mesh is None:
+    return tuple(axes)
+  rules = flax_spmd.composite_rules(flax_spmd.get_logical_axis_rules(), metadata.get("sharding_rules", ()))
+  mapped = {alias for alias, _ in rules}
+  return tuple(name if name is None or name in mapped or all(n in mesh.axis_names for n in _mesh_names(name))
+               else None for name in axes)
+
+
 def _metadata(axes: tuple[str | None, ...] | None, user: Mapping[str, Any]) -> dict[str, Any]:
   """Variable metadata: the user's, plus ``out_sharding=axes`` unless the user gave a sharding."""
   md = dict(user)
   given = [k for k in _SHARDING_KEYS if k in md]
   if axes is not None and not given:
-    md["out_sharding"] = tuple(axes)
+    md["out_sharding"] = _harmless(axes, md)
     given = ["out_sharding"]
   if given and "eager_sharding" not in md:
     # Names with no mesh (or no rules mapping them onto it) are recorded, not applied: flax would otherwise
@@ -95,8 +108,11 @@ class LMHead(nnx.Module):
     precision: ``lax.Precision`` of :meth:`logits`.
     kernel_init: initialiser of ``kernel`` [H, V] (``nnx.Linear``'s default: LeCun normal).
     bias_init: initialiser of ``bias`` [V].
-    kernel_axes: logical sharding names of ``kernel`` (None: none), stored as ``out_sharding`` metadata.
-    bias_axes: logical sharding names of ``bias``.
+    kernel_axes: sharding names of ``kernel`` (None: none), stored as ``out_sharding`` metadata: logical names
+      (resolved through ``nn.logical_axis_rules`` / ``sharding_rules``) or mesh axis names. A name that no rule
+      maps and that the mesh active at construction lacks is stored as None (replicated), so the default
+      ``("embed", "vocab")`` is harmless on a ``("fsdp", "tp")`` mesh without rules.
+    bias_axes: sharding names of ``bias``, as ``kernel_axes``.
     kernel_metadata: further metadata of the ``kernel`` variable (a sharding given here replaces ``kernel_axes``).
     bias_metadata: further metadata of the ``bias`` variable.
     options: the loss options (:class:`lce_flax.LossOptions`); a call's keyword overrides replace its fields,
@@ -144,20 +160,28 @@ class LMHead(nnx.Module):
     check_input(x, self.in_features, type(self).__name__)
     return x, self.kernel[...], self.bias[...] if self.bias is not None else None
 
-  def __call__(self, x: jax.Array, labels: jax.Array, *, where: jax.Array | None = None, return_aux: bool = False,
-               **overrides: Any):
-    """The cross-entropy of ``x @ kernel + bias`` against ``labels``, without the logits.
+  def __call__(self, x: jax.Array, labels: jax.Array | None = None, *, where: jax.Array | None = None,
+               return_aux: bool = False, **overrides: Any):
+    """The cross-entropy of ``x @ kernel + bias`` against ``labels``, without the logits; the logits if no labels.
+
+    ``head(x)`` is ``nnx.Linear``'s output (:meth:`logits`), so the head can stand where the model calls
+    ``self.lm_head(h)`` for generation and evaluation; ``head(x, labels)`` is the fused loss.
 
     Args:
       x: ``[..., H]`` hidden states.
-      labels: ``[...]`` integer targets; ``ignore_index`` (default -100) marks tokens that are not counted.
+      labels: ``[...]`` integer targets; ``ignore_index`` (default -100) marks tokens that are not counted. None:
+        return the ``[..., V]`` logits.
       where: optional ``[...]`` mask (bool or 0/1); masked tokens are not counted.
       return_aux: also return the op's :class:`lce_flax.Aux`.
       **overrides: per-call values of fields of ``options`` (``reduction=``, ``z_loss=``, ``impl=``, ...).
 
     Returns:
-      The float32 loss (and the :class:`lce_flax.Aux` if ``return_aux``), as :func:`lce_flax.linear_cross_entropy`.
+      The float32 loss (and the :class:`lce_flax.Aux` if ``return_aux``), as :func:`lce_flax.linear_cross_entropy`;
+      without labels, the logits.
     """
+    if labels is None:
+      _no_loss_arguments(type(self).__name__, where, return_aux, overrides)
+      return self.logits(x)
     x, kernel, bias = self._arrays(x)
     return api.linear_cross_entropy(x, kernel, labels, bias=bias, where=where, return_aux=return_aux,
                                     w_layout="hv", options=for_head(self.options, self.dtype, overrides))
@@ -168,43 +192,49 @@ class LMHead(nnx.Module):
 
 
 class TiedLMHead(nnx.Module):
-  """The loss of a head tied to an ``nnx.Embed``: ``Embed.attend`` + cross-entropy, fused; no variables.
+  """The loss of a head tied to the input embedding (``Embed.attend`` + cross-entropy, fused); no variables.
 
-  Call it with the model's embedding: ``self.head(self.embed, h, labels)``. The [V, H] table is read in its own
-  layout (``w_layout="vh"``), never transposed or copied, and receives the head's gradient. The embedding is an
-  argument rather than an attribute so the model holds it once (no shared reference to track).
+  Call it with the model's embedding: ``self.head(self.embed, h, labels)``, or without labels for the logits
+  ``self.head(self.embed, h)``. The embedding is what :func:`lce_flax.adapters.head_loss` accepts: an
+  ``nnx.Embed``, a custom embedder holding its [V, H] table as an ``nnx.Param`` (tunix's ``Embedder``; ``attr=``
+  names it when there are several), a param dict, or the bare [V, H] table. The table is read in its own layout
+  (``w_layout="vh"``), never transposed or copied, and receives the head's gradient. The embedding is an argument
+  rather than an attribute so the model holds it once (no shared reference to track).
 
   Args:
-    dtype: dtype of the matmul (None: the ``nnx.Embed``'s ``dtype``, as ``Embed.attend``; for a bare [V, H] table
-      the promoted type).
+    dtype: dtype of the matmul (None: the embedder's own ``dtype`` (``nnx.Embed.dtype``, tunix's
+      ``Embedder.dtype``), else the promoted type).
+    attr: the table's name in a custom embedder or param dict holding several 2-D tables.
     options: the loss options (:class:`lce_flax.LossOptions`); a call's keyword overrides replace its fields.
   """
 
-  def __init__(self, *, dtype: Dtype | None = None, options: LossOptions = LossOptions()):
+  def __init__(self, *, dtype: Dtype | None = None, attr: str | None = None, options: LossOptions = LossOptions()):
     self.dtype = dtype
+    self.attr = attr
     self.options = _check_options(options)
 
-  def _table(self, embed: nnx.Embed | jax.Array, x: jax.Array):
-    if isinstance(embed, nnx.Embed):
-      table, dtype = embed.embedding[...], self.dtype if self.dtype is not None else embed.dtype
-    else:
-      table, dtype = jnp.asarray(embed), self.dtype
-      if table.ndim != 2:
-        raise ValueError(f"embed must be an nnx.Embed or its [V, H] table, got an array of shape {table.shape}")
+  def _read(self, embed: Any, x: jax.Array):
+    weights, dtype = adapters.read_head(embed, attr=self.attr, w_layout="vh" if adapters.is_table(embed) else None)
+    if weights.w_layout != "vh":
+      raise ValueError(f"{type(self).__name__}: the embedding must be a [V, H] table, got a {weights.w_layout!r} "
+                       f"weight of shape {tuple(weights.w.shape)}; use lce_flax.adapters.head_loss for other heads")
     x = jnp.asarray(x)
-    check_input(x, table.shape[1], type(self).__name__)
-    return x, table, dtype
+    check_input(x, weights.w.shape[1], type(self).__name__)
+    return x, weights.w, self.dtype if self.dtype is not None else dtype
 
-  def __call__(self, embed: nnx.Embed | jax.Array, x: jax.Array, labels: jax.Array, *,
+  def __call__(self, embed: Any, x: jax.Array, labels: jax.Array | None = None, *,
                where: jax.Array | None = None, return_aux: bool = False, **overrides: Any):
-    """The loss of ``embed.attend(x)`` against ``labels``; arguments as :meth:`LMHead.__call__`."""
-    x, table, dtype = self._table(embed, x)
+    """The loss of ``embed.attend(x)`` against ``labels`` (the logits if no labels); as :meth:`LMHead.__call__`."""
+    if labels is None:
+      _no_loss_arguments(type(self).__name__, where, return_aux, overrides)
+      return self.logits(embed, x)
+    x, table, dtype = self._read(embed, x)
     return api.linear_cross_entropy(x, table, labels, w_layout="vh", where=where, return_aux=return_aux,
                                     options=for_head(self.options, dtype, overrides))
 
-  def logits(self, embed: nnx.Embed | jax.Array, x: jax.Array) -> jax.Array:
+  def logits(self, embed: Any, x: jax.Array) -> jax.Array:
     """``[..., V]`` logits ``x @ table.T``, as ``Embed.attend(x)``."""
-    x, table, dtype = self._table(embed, x)
+    x, table, dtype = self._read(embed, x)
     x, table = nnx_dtypes.promote_dtype((x, table), dtype=dtype)
     return jnp.dot(x, table.T)
 
