@@ -39,9 +39,11 @@ import jax.numpy as jnp
 IGNORED = -1  # normalised label of a token that does not count
 
 
-@dataclasses.dataclass(frozen=True)
-class LossOptions:
-  """Static options of the loss: hashable, so they can be a ``nondiff_argnums`` / jit-static argument."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossSpec:
+  """The numbers that define the loss of one call (built by ``lce_flax.LossOptions.spec``): the label space and the
+  three options that change the loss's value. Hashable, so it can be a ``nondiff_argnums`` / jit-static argument.
+  """
 
   vocab_size: int
   label_smoothing: float = 0.0
@@ -82,7 +84,7 @@ def empty_stats(rows: int) -> RowStats:
   return RowStats(jnp.full((rows,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
 
 
-def tile_stats(zc, cols, labels, col_valid, opts: LossOptions) -> RowStats:
+def tile_stats(zc, cols, labels, col_valid, opts: LossSpec) -> RowStats:
   """Reduces a tile of capped logits ``zc`` [bt, bv] to :class:`RowStats`.
 
   ``cols`` [1, bv] or [bv] are the tile's global column indices, ``col_valid`` masks the columns that belong to
@@ -112,7 +114,7 @@ def merge_stats(a: RowStats, b: RowStats) -> RowStats:
   return RowStats(m, s, a.target + b.target, a.zsum + b.zsum)
 
 
-def all_reduce_stats(st: RowStats, axis: str, opts: LossOptions) -> RowStats:
+def all_reduce_stats(st: RowStats, axis: str, opts: LossSpec) -> RowStats:
   """Row stats of the whole vocabulary from each ``axis`` shard's partial stats (inside ``shard_map``):
   a pmax of the max, then one psum of the rescaled sums (and target and logit sum)."""
   m = jax.lax.pmax(st.m, axis)
@@ -131,7 +133,7 @@ class TokenOut(NamedTuple):
   correct: jax.Array  # [B] bool: counted and the label's logit is the row's max (ties count as correct)
 
 
-def finalize(st: RowStats, labels, opts: LossOptions) -> TokenOut:
+def finalize(st: RowStats, labels, opts: LossSpec) -> TokenOut:
   lse = st.m + jnp.log(st.s)
   eps = opts.label_smoothing
   loss = lse - (1.0 - eps) * st.target
@@ -147,7 +149,7 @@ def finalize(st: RowStats, labels, opts: LossOptions) -> TokenOut:
   return TokenOut(loss, lse, correct)
 
 
-def dlogits(z, lse, labels, cols, col_valid, g_loss, g_lse, opts: LossOptions):
+def dlogits(z, lse, labels, cols, col_valid, g_loss, g_lse, opts: LossSpec):
   """Gradient w.r.t. the pre-cap logits ``z`` [bt, bv] of ``Σ_t g_loss_t·ℓ_t + g_lse_t·lse_t``.
 
   ``dℓ/dz'_v = p_v (1 + 2 λ_z lse) - (1-ε)·[v = y] - ε/V`` and ``dlse/dz'_v = p_v``; the soft cap multiplies by

@@ -61,7 +61,7 @@ def _auto_order() -> tuple[str, ...]:
 def available_implementations(dtype=jnp.bfloat16, platform: str | None = None) -> list[str]:
   """Names of the implementations that can run ``dtype`` inputs on ``platform`` (default: this device)."""
   platform = platform or _device.platform()
-  spec = common.Spec(_math.LossOptions(vocab_size=2), interpret=False)
+  spec = common.Spec(_math.LossSpec(vocab_size=2), interpret=False)
   names = []
   for name in IMPLEMENTATIONS:
     try:
@@ -162,11 +162,13 @@ def _dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, op
   :mod:`lce_flax._impl.vocab_parallel`); the design is that of one shard's V/shards columns, and only the
   chunked backend has a fast design there."""
   interpret = _device.default_interpret() if opts.interpret is None else bool(opts.interpret)
-  spec = common.Spec(_math.LossOptions(vocab, *opts.math_key), w_layout, interpret)
-  shard_spec = spec if shards == 1 else common.Spec(_math.LossOptions(vocab // shards, *opts.math_key), w_layout,
-                                                    interpret)
-  want = opts.mode or ("lean" if opts.reduction == "none" else "fast")
-  names = _auto_order() if opts.impl == "auto" else (opts.impl,)
+  spec = common.Spec(opts.spec(vocab), w_layout, interpret)
+  shard_spec = spec if shards == 1 else common.Spec(opts.spec(vocab // shards), w_layout, interpret)
+  want = opts.design_mode
+  auto = opts.impl == "auto"
+  names = _auto_order() if auto else (opts.impl,)
+  # the chunk option set (at most one; options.py has checked that it belongs to the mode asked for)
+  chunk = next(((f, v) for f in ("token_chunk", "vocab_chunk") if (v := getattr(opts, f)) is not None), None)
   notes, reasons = [], []
   for i, name in enumerate(names):
     last = i == len(names) - 1
@@ -174,20 +176,29 @@ def _dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, op
       mod = _module(name)
       mod.supported(spec, platform, dtype)
       config = opts.config
-      if opts.chunk_size is not None:
-        if getattr(mod, "Config", None) is None or "chunk_size" not in mod.Config.__dataclass_fields__:
-          raise ValueError(f"chunk_size={opts.chunk_size} would be ignored: impl={name!r} has no chunk loop")
-        config = mod.Config(chunk_size=opts.chunk_size)
+      if chunk is not None:
+        field, val = chunk
+        if getattr(mod, "Config", None) is None or field not in mod.Config.__dataclass_fields__:
+          loop = "tokens" if field == "token_chunk" else "vocabulary columns"
+          why = (f"{field}={val} rules out impl={name!r}: it has no design that loops over {loop}"
+                 + ("" if name != "xla" else " (it has no chunk loop)"))
+          raise NotImplementedError(why) if auto else ValueError(why)
+        config = mod.Config(**{field: val})
       mode = want
       what = "fast design" if shards == 1 else f"vocab-parallel fast design (V split over {shards} devices)"
       has_fast = mod.fast is not None and (shards == 1 or name == "chunked")
       if not has_fast and want == "fast":
-        if opts.mode == "fast" and opts.impl != "auto":
+        if opts.mode == "fast" and not auto:
           raise ValueError(f"mode='fast': impl={name!r} has no {what}; use mode='lean' (or mode=None)")
-        if opts.impl == "auto" and not last:
+        if auto and (not last or chunk is not None and chunk[0] == "token_chunk"):
           raise NotImplementedError(f"no {what}")
         mode = "lean"
-      design = mod.design(num_tokens, hidden, shard_spec, dtype, mode, config)
+      try:
+        design = mod.design(num_tokens, hidden, shard_spec, dtype, mode, config)
+      except ValueError as e:  # under auto the only value given to a design is the chunk option: one that refuses
+        if not auto or chunk is None:  # it is skipped, like a backend that cannot run
+          raise
+        raise NotImplementedError(f"{e} (impl={name!r} refuses it)") from e
       if mode != want:
         notes.append(f"{name} has no {what}: runs its {design.name!r} design")
       if shards > 1:
@@ -282,8 +293,8 @@ def linear_cross_entropy(
     return_aux: also return an :class:`Aux` (per-token loss and lse, accuracy counts).
     options: a :class:`lce_flax.LossOptions` (default ``LossOptions()``).
     **overrides: fields of :class:`lce_flax.LossOptions` by name (``reduction=``, ``ignore_index=``,
-      ``label_smoothing=``, ``z_loss=``, ``logit_softcap=``, ``dtype=``, ``impl=``, ``mode=``, ``chunk_size=``,
-      ``interpret=``, ``config=``), applied on top of ``options``.
+      ``label_smoothing=``, ``z_loss=``, ``logit_softcap=``, ``dtype=``, ``impl=``, ``mode=``, ``token_chunk=``,
+      ``vocab_chunk=``, ``interpret=``, ``config=``), applied on top of ``options``.
 
   Returns:
     The float32 loss (scalar, or ``[...]`` for ``reduction="none"``), and an :class:`Aux` if ``return_aux``.

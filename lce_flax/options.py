@@ -9,13 +9,22 @@ to ``None`` (it does not mean "keep").
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import functools
+from typing import Any, Literal, get_args
 
+import jax
 import jax.numpy as jnp
+
+from lce_flax import _math
 
 Reduction = Literal["mean", "sum", "none"]
 Mode = Literal["fast", "lean"]
-IMPLS = ("auto", "xla", "chunked", "pallas_triton", "triton", "pallas_mosaic")
+Impl = Literal["auto", "xla", "chunked", "pallas_triton", "triton", "pallas_mosaic"]
+IMPLS: tuple[str, ...] = get_args(Impl)
+# Names that an earlier version took, and what replaced them (a TypeError names the replacement).
+RENAMED = {"chunk_size": "token_chunk (tokens per chunk, for the designs that loop over tokens: mode='fast') or "
+                         "vocab_chunk (vocabulary columns per chunk, for those that loop over the vocabulary: "
+                         "mode='lean')"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,9 +47,12 @@ class LossOptions:
       ``"lean"`` recomputes them in the backward (8·B·H·V FLOPs, O(B) residuals); None: fast where the
       implementation has a fast design and ``reduction`` is not ``"none"`` (which needs per-token cotangents),
       else lean.
-    chunk_size: length of the design's chunk loop (vocabulary columns per chunk in lean designs, tokens per
-      chunk in fast designs that loop over tokens); None: chosen by shape. An error for designs without a chunk
-      loop, and together with ``config`` (set the chunk inside it).
+    token_chunk: tokens per chunk, for the designs that loop over chunks of tokens (the fast designs of
+      ``"chunked"`` and ``"pallas_mosaic"``'s ``"tokens"``); setting it makes ``mode=None`` fast, and ``"auto"``
+      picks a design that honours it. None: chosen by shape.
+    vocab_chunk: vocabulary columns per chunk, for the designs that loop over the vocabulary (every lean
+      design but ``"xla"``'s); setting it makes ``mode=None`` lean. None: chosen by shape. At most one of the two
+      may be set, and neither together with ``config`` (set the chunk inside it).
     interpret: run Pallas kernels in interpret mode (None: when the default backend is not a GPU).
     config: the implementation's own configuration (``lce_flax.ChunkedConfig``, ``PallasTritonConfig``,
       ``TritonConfig``, ``PallasMosaicConfig``); it must belong to ``impl`` (an explicit one).
@@ -52,15 +64,20 @@ class LossOptions:
   z_loss: float = 0.0
   logit_softcap: float | None = None
   dtype: Any = None
-  impl: str = "auto"
+  impl: Impl = "auto"
   mode: Mode | None = None
-  chunk_size: int | None = None
+  token_chunk: int | None = None
+  vocab_chunk: int | None = None
   interpret: bool | None = None
   config: Any = None
 
   def __post_init__(self):
     if self.dtype is not None:  # canonical and hashable: jnp.bfloat16, "bfloat16" and np.dtype agree
       object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+    for name in ("label_smoothing", "z_loss", "logit_softcap"):  # Python floats: static, hashable, comparable
+      val = getattr(self, name)
+      if val is not None:
+        object.__setattr__(self, name, _static_float(name, val))
     self.validate()
 
   def validate(self) -> None:
@@ -84,30 +101,80 @@ class LossOptions:
     if self.mode == "fast" and self.reduction == "none":
       raise ValueError("reduction='none' needs per-token cotangents, which mode='fast' cannot take; use "
                        "mode='lean' (or mode=None)")
-    if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
-                                        or self.chunk_size <= 0):
-      raise ValueError(f"chunk_size={self.chunk_size!r} must be a positive int (or None)")
-    if self.chunk_size is not None and self.config is not None:
-      raise ValueError(f"chunk_size={self.chunk_size} and config={self.config!r} are both given; set the chunk "
-                       "inside the config")
+    for name in ("token_chunk", "vocab_chunk"):
+      val = getattr(self, name)
+      if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val <= 0):
+        raise ValueError(f"{name}={val!r} must be a positive int (or None)")
+      if val is not None and self.config is not None:
+        raise ValueError(f"{name}={val} and config={self.config!r} are both given; set the chunk inside the config")
+    if self.token_chunk is not None and self.vocab_chunk is not None:
+      raise ValueError(f"token_chunk={self.token_chunk} and vocab_chunk={self.vocab_chunk} are both given; no design "
+                       "has both loops: token_chunk is for the fast designs, vocab_chunk for the lean ones")
+    if self.token_chunk is not None and self.design_mode == "lean":
+      why = "mode='lean'" if self.mode == "lean" else "reduction='none' (per-token cotangents)"
+      raise ValueError(f"token_chunk={self.token_chunk}: {why} runs a lean design, which loops over vocabulary "
+                       "columns, not tokens; set vocab_chunk instead (or mode='fast' with a reduced loss)")
+    if self.vocab_chunk is not None and self.mode == "fast":
+      raise ValueError(f"vocab_chunk={self.vocab_chunk}: the fast designs loop over tokens, not vocabulary columns; "
+                       "set token_chunk instead (or mode='lean')")
     if self.config is not None and self.impl == "auto":
       raise ValueError(f"config={self.config!r} needs the impl it belongs to (impl='auto' may pick another)")
 
   def replace(self, **overrides: Any) -> LossOptions:
     """A copy with ``overrides`` applied (None sets a field to None); unknown names raise ``TypeError``."""
-    unknown = sorted(set(overrides) - set(FIELDS))
-    if unknown:
-      raise TypeError(f"unknown loss option(s) {unknown}; the options are {FIELDS}")
+    _check_names(overrides)
     return dataclasses.replace(self, **overrides) if overrides else self
 
   @property
-  def math_key(self) -> tuple[float, float, float | None]:
-    """(label_smoothing, z_loss, logit_softcap) as floats: the options that change the loss's value."""
-    cap = None if self.logit_softcap is None else float(self.logit_softcap)
-    return float(self.label_smoothing), float(self.z_loss), cap
+  def design_mode(self) -> Mode:
+    """The mode asked for: ``mode``, or, when it is None, lean for ``reduction="none"`` (per-token cotangents) or
+    a ``vocab_chunk`` (a loop over the vocabulary), else fast."""
+    if self.mode is not None:
+      return self.mode
+    return "lean" if self.reduction == "none" or self.vocab_chunk is not None else "fast"
+
+  def spec(self, vocab_size: int) -> _math.LossSpec:
+    """The loss's math for a vocabulary of ``vocab_size`` (what the implementations compute)."""
+    return _math.LossSpec(vocab_size=vocab_size, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                          logit_softcap=self.logit_softcap)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(LossOptions))
+
+
+def _check_names(kwargs) -> None:
+  """``TypeError`` for an option name that does not exist (naming its replacement where it was renamed)."""
+  for name in sorted(set(kwargs) - set(FIELDS)):
+    if name in RENAMED:
+      raise TypeError(f"{name!r} is no longer a loss option: use {RENAMED[name]}")
+    raise TypeError(f"unknown loss option(s) {sorted(set(kwargs) - set(FIELDS))}; the options are {FIELDS}")
+
+
+def _checked_init(init):
+  @functools.wraps(init)
+  def __init__(self, **kwargs):  # noqa: N807
+    _check_names(kwargs)
+    init(self, **kwargs)
+  return __init__
+
+
+LossOptions.__init__ = _checked_init(LossOptions.__init__)
+
+
+def _static_float(name: str, val) -> float:
+  """``val`` as a Python float; a traced value (under ``jit``, e.g. from a schedule) is refused by name: the loss's
+  options are static, compiled into the kernels."""
+  if isinstance(val, jax.core.Tracer):
+    raise TypeError(
+        f"{name} is a traced array ({jax.typeof(val).str_short()}), e.g. a schedule's value under jit; loss options "
+        "are static (compiled into the kernels): pass a Python float, or make it a static argument of the jitted "
+        "function (one compilation per value)")
+  try:
+    if isinstance(val, (bool, str)):
+      raise TypeError
+    return float(val)
+  except (TypeError, ValueError):
+    raise TypeError(f"{name}={val!r} must be a float (a Python or concrete scalar)") from None
 
 
 def resolve(options: LossOptions | None, overrides: dict[str, Any]) -> LossOptions:

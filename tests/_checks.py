@@ -18,6 +18,15 @@ OPTIONS = {
 }
 
 
+def chunk_kw(chunk, mode=None, reduction="mean"):
+  """The chunk option of the design that ``mode`` and ``reduction`` pick: ``token_chunk`` for the fast designs,
+  ``vocab_chunk`` for the lean ones (an empty dict for ``chunk=None``)."""
+  if chunk is None:
+    return {}
+  lean = mode == "lean" or (mode is None and reduction == "none")
+  return {"vocab_chunk" if lean else "token_chunk": chunk}
+
+
 def make_inputs(seed, batch_shape, h, v, dtype, *, w_layout="hv", bias=False, ignore_frac=0.2, wscale=0.3):
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((*batch_shape, h)).astype(np.float32)

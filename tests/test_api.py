@@ -22,13 +22,10 @@ from tests._checks import (  # noqa: F401
   check_impl,
   check_llama3_8b,
   check_lse_cotangent,
+  chunk_kw,
   make_inputs,
   tolerances,
 )
-
-# (impl, mode, chunk_size): small chunks so that several chunks and a ragged last one are exercised.
-VARIANTS = [("xla", None, None), ("chunked", "fast", 8), ("chunked", "lean", 64), ("chunked", "fast", None),
-            ("chunked", "lean", None)]
 
 
 @hypothesis.settings(max_examples=15, deadline=None, derandomize=False)
@@ -37,7 +34,7 @@ VARIANTS = [("xla", None, None), ("chunked", "fast", 8), ("chunked", "lean", 64)
     mode=st.sampled_from(["fast", "lean"]), opt=st.sampled_from(list(OPTIONS)), layout=st.sampled_from(["hv", "vh"]),
     seed=st.integers(0, 2**16))
 def test_property_shapes(b, h, v, chunk, mode, opt, layout, seed):
-  check_impl("chunked", mode=mode, chunk_size=chunk, batch_shape=(b,), h=h, v=v, w_layout=layout,
+  check_impl("chunked", mode=mode, **chunk_kw(chunk, mode), batch_shape=(b,), h=h, v=v, w_layout=layout,
              options=OPTIONS[opt], seed=seed, bias=seed % 2 == 0)
 
 
@@ -56,7 +53,7 @@ def test_matches_optax():
 def test_transformations(impl, mode):
   """jit, grad, value_and_grad and jax.checkpoint give the same numbers as the eager call."""
   (x, w, y, _), _ = make_inputs(5, (4, 9), 12, 55, jnp.float32)
-  chunk = dict(chunk_size=16) if impl == "chunked" else {}
+  chunk = chunk_kw(16, mode) if impl == "chunked" else {}
   f = lambda x, w: linear_cross_entropy(x, w, y, impl=impl, mode=mode, z_loss=1e-3, **chunk)
   l0, g0 = jax.value_and_grad(f, (0, 1))(x, w)
   l1, g1 = jax.jit(jax.value_and_grad(f, (0, 1)))(x, w)
@@ -86,7 +83,7 @@ def test_out_of_range_label_is_nan(impl, mode, bad):
   """A label outside [0, V) that is not ignore_index is never a plausible number: its loss and grads are NaN."""
   (x, w, y, _), _ = make_inputs(2, (9,), 8, 40, jnp.float32, ignore_frac=0.0)
   y = y.at[4].set(bad)
-  chunk = dict(chunk_size=16) if impl == "chunked" else {}
+  chunk = chunk_kw(16, mode) if impl == "chunked" else {}
   f = lambda x, w: linear_cross_entropy(x, w, y, impl=impl, mode=mode, **chunk)
   loss, (dx, dw) = jax.value_and_grad(f, (0, 1))(x, w)
   assert np.isnan(loss)
@@ -106,11 +103,11 @@ def test_fast_mode_refuses_aux_gradients():
 
 
 def test_aux_lse_gradient_lean():
-  check_lse_cotangent("chunked", chunk_size=8)
+  check_lse_cotangent("chunked", vocab_chunk=8)
 
 
 def test_bad_and_ignored_labels_lean():
-  check_bad_and_ignored_labels("chunked", chunk_size=16)
+  check_bad_and_ignored_labels("chunked", vocab_chunk=16)
 
 
 @pytest.mark.parametrize(
@@ -131,12 +128,20 @@ def test_bad_and_ignored_labels_lean():
         (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), where=jnp.ones(5)), ValueError,
          r"where.shape=\(5,\)"),
         (dict(x=jnp.ones((4, 0)), w=jnp.ones((0, 10)), labels=jnp.zeros(4, int)), ValueError, "H must be > 0"),
-        (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), chunk_size=0), ValueError,
-         "chunk_size=0"),
-        (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), chunk_size=-3), ValueError,
-         "chunk_size=-3"),
-        (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), impl="xla", chunk_size=8),
-         ValueError, "chunk_size=8 would be ignored"),
+        (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), token_chunk=0), ValueError,
+         "token_chunk=0"),
+        (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), vocab_chunk=-3), ValueError,
+         "vocab_chunk=-3"),
+        (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), impl="xla", token_chunk=8),
+         ValueError, "token_chunk=8 rules out impl='xla'"),
+        (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), chunk_size=8), TypeError,
+         "'chunk_size' is no longer a loss option: use token_chunk .* or vocab_chunk"),
+        (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), token_chunk=8, vocab_chunk=8),
+         ValueError, "no design has both loops"),
+        (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), token_chunk=8, reduction="none"),
+         ValueError, "token_chunk=8: reduction='none' .* set vocab_chunk instead"),
+        (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), vocab_chunk=8, mode="fast"),
+         ValueError, "vocab_chunk=8: the fast designs loop over tokens"),
         (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), impl="chunked", interpret=True),
          ValueError, "interpret=True would be ignored"),
         (dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 10)), labels=jnp.zeros(4, int), config=object()), ValueError,

@@ -38,7 +38,7 @@ def test_auto_order_by_compute_capability(fake_gpu, cc, first):
 def test_auto_on_cpu_is_chunked_fast():
   d = explain(**LLAMA)
   assert (d.impl, d.mode, d.name) == ("chunked", "fast", "token_chunks")
-  assert d.chunking == "token chunks of 2048 tokens" and d.config == lce_flax.ChunkedConfig(2048)
+  assert d.chunking == "token chunks of 2048 tokens" and d.config == lce_flax.ChunkedConfig(token_chunk=2048)
   d = explain(**LLAMA, reduction="none")
   assert (d.impl, d.mode, d.name) == ("chunked", "lean", "recompute")
 
@@ -102,10 +102,10 @@ def test_config_must_belong_to_its_impl():
                                       "lce_flax.ChunkedConfig"):
     explain(**LLAMA, impl="chunked", config=lce_flax.PallasTritonConfig())
   with pytest.raises(ValueError, match="needs the impl it belongs to"):
-    LossOptions(config=lce_flax.ChunkedConfig(64))
+    LossOptions(config=lce_flax.ChunkedConfig(vocab_chunk=64))
   with pytest.raises(ValueError, match="set the chunk inside the config"):
-    LossOptions(impl="chunked", chunk_size=8, config=lce_flax.ChunkedConfig(64))
-  assert explain(**LLAMA, impl="chunked", config=lce_flax.ChunkedConfig(512)).config.chunk_size == 512
+    LossOptions(impl="chunked", token_chunk=8, config=lce_flax.ChunkedConfig(token_chunk=64))
+  assert explain(**LLAMA, impl="chunked", config=lce_flax.ChunkedConfig(token_chunk=512)).config.token_chunk == 512
 
 
 def test_options_object_replace_and_errors():
@@ -197,3 +197,74 @@ def test_every_gpu_path_against_reference(impl, dtype, mode):
   # fp32 is checked as exact fp32: XLA and Triton may run float32 dots as TF32 at the default precision.
   with jax.default_matmul_precision("highest"):
     check_impl(impl, mode=mode, dtype=dtype, h=128, v=1000, batch_shape=(101,), bias=True, seed=5)
+
+
+# ------------------------------------------------------------------------------------- chunk options × designs
+
+# every design auto can reach, by device: (compute capability, dtype) -> what auto may pick
+DEVICES = {"cpu": None, "sm80": (8, 0), "sm90": (9, 0)}
+CHUNK_OPTIONS = {"none": {}, "token_chunk": dict(token_chunk=256), "vocab_chunk": dict(vocab_chunk=256)}
+# the chunk field of each design that honours a chunk option; a design not listed has no chunk loop
+HONOURS = {("chunked", "token_chunks"): "token_chunk", ("chunked", "recompute"): "vocab_chunk",
+           ("pallas_triton", "recompute"): "vocab_chunk", ("pallas_mosaic", "recompute"): "vocab_chunk",
+           ("pallas_mosaic", "tokens"): "token_chunk"}
+SHAPES = {"llama3": LLAMA, "gpt2": dict(x=S((16384, 768), jnp.bfloat16), w=S((768, 50304), jnp.bfloat16))}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("mode", [None, "fast", "lean"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("option", list(CHUNK_OPTIONS))
+@pytest.mark.parametrize("device", list(DEVICES))
+def test_auto_honours_every_chunk_option(fake_gpu, device, option, dtype, mode, reduction, shape):
+  """Every option × design pairing that auto can reach: the design picked honours the chunk option set (its
+  resolved config carries that chunk), or the error names the option and what rules it out."""
+  if DEVICES[device] is not None:
+    fake_gpu(DEVICES[device])
+  x, w = (S(a.shape, jnp.dtype(dtype)) for a in SHAPES[shape].values())
+  kw = dict(CHUNK_OPTIONS[option], mode=mode, reduction=reduction)
+  if mode == "fast" and reduction == "none":  # no design at all, whatever the chunk
+    with pytest.raises(ValueError, match="reduction='none' needs per-token cotangents"):
+      explain(x, w, **kw)
+    return
+  try:
+    d = explain(x, w, **kw)
+  except ValueError as e:  # only a chunk of the other mode's loop is refused, by name, before any design is tried
+    field = option
+    assert field != "none", e
+    other = "lean" if field == "token_chunk" else "fast"
+    assert mode == other or (field == "token_chunk" and reduction == "none"), e
+    assert f"{field}=256" in str(e) and ("vocab_chunk" if field == "token_chunk" else "token_chunk") in str(e)
+    return
+  assert d.mode == (mode or ("lean" if reduction == "none" or option == "vocab_chunk" else "fast"))
+  if option == "none":
+    return
+  assert HONOURS.get((d.impl, d.name)) == option, (d.impl, d.name, d.notes)
+  assert getattr(d.config, option) == 256
+  if device == "sm90" and dtype == "bfloat16" and option == "token_chunk":
+    assert (d.impl, d.name) == ("pallas_mosaic", "tokens")  # the 'logits' design would refuse it
+
+
+def test_auto_skips_a_design_that_refuses_the_chunk_and_says_why(fake_gpu):
+  fake_gpu((9, 0))
+  # Mosaic's 'tokens' design needs whole row blocks (128 tokens): 100 is refused, chunked honours it
+  d = explain(**LLAMA, token_chunk=100)
+  assert (d.impl, d.name, d.config.token_chunk) == ("chunked", "token_chunks", 100)
+  assert any("pallas_mosaic" in n and "token_chunk=100" in n for n in d.notes)
+  fake_gpu((8, 0))
+  d = explain(**LLAMA, token_chunk=1024)
+  assert d.impl == "chunked" and any("token_chunk=1024 rules out impl='pallas_triton'" in n for n in d.notes)
+  with pytest.raises(ValueError, match="token_chunk=1024 rules out impl='pallas_triton': it has no design that loops "
+                                       "over tokens"):
+    explain(**LLAMA, impl="pallas_triton", token_chunk=1024)
+
+
+@pytest.mark.parametrize("name,value", [("z_loss", 1e-3), ("label_smoothing", 0.1), ("logit_softcap", 30.0)])
+def test_traced_option_values_are_refused_by_name(name, value):
+  """An option traced under jit (a schedule's value) raises an error naming it; a concrete array works."""
+  (x, w, y, _), (xn, wn, yn, _) = make_inputs(14, (19,), 16, 50, jnp.float32)
+  with pytest.raises(TypeError, match=f"^{name} is a traced array"):
+    jax.jit(lambda x, v: linear_cross_entropy(x, w, y, **{name: v}))(x, value)
+  got = linear_cross_entropy(x, w, y, **{name: jnp.float32(value)})
+  assert rel_err(got, linear_cross_entropy_np(xn, wn, yn, **{name: np.float32(value)})["loss"]) < 1e-5

@@ -24,7 +24,7 @@ from tests.reference_np import linear_cross_entropy_np, rel_err
 
 # B=101 = 64 + 37 rows; V=301: 5 vocabulary tiles of 64 (the last a clamped window), 3 forward splits, backward
 # chunks of 128 (2 full + a clamped tail); H=128: two pipeline steps of 64.
-SMALL = Config(block_t=64, block_v=64, num_splits=3, chunk_size=128, num_stages=2)
+SMALL = Config(block_t=64, block_v=64, num_splits=3, vocab_chunk=128, num_stages=2)
 on_sm90 = (_device.compute_capability() or (0, 0)) >= (9, 0)
 
 
@@ -41,7 +41,7 @@ def test_float32_inputs_are_refused_and_run_with_dtype_bf16():
   """WGMMA has no float32 operands: float32 inputs are refused (no hidden fallback); with dtype=jnp.bfloat16 the
   op rounds x and w to bf16 for the kernels: the result is the oracle's on the rounded inputs, to fp32
   accumulation accuracy, and gradients come back in fp32."""
-  spec = common.Spec(_math.LossOptions(10), interpret=True)
+  spec = common.Spec(_math.LossSpec(vocab_size=10), interpret=True)
   for dtype in (jnp.float32, jnp.int32):
     with pytest.raises(NotImplementedError, match="WGMMA has no float32 operands; pass dtype=jnp.bfloat16"):
       pallas_mosaic.supported(spec, "cpu", dtype)
@@ -66,8 +66,8 @@ def test_float32_inputs_are_refused_and_run_with_dtype_bf16():
     "config,h,v",
     [
         (None, 48, 301),  # heuristic tiles (64×128, one chunk); H=48 and V < block_v: x, w zero-padded
-        (Config(block_t=64, block_v=64, num_splits=64, chunk_size=64, num_stages=3), 64, 256),  # splits > tiles
-        (Config(block_t=128, block_v=128, num_splits=1, chunk_size=256, num_stages=4), 192, 300),  # B < block_t
+        (Config(block_t=64, block_v=64, num_splits=64, vocab_chunk=64, num_stages=3), 64, 256),  # splits > tiles
+        (Config(block_t=128, block_v=128, num_splits=1, vocab_chunk=256, num_stages=4), 192, 300),  # B < block_t
     ],
     ids=["heuristic-padded", "many-splits", "one-split"],
 )
@@ -79,7 +79,7 @@ def test_epilogue_math_matches_shared_math():
   """The register-tile forms of the loss math (broadcast_in_dim, no isfinite) equal _math's on random tiles."""
   rng = np.random.default_rng(0)
   bt, bv, v = 16, 24, 100
-  opts = _math.LossOptions(v, label_smoothing=0.1, z_loss=1e-2, logit_softcap=5.0)
+  opts = _math.LossSpec(vocab_size=v, label_smoothing=0.1, z_loss=1e-2, logit_softcap=5.0)
   z = jnp.asarray(3 * rng.standard_normal((bt, bv)), jnp.float32)
   c0 = 40
   cols1 = c0 + jnp.arange(bv, dtype=jnp.int32)
@@ -105,7 +105,7 @@ def test_epilogue_math_matches_shared_math():
 
 
 # ------------------------------------------------------------------------------------------------ fast mode
-FAST = dataclasses.replace(SMALL, fast_design="logits", chunk_size=None)  # no chunk loop: chunk_size is an error
+FAST = dataclasses.replace(SMALL, fast_design="logits", vocab_chunk=None)  # no chunk loop
 
 
 @pytest.mark.parametrize("w_layout", ["hv", "vh"])
@@ -135,7 +135,7 @@ def test_fast_cotangent_scales_and_aux_is_not_differentiable():
 @pytest.mark.parametrize("opt,w_layout,bias,chunk", [("plain", "hv", False, 64), ("all", "vh", True, 128)])
 def test_fast_token_chunks(opt, w_layout, bias, chunk):
   """The "tokens" fast design: chunks of stored logits, dx rows per chunk, dw accumulated in float32."""
-  cfg = dataclasses.replace(SMALL, fast_design="tokens", chunk_size=chunk)
+  cfg = dataclasses.replace(SMALL, fast_design="tokens", vocab_chunk=None, token_chunk=chunk)
   check(mode="fast", config=cfg, w_layout=w_layout, bias=bias, options=OPTIONS[opt], where=True, seed=40 + chunk)
 
 
@@ -152,17 +152,24 @@ def test_fast_design_choice_and_errors():
     with pytest.raises(ValueError, match=match):
       linear_cross_entropy(*args, impl="pallas_mosaic", mode="fast", interpret=True,
                            config=Config(fast_design=design))
-  with pytest.raises(ValueError, match="chunk_size=100 .*block_t=64"):
+  with pytest.raises(ValueError, match="token_chunk=100 .*block_t=64"):
     linear_cross_entropy(*args, impl="pallas_mosaic", mode="fast", interpret=True,
-                         config=dataclasses.replace(SMALL, fast_design="tokens", chunk_size=100))
-  with pytest.raises(ValueError, match="chunk_size=128: the 'logits' fast design has no chunk loop"):
+                         config=dataclasses.replace(FAST, fast_design="tokens", token_chunk=100))
+  with pytest.raises(ValueError, match="token_chunk=128: the 'logits' fast design has no chunk loop"):
     linear_cross_entropy(*args, impl="pallas_mosaic", mode="fast", interpret=True,
-                         config=dataclasses.replace(SMALL, fast_design="logits"))
+                         config=dataclasses.replace(FAST, token_chunk=128))
+  with pytest.raises(ValueError, match="vocab_chunk=128: the fast design of impl='pallas_mosaic' loops over tokens"):
+    linear_cross_entropy(*args, impl="pallas_mosaic", mode="fast", interpret=True, config=SMALL)
+  with pytest.raises(ValueError, match="token_chunk=128: the lean design of impl='pallas_mosaic' loops over vocab"):
+    linear_cross_entropy(*args, impl="pallas_mosaic", mode="lean", interpret=True,
+                         config=dataclasses.replace(FAST, fast_design=None, token_chunk=128))
+  # a token chunk asked for picks the design with a token loop
+  assert op.plan(1000, 64, 300, Config(token_chunk=256), mode="fast").fast_design == "tokens"
 
 
 def test_design_protocol():
   """design(): names, resolved plans (what lean/fast take), memory bounds, and the errors of bad configs."""
-  spec = common.Spec(_math.LossOptions(128256))
+  spec = common.Spec(_math.LossSpec(vocab_size=128256))
   lean = pallas_mosaic.design(8192, 4096, spec, jnp.bfloat16, "lean", None)
   assert (lean.impl, lean.mode, lean.name) == ("pallas_mosaic", "lean", "recompute")
   assert lean.config == op.plan(8192, 4096, 128256) and "chunks of 2048 columns" in lean.chunking
@@ -170,25 +177,25 @@ def test_design_protocol():
   floor = 8192 * 2048 * 2 + 2 * 8192 * 4096 * 4 + 4096 * 2048 * 2
   assert floor <= lean.memory_bytes <= floor + 8 * 2**20
   fast = pallas_mosaic.design(8192, 4096, spec, jnp.bfloat16, "fast", None)
-  assert (fast.name, fast.config.fast_design, fast.config.chunk_size) == ("logits", "logits", None)
+  assert (fast.name, fast.config.fast_design, fast.config.token_chunk) == ("logits", "logits", None)
   floor = 8192 * 128256 * 2 + 8192 * (128256 // 128) * 4  # B·V·itemsize + B·⌈V/bv⌉·4
   assert floor <= fast.memory_bytes <= floor + 300 * 2**20
-  gpt2 = common.Spec(_math.LossOptions(50304))
+  gpt2 = common.Spec(_math.LossSpec(vocab_size=50304))
   tok = pallas_mosaic.design(16384, 768, gpt2, jnp.bfloat16, "fast", None)
-  assert (tok.name, tok.config.chunk_size) == ("tokens", 4096) and "token chunks of 4096" in tok.chunking
+  assert (tok.name, tok.config.token_chunk) == ("tokens", 4096) and "token chunks of 4096" in tok.chunking
   floor = 768 * 50304 * 4 + 4096 * 50304 * 2  # H·V·4 + c·V·itemsize
   assert floor <= tok.memory_bytes <= floor + 100 * 2**20 and tok.memory_bytes < fast.memory_bytes
   for mode in ("lean", "fast"):  # an empty batch plans without dividing by zero
     assert pallas_mosaic.design(0, 4096, spec, jnp.bfloat16, mode, None).memory_bytes >= 0
   with pytest.raises(TypeError, match="pallas_mosaic"):
     pallas_mosaic.design(64, 64, spec, jnp.bfloat16, "lean", chunked.Config())
-  with pytest.raises(ValueError, match="chunk_size=0 "):
-    pallas_mosaic.design(64, 64, spec, jnp.bfloat16, "lean", Config(chunk_size=0))
+  with pytest.raises(ValueError, match="vocab_chunk=0 "):
+    pallas_mosaic.design(64, 64, spec, jnp.bfloat16, "lean", Config(vocab_chunk=0))
   with pytest.raises(ValueError, match="semantics='lane' cannot run the warp-specialised"):
     pallas_mosaic.design(64, 64, spec, jnp.bfloat16, "lean", Config(semantics="lane", warp_specialized=True))
   with pytest.raises(ValueError, match="cannot run mode='fast'"):  # a lean plan handed to fast
     pallas_mosaic.fast(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), None,
-                       jnp.zeros(4, jnp.int32), jnp.ones(4), common.Spec(_math.LossOptions(10), interpret=True),
+                       jnp.zeros(4, jnp.int32), jnp.ones(4), common.Spec(_math.LossSpec(vocab_size=10), interpret=True),
                        op.plan(4, 64, 10, interpret=True))
 
 
@@ -197,29 +204,29 @@ def test_bias_pads_vocab_to_aligned_chunks():
   (Mosaic GPU refused the clamped last chunk's slice at V=5003 and 5008 with w_layout="vh" on the H100)."""
   p = op.plan(1000, 512, 5003)
   for v in (5003, 5008):
-    spec = common.Spec(_math.LossOptions(v), "vh")
+    spec = common.Spec(_math.LossSpec(vocab_size=v), "vh")
     x, w, y = jnp.zeros((1000, 512), jnp.bfloat16), jnp.zeros((v, 512), jnp.bfloat16), jnp.zeros(1000, jnp.int32)
     assert op.prepare(x, w, None, y, spec, p)[-1].vp == 5008  # no bias: w is not copied for V=5008
     d = op.prepare(x, w, jnp.zeros(v), y, spec, p)[-1]
-    assert d.vp == 5056 and (d.vp - p.chunk_size) * 4 % 256 == 0
+    assert d.vp == 5056 and (d.vp - p.vocab_chunk) * 4 % 256 == 0
 
 
 def test_supported_and_plan():
-  pallas_mosaic.supported(common.Spec(_math.LossOptions(10), interpret=True), "cpu")
-  pallas_mosaic.supported(common.Spec(_math.LossOptions(10), interpret=True), "cpu", jnp.float16)
+  pallas_mosaic.supported(common.Spec(_math.LossSpec(vocab_size=10), interpret=True), "cpu")
+  pallas_mosaic.supported(common.Spec(_math.LossSpec(vocab_size=10), interpret=True), "cpu", jnp.float16)
   with pytest.raises(NotImplementedError, match="platform='cpu'"):
-    pallas_mosaic.supported(common.Spec(_math.LossOptions(10)), "cpu")
+    pallas_mosaic.supported(common.Spec(_math.LossSpec(vocab_size=10)), "cpu")
   if not on_sm90:
     with pytest.raises(ValueError, match="pallas_mosaic"):
       linear_cross_entropy(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int),
                            impl="pallas_mosaic", interpret=False)
   p = op.plan(8192, 4096, 128256)
-  assert (p.block_t, p.block_v, p.block_k) == (128, 128, 64) and p.chunk_size == 2048
+  assert (p.block_t, p.block_v, p.block_k) == (128, 128, 64) and p.vocab_chunk == 2048
   assert 64 * p.num_splits >= 8 * 132  # about 8 waves of forward CTAs
   with pytest.raises(ValueError, match="block_v=96"):
     op.plan(64, 64, 1000, Config(block_v=96))
-  with pytest.raises(ValueError, match="chunk_size=100 must be a positive multiple of block_v=128"):
-    op.plan(64, 64, 1000, Config(chunk_size=100))
+  with pytest.raises(ValueError, match="vocab_chunk=100 must be a positive multiple of block_v=128"):
+    op.plan(64, 64, 1000, Config(vocab_chunk=100))
   with pytest.raises(TypeError, match="unexpected keyword argument 'fp32_inputs'"):
     Config(fp32_inputs="bf16")  # gone: float32 inputs are refused, dtype=jnp.bfloat16 rounds them
 
@@ -248,7 +255,7 @@ def test_gpu_llama3_against_xla(w_layout, mode):
 @pytest.mark.gpu(min_cc=(9, 0))
 @pytest.mark.parametrize("design", ["logits", "tokens"])
 def test_gpu_fast_designs_compiled(design):
-  cfg = Config(fast_design=design, chunk_size=256 if design == "tokens" else None)  # (the GPU's block_t: 128)
+  cfg = Config(fast_design=design, token_chunk=256 if design == "tokens" else None)  # (the GPU's block_t: 128)
   check(config=cfg, mode="fast", h=512, v=5003, batch_shape=(1000,), options=OPTIONS["all"], bias=True,
         interpret=False)
 
@@ -263,7 +270,7 @@ def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
   """The GPU-default (warp-specialised) kernels cannot be interpreted, but their whole Pallas → Mosaic GPU
   lowering runs on CPU: layout inference and the shared-memory budget are checked here."""
   b, h, v = 200, 128, 1000
-  opts = _math.LossOptions(v, label_smoothing=0.1, z_loss=1e-3, logit_softcap=30.0)
+  opts = _math.LossSpec(vocab_size=v, label_smoothing=0.1, z_loss=1e-3, logit_softcap=30.0)
   spec = common.Spec(opts, w_layout, interpret=False)
   sds = jax.ShapeDtypeStruct
   args = (sds((b, h), jnp.bfloat16), sds((v, h) if w_layout == "vh" else (h, v), jnp.bfloat16),

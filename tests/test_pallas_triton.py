@@ -25,7 +25,7 @@ from tests._checks import (
 # 16-token, 32-column, 16-deep tiles; 3 splits of the forward; backward chunks of 64 columns: with B=37, H=24,
 # V=301 every loop runs several times and ends on a ragged tile (37 = 2·16 + 5, 24 = 16 + 8, 301 = 9·32 + 13,
 # 301 = 4·64 + 45).
-SMALL = Config(block_t=16, block_v=32, block_k=16, num_splits=3, chunk_size=64)
+SMALL = Config(block_t=16, block_v=32, block_k=16, num_splits=3, vocab_chunk=64)
 on_gpu = jax.default_backend() == "gpu"
 
 
@@ -36,7 +36,7 @@ def check(**kw):
 
 def test_low_memory_vh_bf16_none():
   check(reduction="none", dtype=jnp.bfloat16, w_layout="vh", bias=True, options=OPTIONS["all"], seed=9,
-        config=Config(block_t=16, block_v=32, block_k=16, chunk_size=64, low_memory=True, token_block=32,
+        config=Config(block_t=16, block_v=32, block_k=16, vocab_chunk=64, low_memory=True, token_block=32,
                       dx_chunk=96))
 
 
@@ -44,11 +44,11 @@ def test_low_memory_vh_bf16_none():
     "config",
     [
         None,  # the heuristic: one tile holds the whole problem
-        Config(block_t=16, block_v=16, block_k=16, num_splits=64, chunk_size=1000),  # splits > tiles; chunk > V
-        Config(block_t=64, block_v=64, block_k=32, num_splits=1, chunk_size=16),  # B < block_t; one split
-        Config(block_t=16, block_v=32, block_k=16, chunk_size=96, dx_kernel=True),  # dx by the in-place kernel
+        Config(block_t=16, block_v=16, block_k=16, num_splits=64, vocab_chunk=1000),  # splits > tiles; chunk > V
+        Config(block_t=64, block_v=64, block_k=32, num_splits=1, vocab_chunk=16),  # B < block_t; one split
+        Config(block_t=16, block_v=32, block_k=16, vocab_chunk=96, dx_kernel=True),  # dx by the in-place kernel
         # low memory: dx over token blocks of 16 (37 = 2·16 + 5) and vocabulary chunks of 128 (301 = 2·128 + 45)
-        Config(block_t=16, block_v=32, block_k=16, chunk_size=64, low_memory=True, token_block=16, dx_chunk=128),
+        Config(block_t=16, block_v=32, block_k=16, vocab_chunk=64, low_memory=True, token_block=16, dx_chunk=128),
     ],
     ids=["heuristic", "many-splits", "one-split", "dx-kernel", "low-memory"],
 )
@@ -69,10 +69,10 @@ def test_jit_and_checkpoint_agree():
 
 
 def test_supported():
-  spec = common.Spec(_math.LossOptions(10))
-  pallas_triton.supported(common.Spec(_math.LossOptions(10), interpret=True), "cpu")
+  spec = common.Spec(_math.LossSpec(vocab_size=10))
+  pallas_triton.supported(common.Spec(_math.LossSpec(vocab_size=10), interpret=True), "cpu")
   for dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
-    pallas_triton.supported(common.Spec(_math.LossOptions(10), interpret=True), "cpu", dtype)
+    pallas_triton.supported(common.Spec(_math.LossSpec(vocab_size=10), interpret=True), "cpu", dtype)
   with pytest.raises(NotImplementedError, match="platform='cpu'"):
     pallas_triton.supported(spec, "cpu")
   with pytest.raises(NotImplementedError, match="float16, bfloat16 and float32 .*int32"):
@@ -85,7 +85,7 @@ def test_supported():
 
 def test_design_protocol():
   """design(): the resolved plan is what lean takes; no fast design; bad configs name the field or class."""
-  spec = common.Spec(_math.LossOptions(128256))
+  spec = common.Spec(_math.LossSpec(vocab_size=128256))
   d = pallas_triton.design(8192, 4096, spec, jnp.bfloat16, "lean", None)
   assert (d.impl, d.mode, d.name) == ("pallas_triton", "lean", "recompute")
   assert d.config == op.plan(8192, 4096, 128256, jnp.bfloat16) and "chunks of 2048 columns" in d.chunking
@@ -101,7 +101,7 @@ def test_design_protocol():
     pallas_triton.design(8192, 4096, spec, jnp.bfloat16, "fast", None)
   with pytest.raises(TypeError, match="pallas_triton"):
     pallas_triton.design(64, 64, spec, jnp.bfloat16, "lean", chunked.Config())
-  for field, bad in (("chunk_size", 0), ("num_splits", -1), ("block_t", 2.0), ("num_warps", True)):
+  for field, bad in (("vocab_chunk", 0), ("num_splits", -1), ("block_t", 2.0), ("num_warps", True)):
     with pytest.raises(ValueError, match=f"{field}={bad!r}"):
       pallas_triton.design(64, 64, spec, jnp.bfloat16, "lean", Config(**{field: bad}))
 
@@ -109,13 +109,13 @@ def test_design_protocol():
 def test_plan_heuristic():
   p = op.plan(8192, 4096, 128256, jnp.bfloat16)
   assert (p.block_t, p.block_v, p.block_k, p.num_warps, p.dx_kernel) == (128, 256, 64, 8, False)
-  assert p.chunk_size == 2048 and p.chunk_size % p.block_v == 0  # 32 MiB of bf16 dz at B=8192
+  assert p.vocab_chunk == 2048 and p.vocab_chunk % p.block_v == 0  # 32 MiB of bf16 dz at B=8192
   assert 64 * p.num_splits >= 132  # the forward grid covers the SMs
   p32 = op.plan(8192, 4096, 128256, jnp.float32)
   assert (p32.block_v, p32.block_k) == (128, 32)
   tiny = op.plan(5, 3, 7, jnp.float32)
   assert (tiny.block_t, tiny.block_v, tiny.block_k) == (16, 16, 16) and tiny.num_splits == 1
-  assert op.plan(37, 24, 301, jnp.float32, Config(block_v=32, chunk_size=50)).chunk_size == 64
+  assert op.plan(37, 24, 301, jnp.float32, Config(block_v=32, vocab_chunk=50)).vocab_chunk == 64
   low = op.plan(8192, 4096, 128256, jnp.bfloat16, Config(low_memory=True))
   assert low.dx_kernel and (low.token_block, low.dx_chunk) == (1024, 8192)  # 16 MiB f32 dx block, bf16 dz block
   with pytest.raises(ValueError, match="block_v=48"):

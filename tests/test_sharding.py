@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from lce_flax import linear_cross_entropy
 from lce_flax.sharding import DEFAULT_RULES, make_mesh, sharded_linear_cross_entropy
-from tests._checks import OPTIONS
+from tests._checks import OPTIONS, chunk_kw
 from tests.reference_np import linear_cross_entropy_np, rel_err
 
 # (data, fsdp, tensor)
@@ -72,12 +72,12 @@ def _compare(mesh_shape, *, seed=0, options=None, reduction="mean", w_layout="hv
       grads = vjp(cot)
     return loss, aux, grads
 
-  kw.update(op_kwargs)
-  single = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, impl=impl, chunk_size=chunk, **kw)
+  kw.update(op_kwargs, **chunk_kw(chunk, op_kwargs.get("mode"), reduction))
+  single = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, impl=impl, **kw)
   l0, a0, g0 = run(single, x, w, b)
   xs, ws, bs, ys, wh = _place(mesh, x, w, b, y, where if where is not None else y > 0, w_layout)
   sharded = lambda x, w, b, y, wh: sharded_linear_cross_entropy(
-      x, w, y, bias=b, mesh=mesh, impl=impl, chunk_size=chunk, **dict(kw, where=None if where is None else wh))
+      x, w, y, bias=b, mesh=mesh, impl=impl, **dict(kw, where=None if where is None else wh))
   l1, a1, g1 = jax.jit(lambda x, w, b, y, wh: run(functools.partial(sharded, y=y, wh=wh), x, w, b))(
       xs, ws, bs, ys, wh)
   assert l1.shape == l0.shape and l1.dtype == jnp.float32
@@ -138,7 +138,7 @@ def test_aux_gradients(mesh_shape):
   kw = dict(reduction="none", return_aux=True, z_loss=1e-3)
   ref = jax.grad(functools.partial(g, lambda x, w: linear_cross_entropy(x, w, y, impl="xla", **kw)), (0, 1))(x, w)
   got = jax.jit(jax.grad(functools.partial(
-      g, lambda x, w: sharded_linear_cross_entropy(x, w, y, mesh=mesh, chunk_size=16, **kw)), (0, 1)))(x, w)
+      g, lambda x, w: sharded_linear_cross_entropy(x, w, y, mesh=mesh, vocab_chunk=16, **kw)), (0, 1)))(x, w)
   for s, r in zip(got, ref):
     assert rel_err(s, r) <= TOL
 
@@ -168,7 +168,7 @@ def test_out_of_range_label_is_nan(mesh_shape):
   mesh = make_mesh(*mesh_shape)
   x, w, _, y, _ = _inputs(3)
   y = y.at[11].set(V + 5)
-  f = lambda x, w: sharded_linear_cross_entropy(x, w, y, mesh=mesh, chunk_size=16)
+  f = lambda x, w: sharded_linear_cross_entropy(x, w, y, mesh=mesh, token_chunk=16)
   loss, (dx, dw) = jax.jit(jax.value_and_grad(f, (0, 1)))(x, w)
   assert np.isnan(loss) and np.isnan(dx[11]).all() and np.isnan(dw).any()
   assert not np.isnan(np.delete(np.asarray(dx), 11, axis=0)).any()
@@ -276,7 +276,7 @@ AB, AH, AV = 16, 64, 136  # tiny: interpret-mode kernels are slow
 
 def _mosaic_small():  # the small tiles of tests/test_pallas_mosaic.py
   from lce_flax._impl.pallas_mosaic import Config
-  return Config(block_t=64, block_v=64, num_splits=3, chunk_size=128, num_stages=2)
+  return Config(block_t=64, block_v=64, num_splits=3, vocab_chunk=128, num_stages=2)
 
 
 def _mesh(shape, axis_type=AxisType.Auto):
@@ -397,7 +397,7 @@ def test_explicit_axes_match_one_device(impl):
 
 def test_explicit_axes_vocab_parallel():
   _auto_compare((2, 2, 2), ("data", "fsdp"), P("fsdp", "tensor"), axis_type=AxisType.Explicit,
-                options=OPTIONS["z_loss"], seed=10, chunk_size=16)
+                options=OPTIONS["z_loss"], seed=10, token_chunk=16)
 
 
 # vocab parallel under Auto axes: w's V over "tensor" (with tokens over data, and H over fsdp)
@@ -412,7 +412,7 @@ VOCAB_LAYOUTS = {
 @pytest.mark.parametrize("layout", list(VOCAB_LAYOUTS))
 def test_auto_vocab_parallel_chunked(layout, mode):
   mesh_shape, tok, wspec = VOCAB_LAYOUTS[layout]
-  _auto_compare(mesh_shape, tok, wspec, options=OPTIONS["all"], seed=11, mode=mode, chunk_size=8)
+  _auto_compare(mesh_shape, tok, wspec, options=OPTIONS["all"], seed=11, mode=mode, **chunk_kw(8, mode))
 
 
 @pytest.mark.parametrize("impl,reduction", [("pallas_triton", "mean"), ("pallas_triton", "none"), ("xla", "sum")])

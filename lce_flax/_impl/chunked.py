@@ -3,14 +3,14 @@
 Two designs behind ``mode``:
 
 ``"lean"`` (recompute)
-  Forward: a loop over vocabulary chunks of ``chunk_size`` columns; each chunk's [B, c] logits feed the online
+  Forward: a loop over vocabulary chunks of ``vocab_chunk`` columns; each chunk's [B, c] logits feed the online
   logsumexp (:func:`lce_flax._math.merge_stats`) and die. Residuals: x, w, labels and the [B] lse.
   Backward: the same loop again; each chunk's logits are recomputed and turned into the logit gradient, which
   gives its slice of dw exactly (no accumulation across chunks) and adds into a float32 dx.
   FLOPs 8·B·H·V (2 forward + 2 recompute + 4 gradient); extra memory ≈ 3 chunks of B·c·4 bytes + B·H·4 (dx).
 
 ``"fast"`` (gradients formed in the forward)
-  One loop over token chunks of ``chunk_size`` rows; each chunk's full-vocabulary logits give the loss *and*,
+  One loop over token chunks of ``token_chunk`` rows; each chunk's full-vocabulary logits give the loss *and*,
   weighted by the per-token weights the reduction will apply (1 for ``sum``, 1/count for ``mean``), the logit
   gradient, from which the chunk's dx rows and its contribution to a float32 dw accumulator are formed at once.
   The backward only scales the stored dx, dw by the incoming scalar cotangent.
@@ -38,9 +38,15 @@ from lce_flax._impl.common import F32
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """``chunk_size``: vocabulary columns per chunk (lean) or tokens per chunk (fast); None picks by shape."""
+  """Configuration of ``impl="chunked"`` (``lce_flax.ChunkedConfig``); None fields are chosen by shape.
 
-  chunk_size: int | None = None
+  Attributes:
+    vocab_chunk: vocabulary columns per chunk of the lean design (an error in the fast one).
+    token_chunk: tokens per chunk of the fast design (an error in the lean one).
+  """
+
+  vocab_chunk: int | None = None
+  token_chunk: int | None = None
 
 
 # Budget for one chunk of float32 logits in the lean design: 3 such buffers live at once in its backward.
@@ -69,18 +75,21 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
            ) -> common.Design:
   """The chunk length for ``mode`` (every ``Config`` field resolved) and the extra-memory bound."""
   common.check_config(config, Config, "chunked")
+  config = config or Config()
+  common.check_positive(config, ("vocab_chunk", "token_chunk"))
+  common.check_loop(config, mode, "chunked")
   vocab = spec.opts.vocab_size
-  requested = None if config is None else config.chunk_size
   itemsize = jnp.dtype(dtype).itemsize
   if mode == "lean":
-    c = lean_chunk(num_tokens, vocab, requested)
+    c = lean_chunk(num_tokens, vocab, config.vocab_chunk)
     # forward: a [B, c] float32 chunk; backward: logits, dz (f32) and dz in the input dtype, plus the f32 dx
     mem = 3 * num_tokens * c * 4 + num_tokens * hidden * 4
-    return common.Design("chunked", mode, "recompute", Config(c), f"vocabulary chunks of {c} columns", mem)
-  c = fast_chunk(num_tokens, hidden, vocab, requested)
+    return common.Design("chunked", mode, "recompute", Config(vocab_chunk=c), f"vocabulary chunks of {c} columns",
+                         mem)
+  c = fast_chunk(num_tokens, hidden, vocab, config.token_chunk)
   # the float32 dw accumulator, the float32 dx, and a chunk's logits, probabilities and dz
   mem = hidden * vocab * 4 + num_tokens * hidden * itemsize + 3 * c * vocab * 4
-  return common.Design("chunked", mode, "token_chunks", Config(c), f"token chunks of {c} tokens", mem)
+  return common.Design("chunked", mode, "token_chunks", Config(token_chunk=c), f"token chunks of {c} tokens", mem)
 
 
 def supported(spec: common.Spec, platform: str, dtype=None) -> None:
@@ -160,7 +169,7 @@ def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, config: Con
 
 
 def _lean_chunk_of(x, w, spec, config) -> int:
-  return lean_chunk(x.shape[0], common.vocab_size(w, spec.w_layout), None if config is None else config.chunk_size)
+  return lean_chunk(x.shape[0], common.vocab_size(w, spec.w_layout), None if config is None else config.vocab_chunk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -183,7 +192,7 @@ _lean.defvjp(_lean_fwd, _lean_bwd)
 
 
 def lean(x, w, bias, labels, spec: common.Spec, config: Config | None = None) -> _math.TokenOut:
-  c = design(x.shape[0], x.shape[1], spec, x.dtype, "lean", config).config.chunk_size
+  c = design(x.shape[0], x.shape[1], spec, x.dtype, "lean", config).config.vocab_chunk
   return _lean(x, w, bias, labels, spec, c)
 
 
@@ -268,5 +277,5 @@ def fast(x, w, bias, labels, weights, spec: common.Spec, config: Config | None =
   """``axis``: mesh axes w's vocabulary is split over (then w is this device's shard and labels are shard-local,
   see :mod:`lce_flax._impl.vocab_parallel`)."""
   c = fast_chunk(x.shape[0], x.shape[1], common.vocab_size(w, spec.w_layout),
-                 None if config is None else config.chunk_size)
+                 None if config is None else config.token_chunk)
   return _fast(x, w, bias, labels, weights, spec, c, None if axis is None else tuple(axis))

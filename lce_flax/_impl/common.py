@@ -6,7 +6,8 @@ A backend module (``reference``, ``chunked``, ``pallas_triton``, ``triton``, ``p
 :func:`lce_flax._math.normalize_labels`):
 
 * ``Config``: a frozen dataclass of the backend's knobs (None fields: chosen by the heuristic), with a
-  ``chunk_size`` field where the backend has a chunk loop;
+  ``vocab_chunk`` field where a design loops over vocabulary columns and a ``token_chunk`` field where one loops
+  over tokens;
 * ``supported(spec, platform, dtype) -> None``: raises ``NotImplementedError`` naming what it cannot do
   (``dtype`` is the computation dtype of x and w);
 * ``design(num_tokens, hidden, spec, dtype, mode, config) -> Design``: the design that runs for ``mode``
@@ -42,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lce_flax._math import LossOptions
+from lce_flax._math import LossSpec
 
 F32 = jnp.float32
 
@@ -93,7 +94,7 @@ def pow2_ceil(n: int) -> int:
 class Spec:
   """Static description of one call (hashable: used as a ``nondiff_argnums`` argument)."""
 
-  opts: LossOptions
+  opts: LossSpec
   w_layout: str = "hv"  # "hv": w is [H, V] (a Dense kernel); "vh": w is [V, H] (an Embed table)
   interpret: bool = False
 
@@ -156,7 +157,7 @@ def merge_splits(parts) -> Any:
   """The row statistics of a forward whose kernel leaves per-split partial statistics: ``parts`` holds the four
   [S, B] arrays (running max, sum of exponentials, target logit, logit sum) of S vocabulary splits (or is one
   [4, S, B] array); the splits are merged with :func:`lce_flax._math.merge_stats`."""
-  from lce_flax import _math  # (common.py imports only LossOptions from it at the top)
+  from lce_flax import _math  # (common.py imports only LossSpec from it at the top)
 
   m, s, target, zsum = parts
   st = _math.RowStats(m[0], s[0], target[0], zsum[0])
@@ -184,6 +185,19 @@ def absent_refs(kernel, *positions: int):
     return kernel(*refs, **kwargs)
 
   return wrapped
+
+
+LOOPS = {"fast": "token_chunk", "lean": "vocab_chunk"}  # the chunk that each mode's designs loop over
+
+
+def check_loop(config, mode: str, impl: str) -> None:
+  """Raises ``ValueError`` when ``config`` sets the chunk of the other mode's loop (``token_chunk`` in a lean
+  design, ``vocab_chunk`` in a fast one)."""
+  for m, name in LOOPS.items():
+    val = getattr(config, name, None)
+    if m != mode and val is not None:
+      raise ValueError(f"{name}={val}: the {mode} design of impl={impl!r} loops over "
+                       f"{'tokens' if mode == 'fast' else 'vocabulary columns'}, set {LOOPS[mode]} instead")
 
 
 def check_positive(config, names) -> None:

@@ -31,7 +31,7 @@ def bcast_cols(v, shape):
   return lax.broadcast_in_dim(v, shape, [1])
 
 
-def epilogue_stats(zc, cols, valid, labels, opts: _math.LossOptions):
+def epilogue_stats(zc, cols, valid, labels, opts: _math.LossSpec):
   """``_math.tile_stats`` of the capped tile ``zc`` [bt, bv]; ``cols``/``valid`` are [bt, bv], labels [bt]."""
   masked = jnp.where(valid, zc, -jnp.inf)
   m = masked.max(axis=1)
@@ -65,7 +65,7 @@ def merge(a: _math.RowStats, b: _math.RowStats) -> _math.RowStats:
   return _math.RowStats(m, s, a.target + b.target, a.zsum + b.zsum)
 
 
-def row_coefficients(lse, labels, g_loss, g_lse, opts: _math.LossOptions):
+def row_coefficients(lse, labels, g_loss, g_lse, opts: _math.LossSpec):
   """Per-token factors of :func:`lce_flax._math.dlogits`: ``dz' = p·coef - [v = y]·a - c``.
 
   ``coef = g·(1 + 2λ_z·lse) + g_lse``, ``a = (1-ε)·g``, ``c = ε/V·g`` with ``g`` the loss cotangent of counted
@@ -81,12 +81,12 @@ def row_coefficients(lse, labels, g_loss, g_lse, opts: _math.LossOptions):
   return coef, a, c
 
 
-def epilogue_dlogits(z, cols, labels, lse, coef, a, c, opts: _math.LossOptions):
+def epilogue_dlogits(z, cols, labels, lse, coef, a, c, opts: _math.LossSpec):
   """The logit gradient of a tile from :func:`row_coefficients` (``cols`` [bt, bv] global column ids)."""
   return dlogits_capped(_math.softcap(z, opts.logit_softcap), cols, labels, lse, coef, a, c, opts)
 
 
-def dlogits_capped(zc, cols, labels, lse, coef, a, c, opts: _math.LossOptions):
+def dlogits_capped(zc, cols, labels, lse, coef, a, c, opts: _math.LossSpec):
   """:func:`epilogue_dlogits` of the already capped tile ``zc``."""
   shape = zc.shape
   p = jnp.exp(zc - bcast_rows(lse, shape))

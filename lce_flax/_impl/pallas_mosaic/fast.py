@@ -88,7 +88,7 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
     out, dz, db = _stored_dz(xp, wp, bp, yp, wts, d, p, opts)
     res = (dz, xp, wp, None, None, db)
   else:
-    chunk = p.chunk_size
+    chunk = p.token_chunk
     n = cdiv(d.b, chunk)
     pad = n * chunk - d.b
     xs = jnp.pad(xp, ((0, pad), (0, 0))).reshape(n, chunk, d.h)

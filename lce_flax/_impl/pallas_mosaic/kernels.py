@@ -171,7 +171,7 @@ def _kernel(body, out_type, scratch, grid, names, d: Dims, p):
 
 
 def _fwd_body(x_ref, w_ref, b_ref, y_ref, st_ref, zb_ref, mt_ref, y_smem, b_smem, st_smem, o_smem, m_smem, bars,
-              *, d: Dims, p, opts: _math.LossOptions):
+              *, d: Dims, p, opts: _math.LossSpec):
   bt, bv, ns = p.block_t, p.block_v, p.num_splits
   nvt = cdiv(d.vp, bv)
   tps = cdiv(nvt, ns)  # vocabulary tiles per split
@@ -234,7 +234,7 @@ def forward(x, w, bias, labels, d: Dims, p, opts):
 
 
 def _dz_body(x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref, vec_smem, y_smem, b_smem, o_smem,
-             bars, *, d: Dims, p, opts: _math.LossOptions):
+             bars, *, d: Dims, p, opts: _math.LossSpec):
   """One [block_t, block_v] tile of the logit gradient of the chunk handed in as ``w_ref``."""
   bt, bv = p.block_t, p.block_v
   t = lax.axis_index("tile")

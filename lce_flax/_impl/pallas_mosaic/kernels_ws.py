@@ -72,7 +72,7 @@ def _ignore(*_, **__):
 # ------------------------------------------------------------------------------------------------ forward
 
 
-def _fwd_ws_body(x_ref, w_ref, b_ref, y_ref, st_ref, zb_ref, mt_ref, *, d: base.Dims, p, opts: _math.LossOptions):
+def _fwd_ws_body(x_ref, w_ref, b_ref, y_ref, st_ref, zb_ref, mt_ref, *, d: base.Dims, p, opts: _math.LossSpec):
   bt, bv, ns = p.block_t, p.block_v, p.num_splits
   cv = 2 * bv
   nvt = cdiv(d.vp, cv)
@@ -160,7 +160,7 @@ def forward_ws(x, w, bias, labels, d: base.Dims, p, opts):
 
 
 def _dz_ws_body(x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref, *, d: base.Dims, p,
-                opts: _math.LossOptions, width: int):
+                opts: _math.LossSpec, width: int):
   """The logit gradient of the chunk handed in as ``w_ref`` ([d.b, width]), tile pair by tile pair.
 
   Persistent: one CTA per SM walks the (row block, tile pair) grid with ``plgpu.nd_loop``, tile pairs fastest, so

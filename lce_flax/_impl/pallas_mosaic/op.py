@@ -27,7 +27,7 @@ Forward (O(B) output)
 
 Backward (recompute, bounded memory)
   ``jax.custom_vjp`` keeps x, w, bias, labels and the [B] lse. The vocabulary is walked in chunks of
-  ``chunk_size`` columns; per chunk one persistent Mosaic kernel (a CTA per SM looping over the chunk's tiles)
+  ``vocab_chunk`` columns; per chunk one persistent Mosaic kernel (a CTA per SM looping over the chunk's tiles)
   recomputes the chunk's logit tiles and writes the logit gradient ``dz`` [B, chunk] in the input dtype (its
   epilogue is the factored form of :func:`lce_flax._math.dlogits`, see :func:`.epilogue.row_coefficients`), then
   two XLA matmuls give ``dw[chunk] = xᵀ dz`` (complete, written once) and ``dx += dz wᵀ[chunk]`` (float32
@@ -85,9 +85,10 @@ class Config:
     block_k: hidden units per pipeline step (64: one 128-byte swizzle of bf16).
     num_stages: TMA pipeline depth (≥ 2).
     num_splits: vocabulary splits of the forward grid.
-    chunk_size: in the lean design, vocabulary columns per backward chunk (a multiple of ``block_v``; rounded up
-      to whole CTA tiles of ``2·block_v`` in the warp-specialised kernels); in the "tokens" fast design, tokens
-      per chunk (a multiple of ``block_t``); the "logits" fast design has no chunk loop (an error there).
+    vocab_chunk: vocabulary columns per backward chunk of the lean design (a multiple of ``block_v``; rounded up
+      to whole CTA tiles of ``2·block_v`` in the warp-specialised kernels); an error in the fast designs.
+    token_chunk: tokens per chunk of the "tokens" fast design (a multiple of ``block_t``); setting it makes
+      ``fast_design=None`` pick "tokens"; an error in the lean design and in the "logits" one (no chunk loop).
     semantics: ``"lane"`` (explicit register layouts) or ``"warpgroup"`` (layouts inferred by Mosaic); the
       warp-specialised kernels need ``"warpgroup"``.
     warp_specialized: two compute warpgroups (each a ``block_t × block_v`` accumulator, a CTA tile of
@@ -103,7 +104,8 @@ class Config:
   block_k: int | None = None
   num_stages: int | None = None
   num_splits: int | None = None
-  chunk_size: int | None = None
+  vocab_chunk: int | None = None
+  token_chunk: int | None = None
   semantics: str | None = None
   warp_specialized: bool | None = None
   fast_design: str | None = None
@@ -118,9 +120,10 @@ class Plan:
   block_k: int
   num_stages: int
   num_splits: int
-  chunk_size: int | None  # lean: vocabulary columns per chunk; "tokens": tokens per chunk; "logits": None
   semantics: str
   warp_specialized: bool
+  vocab_chunk: int | None = None  # lean: vocabulary columns per chunk (None in the fast designs)
+  token_chunk: int | None = None  # "tokens": tokens per chunk (None otherwise)
   fast_design: str | None = None  # None: the lean design
 
 
@@ -156,11 +159,13 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   128×128 tiles (one warpgroup holds a 64 KB float32 accumulator: 128 registers per thread with the epilogue's
   temporaries), 64-deep steps, 4 stages (32 KB of SMEM per stage; 48 KB with warp specialisation);
   ``num_splits`` for ~8 waves of CTAs over the SMs (H100, llama3-8b forward: 4 splits 14.3 ms, 8 splits 14.7 ms,
-  16 splits 13.8 ms); lean ``chunk_size``: ``DZ_CHUNK_BYTES`` of bf16 dz, a power of two in [block_v, 16384], at
+  16 splits 13.8 ms); lean ``vocab_chunk``: ``DZ_CHUNK_BYTES`` of bf16 dz, a power of two in [block_v, 16384], at
   most the (block-rounded) vocabulary; fast: :func:`fast_design` and :func:`token_chunk`.
   """
   c = config or Config()
-  common.check_positive(c, ("block_t", "block_v", "block_k", "num_stages", "num_splits", "chunk_size"))
+  common.check_positive(c, ("block_t", "block_v", "block_k", "num_stages", "num_splits", "vocab_chunk",
+                             "token_chunk"))
+  common.check_loop(c, mode, "pallas_mosaic")
   ws = (not interpret) if c.warp_specialized is None else bool(c.warp_specialized)
   if ws and interpret:
     raise NotImplementedError("warp_specialized=True cannot run in interpret mode (Mosaic GPU's interpreter has no "
@@ -190,29 +195,30 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   splits = min(c.num_splits or max(1, min(nvt, 64, cdiv(8 * _device.num_sms(), cdiv(tokens, bt)))), nvt)
   if ws:
     splits = min(splits, cdiv(vp, 2 * bv))
-  tiles = Plan(bt, bv, bk, stages, splits, None, sem, ws)
+  tiles = Plan(bt, bv, bk, stages, splits, sem, ws)
   if mode == "fast":
-    design = c.fast_design or fast_design(num_tokens, hidden, vocab)
+    # a token chunk asked for picks the design that has a token loop
+    design = c.fast_design or ("tokens" if c.token_chunk is not None else fast_design(num_tokens, hidden, vocab))
     if design == "logits":
-      if c.chunk_size is not None:
-        raise ValueError(f"chunk_size={c.chunk_size}: the 'logits' fast design has no chunk loop (it stores the "
+      if c.token_chunk is not None:
+        raise ValueError(f"token_chunk={c.token_chunk}: the 'logits' fast design has no chunk loop (it stores the "
                          "logits of all tokens at once); use fast_design='tokens' for chunks of tokens")
       return dataclasses.replace(tiles, fast_design=design)
-    chunk = c.chunk_size or token_chunk(num_tokens, hidden, bt)
+    chunk = c.token_chunk or token_chunk(num_tokens, hidden, bt)
     if chunk % bt:
-      raise ValueError(f"chunk_size={chunk} (tokens per chunk of the 'tokens' fast design) must be a multiple of "
+      raise ValueError(f"token_chunk={chunk} (tokens per chunk of the 'tokens' fast design) must be a multiple of "
                        f"block_t={bt}")
-    return dataclasses.replace(tiles, chunk_size=chunk, fast_design=design)
+    return dataclasses.replace(tiles, token_chunk=chunk, fast_design=design)
   if mode != "lean":
     raise ValueError(f"mode={mode!r} is not one of ('fast', 'lean')")
-  chunk = c.chunk_size or min(max(pow2_floor(DZ_CHUNK_BYTES // (2 * tokens)), bv), 16384)
+  chunk = c.vocab_chunk or min(max(pow2_floor(DZ_CHUNK_BYTES // (2 * tokens)), bv), 16384)
   if chunk % bv:
-    raise ValueError(f"chunk_size={chunk} must be a positive multiple of block_v={bv}")
+    raise ValueError(f"vocab_chunk={chunk} must be a positive multiple of block_v={bv}")
   chunk = min(chunk, (vp // bv) * bv)
   if ws:
     chunk = cdiv(chunk, 2 * bv) * 2 * bv  # whole CTA tiles (2 warpgroups × block_v) per chunk
     chunk = min(chunk, (max(vp, 2 * bv) // (2 * bv)) * 2 * bv)
-  return dataclasses.replace(tiles, chunk_size=chunk)
+  return dataclasses.replace(tiles, vocab_chunk=chunk)
 
 
 def check_dtype(dtype) -> None:
@@ -255,10 +261,10 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
   mem += 2 * hp * vp * itemsize if (hp, vp) != (hidden, vocab) else 0  # padded w and its padded gradient
   nvt = vp // bv if p.fast_design else 0
   if p.fast_design is None:
-    return mem + bp * p.chunk_size * itemsize + 2 * bp * hp * 4 + hp * p.chunk_size * itemsize
+    return mem + bp * p.vocab_chunk * itemsize + 2 * bp * hp * 4 + hp * p.vocab_chunk * itemsize
   if p.fast_design == "logits":
     return mem + bp * vp * itemsize + bp * nvt * 4 + bp // bt * vp * 4 + bp * hp * (4 + itemsize)
-  c = p.chunk_size
+  c = p.token_chunk
   return (mem + hp * vp * 4 + c * vp * itemsize + c * nvt * 4 + c // bt * vp * 4 + c * hp * 4
           + cdiv(bp, c) * c * hp * itemsize)
 
@@ -275,11 +281,11 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
           else "one warpgroup")
   tiles = f"{p.block_t}×{p.block_v}×{p.block_k} tiles ({kind}), {p.num_splits} vocabulary splits in the forward"
   if p.fast_design is None:
-    name, chunking = "recompute", f"{tiles}; backward: vocabulary chunks of {p.chunk_size} columns"
+    name, chunking = "recompute", f"{tiles}; backward: vocabulary chunks of {p.vocab_chunk} columns"
   elif p.fast_design == "logits":
     name, chunking = "logits", f"{tiles}; the logits of all {num_tokens} tokens stored at once (no chunk loop)"
   else:
-    name, chunking = "tokens", f"{tiles}; token chunks of {p.chunk_size} tokens, each chunk's logits stored"
+    name, chunking = "tokens", f"{tiles}; token chunks of {p.token_chunk} tokens, each chunk's logits stored"
   return common.Design("pallas_mosaic", mode, name, p, chunking,
                        memory_bytes(p, num_tokens, hidden, vocab, jnp.dtype(dtype).itemsize))
 
@@ -368,7 +374,7 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   lse_p = jnp.pad(lse, (0, pad), constant_values=jnp.inf)
   coef, a, c = (jnp.pad(t, (0, pad)) for t in (coef, a, c))
   vaxis = spec.vocab_axis
-  cw = p.chunk_size
+  cw = p.vocab_chunk
   n_full = d.vp // cw
   tail = d.vp - n_full * cw
   dz_chunk = kernels_ws.dz_chunk_ws if p.warp_specialized else kernels.dz_chunk

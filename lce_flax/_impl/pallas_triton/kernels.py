@@ -160,7 +160,7 @@ def _dz_kernel(k_ref, x_ref, w_ref, b_ref, y_ref, lse_ref, gl_ref, gs_ref, dz_re
 
   # The chunk's first column as index × static chunk size (not a loaded offset): Triton then knows it is a
   # multiple of block_v and vectorises the loads of w (a loaded offset made the backward ~3× slower on H100).
-  off = k_ref[0] * p.chunk_size
+  off = k_ref[0] * p.vocab_chunk
   r0 = i * bt
   lc0 = t * bv
   rvalid = (r0 + _iota(bt)) < d.b
@@ -211,7 +211,7 @@ def _dx_kernel(k_ref, dz_ref, w_ref, dx_in_ref, dx_ref, *, d: _Dims, p, width: i
   hb = lax.rem(pid, nh)
   r0 = i * bt
   h0 = hb * bh
-  off = k_ref[0] * p.chunk_size
+  off = k_ref[0] * p.vocab_chunk
   rmask = (r0 + _iota(bt)) < d.b if d.b % bt else None
   hmask = (h0 + _iota(bh)) < d.h if d.h % bh else None
   tmask = _and(None if rmask is None else rmask[:, None], None if hmask is None else hmask[None, :])

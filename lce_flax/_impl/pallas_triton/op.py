@@ -28,7 +28,7 @@ Forward (one kernel, O(B) output)
 
 Backward (recompute; no B×V array)
   ``jax.custom_vjp`` keeps x, w, bias, labels and the [B] lse. The backward walks the vocabulary in chunks of
-  ``chunk_size`` columns. Per chunk a Pallas kernel recomputes the chunk's logits tile by tile (same tiling as the
+  ``vocab_chunk`` columns. Per chunk a Pallas kernel recomputes the chunk's logits tile by tile (same tiling as the
   forward, grouped tile order for L2 reuse), turns them into the logit gradient with
   :func:`lce_flax._math.dlogits` and writes ``dz`` [B, chunk] in the input dtype (and, with a bias, per row
   block column sums for ``dbias`` in float32). Then ``dw[:, chunk] = xᵀ dz`` by one XLA matmul (complete: the
@@ -87,7 +87,7 @@ class ConfigFields:
     block_v: vocabulary columns per tile (power of two ≥ 16).
     block_k: hidden units per matmul step (power of two ≥ 16).
     num_splits: vocabulary splits of the forward grid (programs = row blocks × splits).
-    chunk_size: vocabulary columns per backward chunk (the ``dz`` buffer is B × chunk_size); rounded up to whole
+    vocab_chunk: vocabulary columns per backward chunk (the ``dz`` buffer is B × vocab_chunk); rounded up to whole
       ``block_v`` tiles.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining stages of the H loop.
@@ -104,7 +104,7 @@ class ConfigFields:
   block_v: int | None = None
   block_k: int | None = None
   num_splits: int | None = None
-  chunk_size: int | None = None
+  vocab_chunk: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
   group_t: int | None = None
@@ -128,7 +128,7 @@ class Plan:
   block_v: int
   block_k: int
   num_splits: int
-  chunk_size: int
+  vocab_chunk: int
   num_warps: int
   num_stages: int
   group_t: int
@@ -138,11 +138,11 @@ class Plan:
   dx_chunk: int  # vocabulary columns per chunk of the low-memory dx pass
 
 
-# Budget for the backward's dz chunk (B × chunk_size in the input dtype).
+# Budget for the backward's dz chunk (B × vocab_chunk in the input dtype).
 DZ_CHUNK_BYTES = 32 * 2**20
 # Budget for each of the low-memory dx pass's buffers (float32 dx block, dz block).
 LOW_MEMORY_BLOCK_BYTES = 16 * 2**20
-POSITIVE_FIELDS = ("block_t", "block_v", "block_k", "num_splits", "chunk_size", "num_warps", "num_stages",
+POSITIVE_FIELDS = ("block_t", "block_v", "block_k", "num_splits", "vocab_chunk", "num_warps", "num_stages",
                    "group_t", "token_block", "dx_chunk")
 
 
@@ -174,7 +174,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: ConfigFields |
     (4 for 2-byte inputs on SM90, which has 228 KB of shared memory).
   * ``num_splits``: see :func:`_default_splits` (at least one full wave of programs, the last wave as full as
     possible), at most the number of vocabulary tiles and 64 (the partial stats stay ≤ 16·B·64 bytes).
-  * ``chunk_size``: ``DZ_CHUNK_BYTES / (B·itemsize)`` rounded down to a power of two in [256, 16384] and to a
+  * ``vocab_chunk``: ``DZ_CHUNK_BYTES / (B·itemsize)`` rounded down to a power of two in [256, 16384] and to a
     multiple of ``block_v``.
 
   Raises ``ValueError`` naming a field whose value is not allowed.
@@ -194,7 +194,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: ConfigFields |
   splits = min(c.num_splits or _default_splits(cdiv(tokens, bt), nvt, _device.num_sms()), max(nvt, 1))
   # low_memory: half the dz budget, so the dw pass (dz chunk) and the dx pass (two 16 MB blocks) stay ≤ 64 MB
   dz_bytes = DZ_CHUNK_BYTES // 2 if c.low_memory else DZ_CHUNK_BYTES
-  chunk = c.chunk_size or min(max(pow2_floor(dz_bytes // (itemsize * tokens)), 256), 16384)
+  chunk = c.vocab_chunk or min(max(pow2_floor(dz_bytes // (itemsize * tokens)), 256), 16384)
   chunk = cdiv(chunk, bv) * bv  # whole tiles per chunk; the last chunk of V is ragged instead
   warps = c.num_warps or (8 if bt * bv >= 128 * 256 else 4)
   cc = _device.compute_capability()
@@ -235,17 +235,17 @@ def lean_design(impl: str, p: Plan, num_tokens: int, hidden: int, vocab: int, dt
   float32 [token_block, H] block and its [token_block, dx_chunk] dz instead of the dx."""
   itemsize = jnp.dtype(dtype).itemsize
   rows = cdiv(num_tokens, p.block_t) * p.block_t
-  width = min(p.chunk_size, cdiv(vocab, p.block_v) * p.block_v)
+  width = min(p.vocab_chunk, cdiv(vocab, p.block_v) * p.block_v)
   mem = 16 * p.num_splits * rows + num_tokens * width * itemsize + rows // p.block_t * width * 4
   tiles = f"{p.block_t}×{p.block_v}×{p.block_k} tiles, {p.num_splits} vocabulary splits in the forward"
   if p.low_memory:
     mem += p.token_block * hidden * 4 + p.token_block * p.dx_chunk * itemsize
-    chunking = (f"{tiles}; backward: dw over vocabulary chunks of {p.chunk_size} columns, then dx over blocks "
+    chunking = (f"{tiles}; backward: dw over vocabulary chunks of {p.vocab_chunk} columns, then dx over blocks "
                 f"of {p.token_block} tokens × chunks of {p.dx_chunk} columns")
     return common.Design(impl, "lean", "recompute_low_memory", p, chunking, mem)
   mem += num_tokens * hidden * 4 * (1 if p.dx_kernel else 2)
   dx = "in place (dx kernel)" if p.dx_kernel else "by XLA matmuls"
-  chunking = f"{tiles}; backward: vocabulary chunks of {p.chunk_size} columns, dx accumulated {dx}"
+  chunking = f"{tiles}; backward: vocabulary chunks of {p.vocab_chunk} columns, dx accumulated {dx}"
   return common.Design(impl, "lean", "recompute", p, chunking, mem)
 
 
@@ -279,7 +279,7 @@ class Kernels:
   Attributes:
     forward: ``(x, w, bias, labels, spec, plan) -> RowStats`` of the columns of ``w``.
     dz_chunk: ``(k, width, x, w, bias, labels, lse, g_loss, g_lse, spec, plan) -> (dz, db_parts or None)``: the
-      logit gradient [B, width] (input dtype) of the columns ``[k·plan.chunk_size, k·plan.chunk_size + width)``
+      logit gradient [B, width] (input dtype) of the columns ``[k·plan.vocab_chunk, k·plan.vocab_chunk + width)``
       and, with a bias, its float32 column sums per row block, [row_blocks, ≥ width]; ``k`` is a traced int32
       scalar.
   """
@@ -320,17 +320,17 @@ def grads_with(launchers: Kernels, x, w, bias, labels, lse, g_loss, g_lse, spec:
     if p.dx_kernel:
       dx = kernels.dx_accumulate(dx, dz, w, k, spec, p)
     else:
-      wc = common.slice_vocab(w, k * p.chunk_size, width, spec.w_layout)
+      wc = common.slice_vocab(w, k * p.vocab_chunk, width, spec.w_layout)
       dx = dx + common.grad_x(dz, wc, spec.w_layout)
     return dx, dw, db
 
   carry = (jnp.zeros(x.shape, F32), jnp.zeros_like(w), None if bias is None else jnp.zeros(bias.shape, F32))
   if p.low_memory:
-    _, dw, db = _vocab_loop(vocab, p.chunk_size, lambda k, n, cr: (None, *dw_step(k, n, cr)[1:]),
+    _, dw, db = _vocab_loop(vocab, p.vocab_chunk, lambda k, n, cr: (None, *dw_step(k, n, cr)[1:]),
                             (None, *carry[1:]))
     dx = _dx_by_token_blocks(launchers, x, w, bias, labels, lse, g_loss, g_lse, spec, p)
   else:
-    dx, dw, db = _vocab_loop(vocab, p.chunk_size, step, carry)
+    dx, dw, db = _vocab_loop(vocab, p.vocab_chunk, step, carry)
   return dx, dw, db
 
 
@@ -351,9 +351,9 @@ def _dw_step(launchers, x, w, bias, labels, lse, g_loss, g_lse, spec, p, dw_type
   # The reduction over tokens is complete inside this one matmul: dw's columns are written once.
   dwc = lax.dot_general(*((x, dz) if spec.w_layout == "hv" else (dz, x)), (((0,), (0,)), ((), ())),
                         preferred_element_type=dw_type)
-  dw = lax.dynamic_update_slice_in_dim(dw, dwc.astype(dw.dtype), k * p.chunk_size, spec.vocab_axis)
+  dw = lax.dynamic_update_slice_in_dim(dw, dwc.astype(dw.dtype), k * p.vocab_chunk, spec.vocab_axis)
   if db is not None:
-    db = lax.dynamic_update_slice_in_dim(db, db_parts[:, :width].sum(0), k * p.chunk_size, 0)
+    db = lax.dynamic_update_slice_in_dim(db, db_parts[:, :width].sum(0), k * p.vocab_chunk, 0)
   return dz, dw, db
 
 
@@ -361,7 +361,7 @@ def _dx_by_token_blocks(launchers, x, w, bias, labels, lse, g_loss, g_lse, spec,
   """The low-memory backward's dx pass: per block of ``token_block`` tokens, the logits are recomputed chunk by
   chunk (``dx_chunk`` columns) and ``dx_block += dz wᵀ`` accumulates in a float32 [token_block, H] buffer that
   is complete, and cast, before the next block starts."""
-  px = dataclasses.replace(p, chunk_size=p.dx_chunk)
+  px = dataclasses.replace(p, vocab_chunk=p.dx_chunk)
   vocab = common.vocab_size(w, spec.w_layout)
 
   def rows(r, n: int):
@@ -372,7 +372,7 @@ def _dx_by_token_blocks(launchers, x, w, bias, labels, lse, g_loss, g_lse, spec,
       dz, _ = launchers.dz_chunk(k, width, xb, w, bias, yb, lb, glb, gsb, spec, px)
       return kernels.dx_accumulate(acc, dz, w, k, spec, px)
 
-    return _vocab_loop(vocab, px.chunk_size, step, jnp.zeros((n, x.shape[1]), F32))
+    return _vocab_loop(vocab, px.vocab_chunk, step, jnp.zeros((n, x.shape[1]), F32))
 
   tb = min(p.token_block, x.shape[0])
   n_full, tail = divmod(x.shape[0], tb)
@@ -389,7 +389,7 @@ PALLAS_KERNELS = Kernels(kernels.forward, kernels.dz_chunk)
 
 
 def lean_with(launchers: Kernels, x, w, bias, labels, spec: common.Spec, p) -> _math.TokenOut:
-  """The recompute custom_vjp with the given kernel launchers and a resolved plan (``p`` needs ``chunk_size``,
+  """The recompute custom_vjp with the given kernel launchers and a resolved plan (``p`` needs ``vocab_chunk``,
   ``dx_kernel`` and ``low_memory``, plus whatever the launchers read)."""
   return _lean(x, w, bias, labels, spec, p, launchers)
 

@@ -292,7 +292,7 @@ def dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: common
       num_stages=p.bwd_num_stages,
       name="lce_triton_backward_dz",
       EPS=float(spec.opts.label_smoothing), ZL=float(spec.opts.z_loss),
-      WIDTH=width, CHUNK=p.chunk_size, G=p.group_t,
+      WIDTH=width, CHUNK=p.vocab_chunk, G=p.group_t,
       BT=p.block_t, BV=p.block_v, BK=p.block_k, PREC=p.input_precision,
       **_kernel_options(spec, w, bias is not None, b, h),
   )
