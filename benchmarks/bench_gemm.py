@@ -91,8 +91,9 @@ def pad_to(a, axis, mult):
   return jnp.pad(a, widths)
 
 
-def bench_example(a_mk, b_kn, flops, quick):
-  """jax's hopper_matmul_mgpu on [M,K]·[K,N] (padded to its tile multiples), best config."""
+def bench_example(a_mk, b_kn, quick):
+  """jax's hopper_matmul_mgpu on [M,K]·[K,N] (padded to its tile multiples): (ms, config name, fn, args) of its
+  best config."""
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
   D = hm.MatmulDimension
   best = None
@@ -107,10 +108,19 @@ def bench_example(a_mk, b_kn, flops, quick):
       emit(kind="example_error", cfg=str(cfg)[:100], error=f"{type(e).__name__}: {str(e)[:200]}")
       continue
     name = f"wg={cfg.wg_dimension} cl={cfg.cluster_dimension}"
+    emit(kind="example", cfg=name, ms=round(ms, 3))
     if best is None or ms < best[0]:
-      best = (ms, name)
-    del ap, bp
+      best = (ms, name, f, (ap, bp))
   return best
+
+
+def interleaved(fns, rounds=3):
+  """Median ms of each (fn, args) in ``fns``, timed in alternation (so clock drift favours none of them)."""
+  ts = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, (f, a) in fns.items():
+      ts[name].append(timeit(f, a))
+  return {name: float(np.median(v)) for name, v in ts.items()}
 
 
 def sweep_configs(role):
@@ -153,7 +163,9 @@ def main():
   import jaxlib
   meta = dict(kind="meta", device=kind, jax=jax.__version__, jaxlib=jaxlib.__version__,
               date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              sweep=args.sweep, timing="median of 10 wall-clock runs around block_until_ready, after 2 warm-ups")
+              sweep=args.sweep,
+              timing=("median of 10 wall-clock runs around block_until_ready after 2 warm-ups; summary rows: "
+                      "median of 3 such medians taken in alternation between the compared kernels"))
   emit(**meta)
   table_rows: dict[str, list] = {}
 
@@ -169,7 +181,7 @@ def main():
     dz = (1e-3 * jax.random.normal(k[2], (b, v), jnp.float32)).astype(jnp.bfloat16)
     flops = 2 * b * h * v
     ours, xla = products(x, w, dz)
-    best_bare = {}
+    best_bare, top = {}, {}
     for prod in ("fwd", "dx", "dw"):
       if budget_left(budget) < 30:
         emit(kind="stop", shape=shape, product=prod, why="past BUDGET_S")
@@ -182,10 +194,10 @@ def main():
       emit(kind="xla", shape=shape, product=prod, ms=round(t_xla, 3), tflops=round(flops / t_xla / 1e9, 1))
       cfgs = sweep_configs(role) if args.sweep else [tuning.select_config(role, *mnk, kind)]
       results = []
+      make, oargs = ours[prod]
       for cfg in cfgs:
         if budget_left(budget) < 20:
           break
-        make, oargs = ours[prod]
         try:
           f = make(cfg)
           ms = timeit(f, oargs)
@@ -201,26 +213,34 @@ def main():
         emit(**row)
       if not results:
         continue
-      ms, cfg = min(results, key=lambda r: r[0])
-      best_bare[prod] = min(ms, t_xla)
+      results.sort(key=lambda r: r[0])
+      top[prod] = [c for _, c in results[:2]]
+      ms, cfg = results[0]
       table_rows.setdefault(role, []).append(
           {"bucket": list(tuning.bucket(*mnk)), "shape": [*mnk], "config": dataclasses.asdict(cfg), "ms": round(ms, 3)})
+      fns = {"xla": (f_xla, xargs), "ours": (make(cfg), oargs)}
       ex = None
       if not args.no_example and budget_left(budget) > 60:
         a_mk = {"fwd": x, "dx": dz, "dw": jnp.asarray(x.T)}[prod]
         b_kn = {"fwd": w, "dx": jnp.asarray(w.T), "dw": dz}[prod]
-        ex = bench_example(a_mk, b_kn, flops, args.quick_example)
+        ex = bench_example(a_mk, b_kn, args.quick_example)
         del a_mk, b_kn
-      summary = dict(kind="summary", shape=shape, product=prod, ours_ms=round(ms, 3), cfg=cfg.short(),
-                     ours_tflops=round(flops / ms / 1e9, 1), xla_ms=round(t_xla, 3), ours_vs_xla=round(t_xla / ms, 3))
+        if ex is not None:
+          fns["example"] = (ex[2], ex[3])
+      t = interleaved(fns)
+      best_bare[prod] = min(t.values())
+      summary = dict(kind="summary", shape=shape, product=prod, cfg=cfg.short(), ours_ms=round(t["ours"], 3),
+                     ours_tflops=round(flops / t["ours"] / 1e9, 1), xla_ms=round(t["xla"], 3),
+                     ours_vs_xla=round(t["xla"] / t["ours"], 3))
       if ex is not None:
-        summary.update(example_ms=round(ex[0], 3), example_cfg=ex[1], ours_vs_example=round(ex[0] / ms, 3))
+        summary.update(example_ms=round(t["example"], 3), example_cfg=ex[1],
+                       ours_vs_example=round(t["example"] / t["ours"], 3))
       emit(**summary)
       save()
-      del ref
+      del ref, fns, ex
 
     if not args.no_fused and budget_left(budget) > 40:
-      fused(shape, x, w, dz, flops, best_bare, kind, table_rows)
+      fused(shape, x, w, dz, flops, best_bare, top, table_rows)
     save()
     del x, w, dz
   save()
@@ -230,63 +250,66 @@ def main():
                  "devices": {kind: table_rows}}, f, indent=1)
 
 
-def fused(shape, x, w, dz, flops, best_bare, kind, table_rows):
-  """The products with their loss work, against the best bare product of this run."""
+def fused(shape, x, w, dz, flops, best_bare, top, table_rows):
+  """The products with their loss work (each with its bare product's two best configs of this run, made to fit
+  the hooks), against the best bare product of this run (ours, XLA's or the example's)."""
   b, h = x.shape
   v = w.shape[1]
   k = jax.random.split(jax.random.key(1), 4)
   labels = jax.random.randint(k[0], (b,), 0, v, jnp.int32)
   opts = G.StatsOptions()
-
-  def row(name, ms, base_ms, **kw):
-    emit(kind="fused", shape=shape, variant=name, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
-         vs_best_bare=round(ms / base_ms, 3) if base_ms else None, **kw)
-
-  cfg_f = tuning.select_config("fwd_stats", b, v, h, kind)
-  f = jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=G.RowStats(y, opts), config=cfg_f))
-  try:
-    ms = timeit(f, (x, w, labels))
-    st = G.merge_row_stats(f(x, w, labels), b)
-    z = jnp.dot(x[:512], w, preferred_element_type=jnp.float32)
-    lse_ref = jax.nn.logsumexp(z, axis=1)
-    lse = (st.m + jnp.log(st.s))[:512]
-    row("fwd_stats", ms, best_bare.get("fwd"), cfg=cfg_f.short(), lse_max_abs_err=float(jnp.abs(lse - lse_ref).max()))
-  except Exception as e:  # noqa: BLE001
-    emit(kind="fused_error", shape=shape, variant="fwd_stats", error=f"{type(e).__name__}: {e}"[:300])
-  cfg_s = tuning.select_config("fwd_store", b, v, h, kind)
-  f = jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=(G.RowStats(y, opts), G.Store()), config=cfg_s))
-  try:
-    row("fwd_stats_store", timeit(f, (x, w, labels)), best_bare.get("fwd"), cfg=cfg_s.short())
-  except Exception as e:  # noqa: BLE001
-    emit(kind="fused_error", shape=shape, variant="fwd_stats_store", error=f"{type(e).__name__}: {e}"[:300])
-  cfg_p = tuning.select_config("dx_prologue", b, h, v, kind)
   lse = jnp.full((b,), 3.0, jnp.float32)
   coef = jnp.ones((b,), jnp.float32)
-  f = jax.jit(lambda z, w, l, c, a, y: G.gemm(z, w, transpose_b=True, prologue=G.DzFromLogits(l, c, a, y),
-                                              config=cfg_p))
-  try:
-    ms = timeit(f, (dz, w, lse, coef, coef, labels))
-    got = f(dz, w, lse, coef, coef, labels)[:256]
-    z32 = dz[:256].astype(jnp.float32)
-    d = jnp.exp(z32 - 3.0) - (jnp.arange(v)[None, :] == labels[:256, None])
-    ref = jnp.dot(d.astype(jnp.bfloat16), w.T, preferred_element_type=jnp.float32)
-    row("dx_prologue", ms, best_bare.get("dx"), cfg=cfg_p.short(), rel_err=rel_err(got, ref))
-  except Exception as e:  # noqa: BLE001
-    emit(kind="fused_error", shape=shape, variant="dx_prologue", error=f"{type(e).__name__}: {e}"[:300])
-  cfg_a = tuning.select_config("dw_acc", h, v, b, kind)
   c = jnp.zeros((h, v), jnp.float32) + 1.0
-  f = jax.jit(lambda x, dz, c: G.gemm(x, dz, transpose_a=True, epilogue=G.AddTo(c), config=cfg_a))
   dg = jax.lax.dot_general
-  fx = jax.jit(lambda x, dz, c: c + dg(x, dz, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32))
-  try:
-    t_x = timeit(fx, (x, dz, c))
-    ms = timeit(f, (x, dz, c))
-    err = rel_err(f(x, dz, c) - c, fx(x, dz, c) - c)
-    row("dw_acc", ms, best_bare.get("dw"), cfg=cfg_a.short(), xla_f32_plus_c_ms=round(t_x, 3),
-        vs_xla=round(t_x / ms, 3), rel_err=err)
-  except Exception as e:  # noqa: BLE001
-    emit(kind="fused_error", shape=shape, variant="dw_acc", error=f"{type(e).__name__}: {e}"[:300])
-  del table_rows
+  variants = {
+      "fwd_stats": ("fwd", (b, v, h), lambda cfg: jax.jit(
+          lambda x, w, y: G.gemm(x, w, epilogue=G.RowStats(y, opts), config=cfg)), (x, w, labels)),
+      "fwd_store": ("fwd", (b, v, h), lambda cfg: jax.jit(
+          lambda x, w, y: G.gemm(x, w, epilogue=(G.RowStats(y, opts), G.Store()), config=cfg)), (x, w, labels)),
+      "dx_prologue": ("dx", (b, h, v), lambda cfg: jax.jit(
+          lambda z, w, l, c, a, y: G.gemm(z, w, transpose_b=True, prologue=G.DzFromLogits(l, c, a, y), config=cfg)),
+          (dz, w, lse, coef, coef, labels)),
+      "dw_acc": ("dw", (h, v, b), lambda cfg: jax.jit(
+          lambda x, dz, c: G.gemm(x, dz, transpose_a=True, epilogue=G.AddTo(c), config=cfg)), (x, dz, c)),
+  }
+  for name, (base, mnk, make, args) in variants.items():
+    best = None
+    for cfg0 in top.get(base, [tuning.DEFAULT]):
+      cfg = tuning.fit_role(name, cfg0)
+      try:
+        f = make(cfg)
+        ms = timeit(f, args)
+      except Exception as e:  # noqa: BLE001
+        emit(kind="fused_error", shape=shape, variant=name, cfg=cfg.short(), error=f"{type(e).__name__}: {e}"[:300])
+        continue
+      emit(kind="fused_try", shape=shape, variant=name, cfg=cfg.short(), ms=round(ms, 3))
+      if best is None or ms < best[0]:
+        best = (ms, cfg, f)
+    if best is None:
+      continue
+    ms, cfg, f = best
+    table_rows.setdefault(name, []).append(
+        {"bucket": list(tuning.bucket(*mnk)), "shape": [*mnk], "config": dataclasses.asdict(cfg), "ms": round(ms, 3)})
+    extra = {}
+    out = f(*args)
+    if name == "fwd_stats":
+      st = G.merge_row_stats(out, b)
+      lse_ref = jax.nn.logsumexp(jnp.dot(x[:512], w, preferred_element_type=jnp.float32), axis=1)
+      extra["lse_max_abs_err"] = float(jnp.abs((st.m + jnp.log(st.s))[:512] - lse_ref).max())
+    elif name == "dx_prologue":
+      d = jnp.exp(dz[:256].astype(jnp.float32) - 3.0) - (jnp.arange(v)[None, :] == labels[:256, None])
+      extra["rel_err"] = rel_err(out[:256], jnp.dot(d.astype(jnp.bfloat16), w.T, preferred_element_type=jnp.float32))
+    elif name == "dw_acc":
+      fx = jax.jit(lambda x, dz, c: c + dg(x, dz, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32))
+      t = interleaved({"ours": (f, args), "xla": (fx, args)})
+      ms = t["ours"]
+      extra.update(xla_f32_plus_c_ms=round(t["xla"], 3), vs_xla=round(t["xla"] / ms, 3),
+                   rel_err=rel_err(out - c, fx(*args) - c))
+    base_ms = best_bare.get(base)
+    emit(kind="fused", shape=shape, variant=name, cfg=cfg.short(), ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
+         vs_best_bare=round(ms / base_ms, 3) if base_ms else None, **extra)
+    del out
 
 
 if __name__ == "__main__":

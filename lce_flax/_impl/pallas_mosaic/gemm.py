@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -218,7 +219,8 @@ class Store(Part):
 @dataclasses.dataclass(frozen=True)
 class AddTo(Part):
   """``out = c + acc`` in float32 [M, N] (``c`` float32 [M, N]): the accumulation of a token-chunked dw. Each
-  sub-tile of ``c`` comes in by TMA into the SMEM slot that then carries the sum out."""
+  sub-tile of ``c`` comes in by TMA into the SMEM slot that then carries the sum out; the first during the K loop,
+  each next one while the current one is added and stored."""
 
   c: Any
 
@@ -234,18 +236,31 @@ class AddTo(Part):
     return (plgpu.SMEM((prob.nwg, 2, cfg.epi_m, cfg.epi_n), F32, transforms=_transforms(F32, cfg.epi_n)),
             plgpu.Barrier(num_barriers=2 * prob.nwg))
 
+  def _load(self, q, slot, t, c, buf, bars):
+    ms, ns = list(_subtiles(t.cfg))[q]
+    where = (pl.ds(t.row0 + ms.start, t.cfg.epi_m), pl.ds(t.col0 + ns.start, t.cfg.epi_n))
+    plgpu.copy_gmem_to_smem(c.at[where], buf.at[t.g, slot], bars.at[t.g * 2 + slot])
+
+  def prefetch(self, t, ins, smem):
+    # the first sub-tile of C lands while the K loop runs; slot 0 was last read by the previous tile's
+    # second-to-last store, which is done once at most one copy is in flight
+    (c,), (buf, bars) = ins, smem
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+    self._load(0, 0, t, c, buf, bars)
+
   def apply(self, z, t, ins, outs, smem):
     (c,), (out,), (buf, bars) = ins, outs, smem
-    for q, (ms, ns) in enumerate(_subtiles(t.cfg)):
+    subs = list(_subtiles(t.cfg))
+    for q, (ms, ns) in enumerate(subs):
       slot = q % 2
-      where = (pl.ds(t.row0 + ms.start, t.cfg.epi_m), pl.ds(t.col0 + ns.start, t.cfg.epi_n))
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-      bar = bars.at[t.g * 2 + slot]
-      plgpu.copy_gmem_to_smem(c.at[where], buf.at[t.g, slot], bar)
-      plgpu.barrier_wait(bar)
+      if q + 1 < len(subs):  # the next sub-tile of C comes in while this one is added and stored
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the store that last read the other slot is done
+        self._load(q + 1, 1 - slot, t, c, buf, bars)
+      plgpu.barrier_wait(bars.at[t.g * 2 + slot])
       buf[t.g, slot] = buf[t.g, slot] + z[ms, ns]
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(buf.at[t.g, slot], out.at[where])
+      plgpu.copy_smem_to_gmem(buf.at[t.g, slot], out.at[pl.ds(t.row0 + ms.start, t.cfg.epi_m),
+                                                         pl.ds(t.col0 + ns.start, t.cfg.epi_n)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,6 +555,24 @@ def _body_twin(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prolo
   plgpu.wait_smem_to_gmem(0)
 
 
+SMEM_LIMIT = 227 * 1024
+
+
+def _alloc_bytes(alloc) -> int:
+  shape = getattr(alloc, "shape", None)
+  if shape is None:  # barriers: 8 bytes each
+    return 8 * math.prod(jnp.atleast_1d(jnp.asarray(alloc.num_barriers)).tolist())
+  return math.prod(shape) * jnp.dtype(alloc.dtype).itemsize
+
+
+def smem_bytes(prob: Problem, cfg: GemmConfig, parts, prologue=None) -> int:
+  """An estimate of the GPU kernel's shared memory: the pipeline's stages plus the hooks' buffers."""
+  cta_m, cta_n = cfg.cta_tile()
+  stage = (cta_m + cta_n) * cfg.tile_k * jnp.dtype(prob.dtype).itemsize
+  allocs = [x for p in parts for x in p.smem(prob, cfg)] + list(prologue.smem(prob, cfg) if prologue else ())
+  return cfg.stages * (stage + 16) + sum(_alloc_bytes(x) for x in allocs) + 2048
+
+
 def _check_operand(name, arr, minor_dim_name):
   if jnp.dtype(arr.dtype) not in _SUPPORTED:
     raise TypeError(f"gemm: {name} has dtype {arr.dtype}; this GEMM takes bf16 or fp16 operands (WGMMA's 16-bit "
@@ -568,13 +601,17 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
   if prologue is not None and transpose_a:
     raise NotImplementedError("gemm: a prologue forms A from a non-transposed [M, K] tile")
   parts = (Store(),) if epilogue is None else (tuple(epilogue) if isinstance(epilogue, (tuple, list)) else (epilogue,))
-  if config is None:
+  chosen = config is None
+  if chosen:
     from lce_flax._impl.pallas_mosaic import tuning  # noqa: PLC0415  (tuning imports this module)
     config = tuning.select_config(role, m, n, k, _device_kind())
   if interpret:
     config = dataclasses.replace(config, cluster=None)
   config.validate()
   prob = Problem(m, n, k, transpose_a, transpose_b, jnp.dtype(a.dtype), interpret, 1 if interpret else 2)
+  if chosen:  # a table row made to fit this call's hooks: fewer stages until the SMEM estimate fits
+    while config.stages > 2 and smem_bytes(prob, config, parts, prologue) > SMEM_LIMIT:
+      config = dataclasses.replace(config, stages=config.stages - 1)
 
   pro_in = prologue.inputs(prob, config) if prologue is not None else ()
   part_in = [p.inputs(prob, config) for p in parts]
