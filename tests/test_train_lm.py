@@ -1,9 +1,8 @@
-"""The example trainer (``examples/train_lm.py``) on a tiny configuration: resume, killed saves, heads, meshes,
-outputs."""
+"""The example trainer (``examples/train_lm.py``, the package ``examples/lm/``) on a tiny configuration: resume,
+killed saves, both heads, meshes, per-device memory on a data-parallel mesh, out-of-memory reports, outputs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,10 +14,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_lm.py")
 
-_spec = importlib.util.spec_from_file_location("train_lm", SCRIPT)
-train_lm = importlib.util.module_from_spec(_spec)
-sys.modules["train_lm"] = train_lm  # dataclasses look their module up here
-_spec.loader.exec_module(train_lm)
+from examples.lm import data as lm_data  # noqa: E402
+from examples.lm import main as lm_main  # noqa: E402
+from examples.lm import maxbatch as lm_maxbatch  # noqa: E402
+from examples.lm import model as lm_model  # noqa: E402
+from examples.lm import train as lm_train  # noqa: E402
 
 # Tiny: 1 layer, d_model 32, vocab 300, batch 8 (one example per simulated device), 32 tokens.
 TINY = ["--vocab-size", "300", "--d-model", "32", "--num-layers", "1", "--num-heads", "2", "--d-ff", "64",
@@ -40,26 +40,28 @@ def cache_dir(tmp_path_factory):
     jax.config.update(k, v)
 
 
-def run(cache_dir, tmp_path, name, *extra):
+def run(cache_dir, tmp_path, name, *extra, other_head=False):
+  """The trainer's ``main`` on TINY; ``other_head``: also the other head's step at the same batch."""
   out = tmp_path / name
   argv = [*TINY, "--cache-dir", cache_dir, "--jax-cache-dir", os.path.join(cache_dir, "jax"), "--out", str(out)]
-  return train_lm.main([*argv, *extra]), out
+  return lm_main.main([*argv, *extra, *(() if other_head else ("--only-this-head",))]), out
 
 
 @pytest.fixture(scope="module")
 def straight(cache_dir, tmp_path_factory):
   """Six uninterrupted steps of the fused head, checkpointed every 3."""
   tmp = tmp_path_factory.mktemp("straight")
-  result, out = run(cache_dir, tmp, "out", "--steps", "6", "--ckpt-dir", str(tmp / "ckpt"), "--save-every", "3")
+  result, out = run(cache_dir, tmp, "out", "--steps", "6", "--ckpt-dir", str(tmp / "ckpt"), "--save-every", "3",
+                    other_head=True)
   return result, out
 
 
 def test_corpus_split_and_batches_are_deterministic(cache_dir):
-  data = train_lm.load_data(cache_dir, 300, log=lambda s: None)
+  data = lm_data.load_data(cache_dir, 300, log=lambda s: None)
   assert data.tokenizer_vocab <= 300 and data.train_ids.max() < 300 and len(data.eval_ids) > 10_000
-  a = train_lm.train_batch(data.train_ids, 5, 4, 16, seed=1)
-  b = train_lm.train_batch(data.train_ids, 5, 4, 16, seed=1)
-  c = train_lm.train_batch(data.train_ids, 6, 4, 16, seed=1)
+  a = lm_data.train_batch(data.train_ids, 5, 4, 16, seed=1)
+  b = lm_data.train_batch(data.train_ids, 5, 4, 16, seed=1)
+  c = lm_data.train_batch(data.train_ids, 6, 4, 16, seed=1)
   np.testing.assert_array_equal(a["inputs"], b["inputs"])
   assert not np.array_equal(a["inputs"], c["inputs"])
   np.testing.assert_array_equal(a["inputs"][:, 1:], a["labels"][:, :-1])  # labels are the next tokens
@@ -75,22 +77,28 @@ def test_outputs_written(straight):
   assert len(run_["losses"]) == 6 and all(np.isfinite(run_["losses"]))
   assert run_["final_eval"]["step"] == 6 and run_["final_eval"]["ppl"] > 1
   assert run_["tokens_per_s"] > 0 and run_["memory"]["compiled"]["peak"] > 0
-  assert set(on_disk["memory_compiled"]) == {"fused", "xla"}
+  # the plain head's step at the same batch: compiled and timed beside the run, the heads named fused and plain
+  plain = on_disk["same_batch"]["plain"]
+  assert set(on_disk["runs"]) == {"fused"} and set(on_disk["same_batch"]) == {"plain"}
+  assert plain["fits"] and plain["tokens_per_s"] > 0 and plain["batch_size"] == 8
+  # the head's own memory, the step's temporaries, recorded per head (test_data_parallel_step_... checks its size)
+  assert plain["memory"]["temp"] > run_["memory"]["compiled"]["temp"] > 0
+  assert "xla" not in json.dumps(on_disk["runs"]) + json.dumps(on_disk["same_batch"])
   assert isinstance(run_["sample"], str) and run_["sample"].startswith("Return the")
   with open(out / "train_lm.png", "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert result["runs"]["fused"]["losses"] == run_["losses"]
 
 
-def test_fused_and_xla_heads_agree(cache_dir, tmp_path, straight):
+def test_fused_and_plain_heads_agree(cache_dir, tmp_path, straight):
   fused = straight[0]["runs"]["fused"]["losses"][:3]
-  xla, _ = run(cache_dir, tmp_path, "xla", "--steps", "6", "--stop-after", "3", "--loss", "xla")
-  xla = xla["runs"]["xla"]["losses"]
+  plain, _ = run(cache_dir, tmp_path, "plain", "--steps", "6", "--stop-after", "3", "--loss", "plain")
+  plain = plain["runs"]["plain"]["losses"]
   # Same seed → same parameters and batch: step 0's loss is the same number up to float32 rounding.
-  np.testing.assert_allclose(xla[0], fused[0], rtol=1e-5)
+  np.testing.assert_allclose(plain[0], fused[0], rtol=1e-5)
   # Later steps go through different (equally exact) gradient arithmetic; they stay close, not bit-equal.
-  np.testing.assert_allclose(xla, fused, rtol=2e-3)
-  assert xla[0] > 5.0  # ~log(300) at initialisation: a real loss, not a stub
+  np.testing.assert_allclose(plain, fused, rtol=2e-3)
+  assert plain[0] > 5.0  # ~log(300) at initialisation: a real loss, not a stub
 
 
 def test_resume_continues_the_same_loss_curve(cache_dir, tmp_path, straight):
@@ -148,7 +156,7 @@ def test_search_max_batch(threshold, start, unit):
     seen.append(b)
     return b <= threshold
 
-  lo, hi = train_lm.search_max_batch(fits, start, unit, limit=512, tol=1 / 16)
+  lo, hi = lm_maxbatch.search_max_batch(fits, start, unit, limit=512, tol=1 / 16)
   want = min(threshold, 512) // unit * unit
   assert lo <= want and lo % unit == 0 and all(b % unit == 0 for b in seen)
   if want == 0:
@@ -165,7 +173,7 @@ def test_find_max_batch_against_a_cpu_budget(cache_dir, tmp_path):
   result, out = run(cache_dir, tmp_path, "mb", "--find-max-batch", "--mem-budget-gib", str(budget_gib),
                     "--bench-steps", "0", "--num-devices", "1", "--max-batch-tol", "0.5")
   budget = budget_gib * 2**30
-  for loss in ("fused", "xla"):
+  for loss in ("fused", "plain"):
     r = result["max_batch"][loss]
     probes = {p["batch_size"]: p for p in r["probes"]}
     best = r["max_batch"]
@@ -179,15 +187,15 @@ def test_find_max_batch_against_a_cpu_budget(cache_dir, tmp_path):
 def test_heads_share_one_parameter_tree():
   import jax
 
-  cfg = train_lm.ModelConfig(vocab_size=300, seq_len=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
-  tx = train_lm.make_optimizer(1e-3, 1, 2)
+  cfg = lm_model.ModelConfig(vocab_size=300, seq_len=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+  tx = lm_train.make_optimizer(1e-3, 1, 2)
   states = {
-      "fused, 1 device": train_lm.make_trainer(cfg, "fused", "auto", 8, tx, 16, num_devices=1).init(3),
-      "fused, data x fsdp x tensor = 2x2x2": train_lm.make_trainer(cfg, "fused", "auto", 8, tx, 16,
+      "fused, 1 device": lm_train.make_trainer(cfg, "fused", "auto", 8, tx, 16, num_devices=1).init(3),
+      "fused, data x fsdp x tensor = 2x2x2": lm_train.make_trainer(cfg, "fused", "auto", 8, tx, 16,
                                                                    mesh="data=2,fsdp=2,tensor=2").init(3),
-      "xla (nn.Dense)": train_lm.make_trainer(cfg, "xla", "auto", 8, tx, 16).init(3),
+      "plain (nn.Dense)": lm_train.make_trainer(cfg, "plain", "auto", 8, tx, 16).init(3),
   }
-  ref = states.pop("xla (nn.Dense)").params
+  ref = states.pop("plain (nn.Dense)").params
   assert ref["head"]["kernel"].shape == (32, 300)
   for name, st in states.items():
     assert jax.tree.structure(st.params) == jax.tree.structure(ref), name
@@ -201,30 +209,94 @@ def _tiny_step_losses(loss, mesh, steps=2):
   """Losses of ``steps`` train steps of the tiny model on fixed random tokens (no corpus needed)."""
   import jax
 
-  cfg = train_lm.ModelConfig(vocab_size=300, seq_len=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
-  tx = train_lm.make_optimizer(1e-2, 1, steps)
-  tr = train_lm.make_trainer(cfg, loss, "auto", 8, tx, 16, mesh=mesh, num_devices=None if mesh else 1)
+  cfg = lm_model.ModelConfig(vocab_size=300, seq_len=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+  tx = lm_train.make_optimizer(1e-2, 1, steps)
+  tr = lm_train.make_trainer(cfg, loss, "auto", 8, tx, 16, mesh=mesh, num_devices=None if mesh else 1)
   rng = np.random.default_rng(11)
   ids = rng.integers(0, 300, 10_000).astype(np.int32)
   out = []
   with jax.set_mesh(tr.mesh):
     state = tr.init(0)
     for i in range(steps):
-      state, m = tr.step(state, tr.put_batch(train_lm.train_batch(ids, i, 8, 16, seed=0, rows=tr.rows)))
+      state, m = tr.step(state, tr.put_batch(lm_data.train_batch(ids, i, 8, 16, seed=0, rows=tr.rows)))
       out.append(float(m["loss"]))
-    ev = float(tr.eval_loss(state.params, tr.put_batch(train_lm.train_batch(ids, 99, 8, 16, seed=0))))
+    ev = float(tr.eval_loss(state.params, tr.put_batch(lm_data.train_batch(ids, 99, 8, 16, seed=0))))
   return out + [ev], tr
 
 
 @pytest.fixture(scope="module")
 def one_device_losses():
-  return _tiny_step_losses("xla", None)[0]
+  return _tiny_step_losses("plain", None)[0]
 
 
-@pytest.mark.parametrize("loss,mesh", [("fused", "data=2,fsdp=2,tensor=2"), ("xla", "data=2,tensor=4")])
+@pytest.mark.parametrize("loss,mesh", [("fused", "data=2,fsdp=2,tensor=2"), ("plain", "data=2,fsdp=2,tensor=2")])
 def test_trainer_on_meshes_matches_one_device(loss, mesh, one_device_losses):
   """The trainer's step and eval on 8 devices (Explicit axes, the head split over fsdp/tensor) give the numbers of
   the plain head on one device (two steps, then a held-out batch)."""
   got, tr = _tiny_step_losses(loss, mesh)
   assert tr.mesh.size == 8
   np.testing.assert_allclose(got, one_device_losses, rtol=2e-5)
+
+
+def test_data_parallel_step_keeps_one_devices_memory():
+  """On a data-parallel mesh the fused step's compiled temporaries per device are one device's at the same
+  per-device batch (4 sequences of 64 tokens, V = 4096): nothing in the sharded step (metrics, the loss's sharded
+  route, a gather of the head) holds a [tokens, V] buffer. The plain head's step, compiled alike, is the yardstick:
+  its float32 logits and their gradient make its temporaries at least twice the logits' bytes."""
+  cfg = lm_model.ModelConfig(vocab_size=4096, seq_len=64, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+  tx = lm_train.make_optimizer(1e-3, 1, 2)
+  logits_bytes = 4 * 64 * 4096 * 4  # one device's float32 logits
+
+  def temp(head, n):
+    tr = lm_train.make_trainer(cfg, head, "auto", 4 * n, tx, 64, num_devices=n)
+    assert dict(tr.mesh.shape) == {"data": n, "fsdp": 1, "tensor": 1}
+    return lm_train.compiled_memory(lm_train.compile_step(tr, tr.abstract_state(0), 64))["temp"]
+
+  one = temp("fused", 1)
+  assert temp("plain", 1) >= 2 * logits_bytes  # the shape makes the head's logits dominate a step
+  assert one < logits_bytes  # the fused step holds less than the logits alone
+  for n in (2, 8):
+    got = temp("fused", n)
+    assert abs(got - one) <= 0.05 * one, (n, got, one)
+
+
+def test_out_of_memory_is_reported_not_raised(cache_dir, tmp_path, monkeypatch, capsys):
+  """A head whose step does not fit (XLA's RESOURCE_EXHAUSTED at compile or run time, as the plain head of the
+  headroom preset on an 80 GB GPU) is reported as "does not fit"; any other error still raises."""
+  import jax
+
+  real = lm_train.compile_step
+  error = [jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 67.10GiB.")]
+
+  def compile_step(trainer, state_like, seq_len):
+    if trainer.model.head == "plain":
+      raise error[0]
+    return real(trainer, state_like, seq_len)
+
+  monkeypatch.setattr(lm_train, "compile_step", compile_step)
+  monkeypatch.setattr(lm_maxbatch, "compile_step", compile_step)
+  result, _ = run(cache_dir, tmp_path, "fused", "--steps", "2", "--sample-tokens", "0", other_head=True)
+  assert result["runs"]["fused"]["fits"] and len(result["runs"]["fused"]["losses"]) == 2
+  plain = result["same_batch"]["plain"]
+  assert not plain["fits"] and "RESOURCE_EXHAUSTED" in plain["error"]
+  result, _ = run(cache_dir, tmp_path, "plain", "--steps", "2", "--loss", "plain")
+  assert result["runs"]["plain"] == {"head": "plain", "impl": "plain", "fits": False, "batch_size": 8,
+                                     "error": "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 67.10GiB."}
+  printed = capsys.readouterr().out
+  assert "plain: does not fit at batch 8 (RESOURCE_EXHAUSTED" in printed
+  assert "the fused head trains at this batch" in printed
+  error[0] = ValueError("a bug, not a memory limit")
+  with pytest.raises(ValueError, match="a bug"):
+    run(cache_dir, tmp_path, "bug", "--steps", "2", "--loss", "plain")
+
+
+def test_presets_set_no_option_of_the_fused_head():
+  """impl="auto" chooses the implementation and its chunking: no preset (and no flag) sets a chunk option."""
+  for name, preset in lm_main.PRESETS.items():
+    args = lm_main.parse_args(["--preset", name])
+    assert not [k for k in vars(args) if "chunk" in k], name
+    assert set(preset) <= set(vars(args))
+  with pytest.raises(SystemExit):
+    lm_main.parse_args(["--chunk-size", "4096"])
+  headroom = lm_main.PRESETS["headroom"]
+  assert headroom["vocab_size"] == 256000 and headroom["batch_size"] * headroom["seq_len"] == 32768
