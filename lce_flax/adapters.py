@@ -101,8 +101,7 @@ def _value(v: Any) -> Any:
 
 
 def _is_array(v: Any) -> bool:
-  return isinstance(v, (jax.Array, np.ndarray)) or (hasattr(v, "shape") and hasattr(v, "dtype")
-                                                     and isinstance(getattr(v, "shape"), tuple))
+  return isinstance(v, (jax.Array, np.ndarray))
 
 
 def _shape(v: Any) -> tuple[int, ...] | None:
