@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Everything the docs promise on a GPU, in one run of at most 9 minutes on one H100 (16 CPU cores): run it before
+# submitting any kernel change, and commit its log under benchmarks/results/.
+#
+#   benchmarks/gpu_check.sh [LOG]      LOG: a file, or a folder for gpu-check-<date>.log
+#                                      (default: $OUT if set, else benchmarks/results/)
+#
+# 1. every `-m gpu` test, with pytest-xdist (-n 4) on the one GPU: XLA_PYTHON_CLIENT_PREALLOCATE=false and a memory
+#    fraction per worker, so that the four workers compile in parallel on the CPU cores and share the GPU's memory;
+#    the slowest tests are listed (--durations);
+# 2. the example trainer's GPU preset for a few steps with each head (--compare: fused and plain, each in its own
+#    process), and the headroom preset (V = 256000, 32768 tokens a step), where the plain head does not fit;
+# 3. README.md's code blocks: tests/test_readme.py if it exists, else each ```python block in turn in one
+#    namespace (later blocks use the names of earlier ones);
+# 4. with 2 or more GPUs: the trainer's fused step compiled on a data-parallel mesh of 2 against one GPU at the same
+#    per-device batch (temporary bytes per device; they should be equal).
+# Each section has a time limit; the log ends with one line per section and the script exits non-zero if any failed.
+# PYTHON selects the interpreter (default python3); the repository need not be installed (PYTHONPATH is set).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+DAY=$(date -u +%F)
+dest=${1:-${OUT:-benchmarks/results}}
+if [ -d "$dest" ] || [ "${dest%/}" != "$dest" ]; then
+  mkdir -p "$dest"
+  LOG="$dest/gpu-check-$DAY.log"
+else
+  mkdir -p "$(dirname "$dest")"
+  LOG=$dest
+fi
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export LCE_FLAX_CACHE="$WORK/cache"  # the trainer's corpus and tokenizers, shared by its runs below
+exec > >(tee "$LOG") 2>&1
+
+declare -a SUMMARY=()
+failed=0
+section() {  # section NAME LIMIT_S COMMAND...: runs COMMAND under a time limit, records its status and seconds
+  local name=$1 limit=$2
+  shift 2
+  echo
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS rc=0
+  timeout --signal=INT --kill-after=15 "$limit" "$@" || rc=$?
+  local status=ok
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status="TIMED OUT"; failed=1
+  elif [ "$rc" -ne 0 ]; then status="FAILED (exit $rc)"; failed=1; fi
+  SUMMARY+=("$(printf '%-34s %-18s %4ds' "$name" "$status" $((SECONDS - t0)))")
+}
+
+echo "lce_flax GPU check, $(date -u '+%F %T') UTC"
+# (LCE_FLAX_COMMIT names the commit where the tree is a copy without git, e.g. `git archive` of it)
+echo "commit: ${LCE_FLAX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null \
+  || echo ' (with uncommitted changes)')}"
+nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap --format=csv,noheader 2>/dev/null \
+  | sed 's/^/gpu: /' || echo "gpu: nvidia-smi not found"
+echo "cpu cores: $(nproc)"
+"$PY" - <<'EOF'
+import importlib.metadata as md, platform
+names = ["jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint", "numpy",
+         "triton", "jax-triton", "tokenizers", "pytest", "pytest-xdist"]
+have = []
+for n in names:
+  try:
+    have.append(f"{n} {md.version(n)}")
+  except md.PackageNotFoundError:
+    pass
+print(f"python {platform.python_version()}; " + ", ".join(have))
+import jax
+print(f"jax devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.default_backend()})")
+EOF
+NGPU=$("$PY" -c 'import jax; print(jax.device_count() if jax.default_backend() == "gpu" else 0)' 2>/dev/null || echo 0)
+if [ "$NGPU" -lt 1 ]; then
+  echo "no GPU visible to JAX: this check needs one"
+  exit 2
+fi
+
+# 1. The GPU tests: four workers on one GPU, each allowed 22% of its memory, allocating as they go.
+section "gpu tests (pytest -m gpu -n 4)" 330 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.22 "$PY" -m pytest -m gpu -n 4 -q -p no:cacheprovider --durations=15 tests
+
+# 2. The trainer's presets, a few steps of each head.
+TRAIN=(--steps 6 --eval-every 0 --eval-batches 1 --bench-steps 2 --sample-tokens 0 --quiet)
+section "trainer --preset gpu --compare" 120 "$PY" examples/train_lm.py --preset gpu --compare "${TRAIN[@]}" \
+  --out "$WORK/gpu"
+section "trainer --preset headroom --compare" 120 "$PY" examples/train_lm.py --preset headroom --compare \
+  "${TRAIN[@]}" --out "$WORK/headroom"
+
+# 3. README.md's code blocks.
+if [ -f tests/test_readme.py ]; then
+  section "README code blocks (test_readme)" 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_readme.py
+else
+  section "README code blocks" 60 "$PY" - <<'EOF'
+import re, sys, time, traceback
+text = open("README.md").read()
+blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+ns, bad = {"__name__": "__readme__"}, 0
+for i, src in enumerate(blocks, 1):
+  t0 = time.perf_counter()
+  try:
+    exec(compile(src, f"README.md python block {i}", "exec"), ns)
+    print(f"block {i}/{len(blocks)}: ok ({time.perf_counter() - t0:.1f} s)")
+  except Exception:
+    bad += 1
+    print(f"block {i}/{len(blocks)}: FAILED\n" + "".join(traceback.format_exc().splitlines(True)[-4:]))
+sys.exit(1 if bad else 0)
+EOF
+fi
+
+# 4. Per-device memory of the trainer's data-parallel step (needs 2 GPUs).
+if [ "$NGPU" -ge 2 ]; then
+  section "trainer step: data=2 vs 1 GPU" 120 "$PY" - <<'EOF'
+from examples.lm import main as M, train as T
+args = M.parse_args(["--preset", "gpu", "--batch-size", "64"])
+cfg, tx = T.model_config(args), T.make_optimizer(args.lr, args.warmup, args.steps)
+temp = {}
+for n in (1, 2):
+  tr = T.make_trainer(cfg, "fused", args.impl, 64 * n, tx, args.seq_len, num_devices=n)
+  m = T.compiled_memory(T.compile_step(tr, tr.abstract_state(0), args.seq_len))
+  temp[n] = m["temp"]
+  print(f"fused step, {n} GPU(s), 64 sequences per device: temporaries {m['temp'] / 2**30:.2f} GiB, "
+        f"peak {m['peak'] / 2**30:.2f} GiB per device")
+ratio = temp[2] / temp[1]
+print(f"data=2 / 1 GPU: {ratio:.3f}x")
+raise SystemExit(0 if ratio < 1.1 else 1)
+EOF
+else
+  echo
+  echo "=== trainer step: data=2 vs 1 GPU: not run ($NGPU GPU visible; needs 2)"
+fi
+
+echo
+echo "=== summary ($(date -u '+%F %T') UTC)"
+printf '%s\n' "${SUMMARY[@]}"
+if [ "$failed" -ne 0 ]; then echo "GPU CHECK FAILED"; else echo "GPU CHECK PASSED"; fi
+echo "log: $LOG"
+exit "$failed"
