@@ -14,7 +14,7 @@ explicit ``shard_map`` form :func:`lce_flax.sharding.sharded_linear_cross_entrop
 * ``custom_partitioning`` does not differentiate, so the op is a ``jax.custom_vjp`` around partitioned
   primitives. Primal (no gradient asked): the *forward* primitive (loss, per-token loss and lse, counts).
 * ``reduction`` mean/sum (one scalar cotangent): the vjp's forward runs the *grads* primitive, whose per-shard
-  body is ``jax.value_and_grad`` of :func:`lce_flax.api.local_linear_cross_entropy` (the implementation's own
+  body is ``jax.value_and_grad`` of :func:`lce_flax._impl.base.per_device` (the implementation's own
   fast or lean design) with the global counted-token total; dx, dw, dbias come back as residuals and the
   backward multiplies them by the cotangent. Same FLOPs as the single-device op; residuals are the grads.
 * ``reduction="none"`` (per-token cotangents): the forward primitive, then a *backward* primitive whose per-shard
@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lce_flax import _math
+from lce_flax._impl import base, common
 from lce_flax.options import LossOptions
 
 
@@ -114,9 +115,8 @@ def _count(labels, where, s: Static, lay: Layout):
 
 
 def _local(x, w, bias, labels, where, s: Static, lay: Layout, count):
-  from lce_flax import api  # pylint: disable=g-import-not-at-top
-  return api.local_linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=s.w_layout,
-                                        return_aux=True, options=s.opts, count=count, vocab_axes=lay.v)
+  return base.per_device(x, w, labels, bias=bias, where=where, w_layout=s.w_layout, return_aux=True,
+                         options=s.opts, count=count, vocab_axes=lay.v)
 
 
 def _finish(loss, aux, count, s: Static, lay: Layout):
@@ -355,12 +355,10 @@ def linear_cross_entropy(x, w, labels, *, bias=None, where=None, w_layout="hv", 
                          options: LossOptions):
   """The op (validated arguments) as custom-partitioned primitives; :func:`lce_flax.linear_cross_entropy`
   routes here under an Auto-axis mesh."""
-  from lce_flax import api  # pylint: disable=g-import-not-at-top
-  from lce_flax._impl import common  # pylint: disable=g-import-not-at-top
   batch_shape = labels.shape
   if x.ndim < 2 or labels.size == 0:
-    return api.local_linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=w_layout,
-                                          return_aux=return_aux, options=options)
+    return base.per_device(x, w, labels, bias=bias, where=where, w_layout=w_layout, return_aux=return_aux,
+                           options=options)
   s = Static(options, w_layout, common.vocab_size(w, w_layout))
   n = math.prod(batch_shape)
   x2, y2 = x.reshape(n, x.shape[-1]), labels.reshape(n)
@@ -368,5 +366,5 @@ def linear_cross_entropy(x, w, labels, *, bias=None, where=None, w_layout="hv", 
   loss, tok, lse, correct, count = _op(x2, w, bias, y2, wh2, s)
   if options.reduction == "none":
     loss = loss.reshape(batch_shape)
-  aux = api.Aux(tok.reshape(batch_shape), lse.reshape(batch_shape), correct, count)
+  aux = base.Aux(tok.reshape(batch_shape), lse.reshape(batch_shape), correct, count)
   return (loss, aux) if return_aux else loss

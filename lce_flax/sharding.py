@@ -57,8 +57,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lce_flax import _partition, api
-from lce_flax._impl import common
+from lce_flax import _partition
+from lce_flax._impl import base, common
 from lce_flax.options import LossOptions, resolve
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
@@ -168,7 +168,7 @@ def sharded_linear_cross_entropy(
   """
   opts = resolve(options, overrides)
   x, w, labels = jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels)
-  api._check(x, w, labels, bias, where, w_layout)
+  base.check_arguments(x, w, labels, bias, where, w_layout)
   batch = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
   for a in (*batch, vocab_axis, fsdp_axis):
     if a is not None and a not in mesh.shape:
@@ -194,8 +194,8 @@ def sharded_linear_cross_entropy(
   if hidden % nf:
     raise ValueError(f"H={hidden} (w.shape={w.shape}) must be divisible by the size {nf} of {fsdp_axis=}")
   if labels.size == 0:
-    return api.local_linear_cross_entropy(x, w, labels, bias=bias, where=where, w_layout=w_layout,
-                                          return_aux=return_aux, options=opts)
+    return base.per_device(x, w, labels, bias=bias, where=where, w_layout=w_layout, return_aux=return_aux,
+                           options=opts)
 
   # one token dim: the per-shard bodies of lce_flax._partition take 2-D x and 1-D labels / where
   n = math.prod(labels.shape)
@@ -212,7 +212,7 @@ def sharded_linear_cross_entropy(
   loss, tok_loss, lse, correct, count = _partition.run_shard_map(*args, s, (mesh, lay))
   if opts.reduction == "none":
     loss = loss.reshape(labels.shape)
-  aux = api.Aux(tok_loss.reshape(labels.shape), lse.reshape(labels.shape), correct, count)
+  aux = base.Aux(tok_loss.reshape(labels.shape), lse.reshape(labels.shape), correct, count)
   return (loss, aux) if return_aux else loss
 
 

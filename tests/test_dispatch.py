@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import lce_flax
-from lce_flax import LossOptions, _device, api, explain, linear_cross_entropy
+from lce_flax import LossOptions, _device, explain, linear_cross_entropy
+from lce_flax._impl import base
 from tests._checks import check_impl, make_inputs
 from tests.reference_np import linear_cross_entropy_np, rel_err
 
@@ -31,8 +32,8 @@ def fake_gpu(monkeypatch):
 @pytest.mark.parametrize("cc,first", [((9, 0), "pallas_mosaic"), ((8, 0), "pallas_triton"), ((7, 5), "chunked")])
 def test_auto_order_by_compute_capability(fake_gpu, cc, first):
   fake_gpu(cc)
-  assert api._auto_order()[0] == first
-  assert api._auto_order()[-1] == "chunked"
+  assert base.auto_order()[0] == first
+  assert base.auto_order()[-1] == "chunked"
 
 
 def test_auto_on_cpu_is_chunked_fast():
@@ -165,7 +166,7 @@ def test_dtype_option_casts_and_gradients_keep_input_dtypes():
 
 def test_promotion_to_float32_on_a_gpu_warns_once(fake_gpu):
   fake_gpu((7, 5))  # chunked runs anywhere; the warning is about the dtype, not the backend
-  api._WARNED.clear()
+  base._WARNED.clear()
   x, w, y = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 10), jnp.float32), jnp.zeros(4, jnp.int32)
   with pytest.warns(UserWarning, match="dtype=jnp.bfloat16"):
     linear_cross_entropy(x, w, y, impl="chunked")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from lce_flax import _device, _math, linear_cross_entropy
-from lce_flax._impl import chunked, common, pallas_mosaic
+from lce_flax._impl import base, chunked, common, pallas_mosaic
 from lce_flax._impl.pallas_mosaic import Config, epilogue, kernels_ws, op
 from tests._checks import OPTIONS, check_impl, make_inputs
 from tests.reference_np import linear_cross_entropy_np, rel_err
@@ -194,9 +194,10 @@ def test_design_protocol():
   with pytest.raises(ValueError, match="semantics='lane' cannot run the warp-specialised"):
     pallas_mosaic.design(64, 64, spec, jnp.bfloat16, "lean", Config(semantics="lane", warp_specialized=True))
   with pytest.raises(ValueError, match="cannot run mode='fast'"):  # a lean plan handed to fast
-    pallas_mosaic.fast(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), None,
-                       jnp.zeros(4, jnp.int32), jnp.ones(4), common.Spec(_math.LossSpec(vocab_size=10), interpret=True),
-                       op.plan(4, 64, 10, interpret=True))
+    pallas_mosaic.fast_forward(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), None,
+                               jnp.zeros(4, jnp.int32), jnp.ones(4),
+                               common.Spec(_math.LossSpec(vocab_size=10), interpret=True),
+                               op.plan(4, 64, 10, interpret=True))
 
 
 def test_bias_pads_vocab_to_aligned_chunks():
@@ -215,7 +216,7 @@ def test_supported_and_plan():
   pallas_mosaic.supported(common.Spec(_math.LossSpec(vocab_size=10), interpret=True), "cpu")
   pallas_mosaic.supported(common.Spec(_math.LossSpec(vocab_size=10), interpret=True), "cpu", jnp.float16)
   with pytest.raises(NotImplementedError, match="platform='cpu'"):
-    pallas_mosaic.supported(common.Spec(_math.LossSpec(vocab_size=10)), "cpu")
+    base.check_supported("pallas_mosaic", common.Spec(_math.LossSpec(vocab_size=10)), "cpu", jnp.bfloat16)
   if not on_sm90:
     with pytest.raises(ValueError, match="pallas_mosaic"):
       linear_cross_entropy(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int),
@@ -277,7 +278,7 @@ def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
           sds((v,), jnp.float32) if bias else None, sds((b,), jnp.int32))
 
   def f(x, w, bias, y):
-    out = pallas_mosaic.lean(x, w, bias, y, spec, pallas_mosaic.design(b, h, spec, x.dtype, "lean", Config(
+    out = base.lean(x, w, bias, y, spec, pallas_mosaic, pallas_mosaic.design(b, h, spec, x.dtype, "lean", Config(
         warp_specialized=True)).config)
     return jnp.sum(out.loss) + jnp.sum(out.lse)
 
@@ -294,7 +295,8 @@ def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
   assert text.count("mosaic_gpu") >= 1
   # 8 stages of 48 KB (H=1024 has enough steps to fill them) exceed the 227 KB of SMEM: caught when lowering
   big = (sds((b, 1024), jnp.bfloat16), sds((v, 1024) if w_layout == "vh" else (1024, v), jnp.bfloat16)) + args[2:]
-  bad = lambda x, w, bias, y: pallas_mosaic.lean(x, w, bias, y, spec, Config(num_stages=8)).loss.sum()
+  plan8 = pallas_mosaic.design(b, 1024, spec, jnp.bfloat16, "lean", Config(num_stages=8)).config
+  bad = lambda x, w, bias, y: base.lean(x, w, bias, y, spec, pallas_mosaic, plan8).loss.sum()
   with pytest.raises(ValueError, match="shared memory"):
     jax.jit(bad).trace(*big).lower(lowering_platforms=("cuda",))
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from lce_flax import _math, linear_cross_entropy
-from lce_flax._impl import chunked, common, pallas_triton
+from lce_flax._impl import base, chunked, common, pallas_triton
 from lce_flax._impl.pallas_triton import Config, op
 from tests._checks import (
   OPTIONS,
@@ -74,7 +74,7 @@ def test_supported():
   for dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
     pallas_triton.supported(common.Spec(_math.LossSpec(vocab_size=10), interpret=True), "cpu", dtype)
   with pytest.raises(NotImplementedError, match="platform='cpu'"):
-    pallas_triton.supported(spec, "cpu")
+    base.check_supported("pallas_triton", spec, "cpu", jnp.float32)
   with pytest.raises(NotImplementedError, match="float16, bfloat16 and float32 .*int32"):
     pallas_triton.supported(spec, "gpu", jnp.int32)
   if not on_gpu:

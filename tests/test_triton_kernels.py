@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lce_flax import _device, _math, api, linear_cross_entropy
-from lce_flax._impl import chunked, common
+from lce_flax._impl import base, chunked, common
 from lce_flax._impl import triton as triton_backend
 from lce_flax._impl.pallas_triton import op as pallas_triton_op
 from lce_flax._impl.triton import Config, kernels, op
@@ -36,9 +36,9 @@ SMALL = Config(block_t=16, block_v=32, block_k=16, num_splits=3, vocab_chunk=64)
 def test_supported_says_why_not_on_cpu():
   spec = common.Spec(_math.LossSpec(vocab_size=10))
   with pytest.raises(NotImplementedError, match=r"impl='triton' .*NVIDIA GPU \(platform='cpu'"):
-    triton_backend.supported(spec, "cpu")
+    base.check_supported("triton", spec, "cpu", jnp.float32)
   with pytest.raises(NotImplementedError, match="no interpret mode"):
-    triton_backend.supported(common.Spec(_math.LossSpec(vocab_size=10), interpret=True), "gpu")
+    base.check_supported("triton", common.Spec(_math.LossSpec(vocab_size=10), interpret=True), "gpu", jnp.float32)
 
 
 def test_supported_without_jax_triton_names_the_package(monkeypatch):
@@ -63,7 +63,7 @@ def test_auto_never_picks_raw_triton(monkeypatch, cc):
   # pallas_triton is as fast or faster where measured (docs/kernels.md)
   monkeypatch.setattr(_device, "platform", lambda: "gpu")
   monkeypatch.setattr(_device, "compute_capability", lambda: cc)
-  assert "triton" not in api._auto_order()
+  assert "triton" not in base.auto_order()
 
 
 def test_plan_uses_pallas_triton_tiles(monkeypatch):

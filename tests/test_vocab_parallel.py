@@ -4,7 +4,7 @@
 shards of a vocabulary split three ways, with shard-local labels, and combines them as the vocab-parallel head
 does across devices (stats merged, dx summed, dw and dbias concatenated): the Mosaic kernels are checked here
 too, since their CPU interpreter cannot run inside ``shard_map``. ``test_vmapped_head`` runs
-:func:`lce_flax._impl.vocab_parallel.lean` itself, its collectives over a ``vmap`` axis standing for the mesh
+:func:`lce_flax._impl.base.lean` with reduction axes, its collectives over a ``vmap`` axis standing for the mesh
 axis. The meshes themselves are in ``tests/test_sharding.py``.
 """
 
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lce_flax import _device, _math, api
-from lce_flax._impl import vocab_parallel
+from lce_flax import _device, _math
+from lce_flax._impl import base, vocab_parallel
 from lce_flax.options import LossOptions
 from tests._checks import OPTIONS, make_inputs, tolerances
 from tests.reference_np import linear_cross_entropy_np, rel_err
@@ -57,8 +57,8 @@ def test_shard_protocol(name, case):
   opts = LossOptions(impl=v.impl, mode="lean", config=v.config, **options,
                      **({} if v.impl in ("xla", "chunked") else dict(interpret=_device.platform() != "gpu")))
   b = x.shape[0]
-  mod, spec, design = api._dispatch(b, x.shape[1], vocab, jnp.dtype(dtype), w_layout, opts, _device.platform(),
-                                    SHARDS)
+  route = base.dispatch(b, x.shape[1], vocab, jnp.dtype(dtype), w_layout, opts, _device.platform(), SHARDS)
+  mod, spec, design = route.entry.backend, route.spec, route.design
   assert spec.opts.vocab_size == vocab and any("vocab-parallel" in n for n in design.notes)
   norm = _math.normalize_labels(y, None, opts.ignore_index, vocab)
   cols = vocab // SHARDS
@@ -126,13 +126,14 @@ def test_localize():
 
 @pytest.mark.parametrize("impl", ["xla", "chunked", "pallas_triton"])
 def test_vmapped_head(impl):
-  """``vocab_parallel.lean`` with its pmax/psum over a vmap axis: loss, lse, correct and the gradients of a
+  """``base.lean`` with reduction axes (its pmax/psum over a vmap axis: loss, lse, correct and the gradients of a
   per-token cotangent (on loss and lse) equal the float64 oracle's."""
   (x, w, y, bias), (xn, wn, yn, bn) = make_inputs(7, (29,), 24, SHARDS * 50, jnp.float32, bias=True)
   vocab = SHARDS * 50
   opts = LossOptions(impl=impl, mode="lean", **OPTIONS["z_loss"],
                      **(dict(interpret=True) if impl == "pallas_triton" else {}))
-  mod, spec, design = api._dispatch(29, 24, vocab, jnp.dtype(jnp.float32), "hv", opts, _device.platform(), SHARDS)
+  route = base.dispatch(29, 24, vocab, jnp.dtype(jnp.float32), "hv", opts, _device.platform(), SHARDS)
+  mod, spec, design = route.entry.backend, route.spec, route.design
   norm = _math.normalize_labels(y, None, opts.ignore_index, vocab)
   ws = jnp.stack(jnp.split(w, SHARDS, axis=1))
   bs = jnp.stack(jnp.split(bias, SHARDS))
@@ -141,11 +142,11 @@ def test_vmapped_head(impl):
 
   def shard_grads(w, b):
     _, vjp = jax.vjp(lambda x, w, b: (lambda o: (o.loss, o.lse))(
-        vocab_parallel.lean(x, w, b, norm, spec, design.config, mod, ("v",))), x, w, b)
+        base.lean(x, w, b, norm, spec, mod, design.config, ("v",))), x, w, b)
     return vjp((cot, cot_lse))
 
   loss, lse, correct = jax.vmap(lambda w, b: (lambda o: (o.loss, o.lse, o.correct.sum()))(
-      vocab_parallel.lean(x, w, b, norm, spec, design.config, mod, ("v",))), axis_name="v")(ws, bs)
+      base.lean(x, w, b, norm, spec, mod, design.config, ("v",))), axis_name="v")(ws, bs)
   dx, dws, dbs = jax.vmap(shard_grads, axis_name="v")(ws, bs)
   ref = linear_cross_entropy_np(xn, wn, yn, bias=bn, reduction="none", cotangent=np.asarray(cot),
                                 **OPTIONS["z_loss"])

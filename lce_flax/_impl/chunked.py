@@ -25,7 +25,6 @@ the chunk with uncounted labels (x is B·H, small next to w).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -160,40 +159,12 @@ def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int):
   return lax.fori_loop(0, n, body, init)
 
 
-def stats(x, w, bias, labels, spec: common.Spec, config: Config | None = None) -> _math.RowStats:
-  return vocab_stats(x, w, bias, labels, spec, _lean_chunk_of(x, w, spec, config))
+def stats(x, w, bias, labels, spec: common.Spec, plan: Config) -> _math.RowStats:
+  return vocab_stats(x, w, bias, labels, spec, plan.vocab_chunk)
 
 
-def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, config: Config | None = None):
-  return vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, _lean_chunk_of(x, w, spec, config))
-
-
-def _lean_chunk_of(x, w, spec, config) -> int:
-  return lean_chunk(x.shape[0], common.vocab_size(w, spec.w_layout), None if config is None else config.vocab_chunk)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _lean(x, w, bias, labels, spec, c):
-  return _math.finalize(vocab_stats(x, w, bias, labels, spec, c), labels, spec.opts)
-
-
-def _lean_fwd(x, w, bias, labels, spec, c):
-  out = _lean(x, w, bias, labels, spec, c)
-  return out, (x, w, bias, labels, out.lse)
-
-
-def _lean_bwd(spec, c, res, g):
-  x, w, bias, labels, lse = res
-  dx, dw, db = vocab_grads(x, w, bias, labels, lse, g.loss, g.lse, spec, c)
-  return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
-
-
-_lean.defvjp(_lean_fwd, _lean_bwd)
-
-
-def lean(x, w, bias, labels, spec: common.Spec, config: Config | None = None) -> _math.TokenOut:
-  c = design(x.shape[0], x.shape[1], spec, x.dtype, "lean", config).config.vocab_chunk
-  return _lean(x, w, bias, labels, spec, c)
+def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, plan: Config):
+  return vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, plan.vocab_chunk)
 
 
 # ----------------------------------------------------------------------------------------------- fast
@@ -249,33 +220,14 @@ def _fast_forward(x, w, bias, labels, weights, spec, c, axis=None):
   return total, out, grads
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _fast(x, w, bias, labels, weights, spec, c, axis=None):
-  total, out, _ = _fast_forward(x, w, bias, labels, weights, spec, c, axis)
-  return total, out
+def fast_forward(x, w, bias, labels, weights, spec: common.Spec, plan: Config, axes: tuple[str, ...] = ()):
+  """``(Σ weights·loss, TokenOut, (dx, dw, dbias))``; ``axes``: mesh axes w's vocabulary is split over (then w is
+  this device's shard and labels are shard-local, see :mod:`lce_flax._impl.vocab_parallel`)."""
+  return _fast_forward(x, w, bias, labels, weights, spec, plan.token_chunk, tuple(axes) or None)
 
 
-def _fast_fwd(x, w, bias, labels, weights, spec, c, axis):
-  # symbolic_zeros=True wraps each array argument in a CustomVJPPrimal (None stays None).
-  total, out, grads = _fast_forward(x.value, w.value, None if bias is None else bias.value,
-                                    labels.value, weights.value, spec, c, axis)
-  return (total, out), grads
-
-
-def _fast_bwd(spec, c, axis, grads, g):
-  g_total, g_out = g
-  common.check_fast_cotangents(g_out)
-  dx, dw, db = grads
+def fast_backward(grads, g_total, spec: common.Spec, plan: Config, primals):
+  """The gradients formed in the forward, scaled by the scalar cotangent."""
+  del spec, plan, primals
   scale = lambda a: None if a is None else (g_total * a.astype(F32)).astype(a.dtype)
-  return scale(dx), scale(dw), scale(db), None, None
-
-
-_fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
-
-
-def fast(x, w, bias, labels, weights, spec: common.Spec, config: Config | None = None, axis=None):
-  """``axis``: mesh axes w's vocabulary is split over (then w is this device's shard and labels are shard-local,
-  see :mod:`lce_flax._impl.vocab_parallel`)."""
-  c = fast_chunk(x.shape[0], x.shape[1], common.vocab_size(w, spec.w_layout),
-                 None if config is None else config.token_chunk)
-  return _fast(x, w, bias, labels, weights, spec, c, None if axis is None else tuple(axis))
+  return tuple(scale(a) for a in grads)

@@ -1,17 +1,24 @@
 """``impl="xla"``: the whole [B, V] logits in float32, differentiated by JAX's autodiff.
 
-The simplest correct implementation and the oracle of the kernel tests: no ``custom_vjp``, so its gradients
-check the hand-written backward passes of every other backend. Memory: O(B·V).
+The simplest correct implementation and the oracle of the kernel tests: on one device the per-device op
+(:func:`lce_flax._impl.base.per_device`) differentiates :func:`stats` by JAX's autodiff, with no ``custom_vjp``,
+so its gradients check the hand-written backward passes of every other backend. (Its :func:`grads` serves the
+vocab-parallel head, whose collectives need the lean ``custom_vjp``.) Memory: O(B·V).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 
 from lce_flax import _math
 from lce_flax._impl import common
 
-Config = None  # nothing to configure
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """``impl="xla"`` has nothing to configure (and no chunk loop)."""
 
 
 def supported(spec: common.Spec, platform: str, dtype=None) -> None:
@@ -20,7 +27,7 @@ def supported(spec: common.Spec, platform: str, dtype=None) -> None:
 
 def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, config=None) -> common.Design:
   """Both modes are the same computation here: autodiff through the stored float32 logits."""
-  if config is not None:
+  if config is not None and config != Config():
     raise TypeError(f"impl='xla' takes no config, got config={config!r}")
   # the float32 logits, their softmax and their gradient
   mem = 3 * num_tokens * spec.opts.vocab_size * 4
@@ -52,13 +59,3 @@ def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, config=None
   dx = common.grad_x(dz, w.astype(jnp.float32), spec.w_layout)
   dw = common.grad_w(x.astype(jnp.float32), dz, spec.w_layout).astype(w.dtype)
   return dx, dw, None if bias is None else dz.sum(0)
-
-
-def lean(x, w, bias, labels, spec: common.Spec, config=None) -> _math.TokenOut:
-  return _math.finalize(stats(x, w, bias, labels, spec, config), labels, spec.opts)
-
-
-def fast(x, w, bias, labels, weights, spec: common.Spec, config=None):
-  """``(Σ weights·loss, TokenOut)`` by the same autodiff (the logits are stored either way)."""
-  out = lean(x, w, bias, labels, spec, config)
-  return jnp.sum(weights * out.loss), out

@@ -11,13 +11,14 @@ only ``spec.opts.vocab_size`` (the label space, V) and ``w``'s column count (V/t
 
 Two designs, as on one device:
 
-* **lean** (:func:`lean`; any backend, the kernels included; 8·B·H·V FLOPs over all devices, O(B) residuals):
-  the backend's ``stats`` on the shard (its forward kernel's row statistics), combined across the axes by
-  :func:`lce_flax._math.all_reduce_stats` and finalised with the global labels; the backward runs the backend's
-  ``grads`` on the shard with the *global* lse, so its dz is the true ``softmax - onehot`` of the whole
-  vocabulary restricted to this shard's columns: dw and dbias are this shard's, exact; the partial dx is psum'd
-  in float32 before it is rounded. Differentiable with any per-token cotangent (``reduction="none"``).
-* **fast** (the chunked backend's token-chunk design with ``axis``, :func:`lce_flax._impl.chunked.fast`; 6·B·H·V):
+* **lean** (:func:`lce_flax._impl.base.lean` with reduction axes; any backend, the kernels included; 8·B·H·V
+  FLOPs over all devices, O(B) residuals): the backend's ``stats`` on the shard (its forward kernel's row
+  statistics), combined across the axes by :func:`lce_flax._math.all_reduce_stats` and finalised with the global
+  labels; the backward runs the backend's ``grads`` on the shard with the *global* lse, so its dz is the true
+  ``softmax - onehot`` of the whole vocabulary restricted to this shard's columns: dw and dbias are this shard's,
+  exact; the partial dx is psum'd in float32 before it is rounded. Differentiable with any per-token cotangent
+  (``reduction="none"``).
+* **fast** (:func:`lce_flax._impl.base.fast` with the chunked backend's token-chunk design and ``axes``; 6·B·H·V):
   forms the gradients while each token chunk's logits are on hand, which needs that chunk's global lse
   first: one combine per token chunk, inside the loop. A kernel would need the collective inside its own loop;
   no kernel backend has this design (dispatch runs their lean one, and says so).
@@ -25,15 +26,10 @@ Two designs, as on one device:
 
 from __future__ import annotations
 
-import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
-
-from lce_flax import _math
-from lce_flax._impl import common
 
 
 def axes_size(axes: tuple[str, ...]) -> int:
@@ -58,30 +54,3 @@ def localize(labels, axes: tuple[str, ...], columns: int):
   here = (labels >= start) & (labels < start + columns)
   elsewhere = (labels >= 0) & (labels < columns * axes_size(axes)) & ~here
   return jnp.where(here, labels - start, jnp.where(elsewhere, columns, labels))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def lean(x, w, bias, labels, spec: common.Spec, config, backend, axes: tuple[str, ...]) -> _math.TokenOut:
-  """The lean design on this shard (see the module docstring): ``labels`` are the normalised global ones,
-  ``spec.opts.vocab_size`` is V, ``w`` holds this shard's V/t columns, ``backend`` is the implementation's module
-  and ``config`` its resolved config for V/t columns."""
-  local = localize(labels, axes, common.vocab_size(w, spec.w_layout))
-  st = backend.stats(x, w, bias, local, spec, config)
-  return _math.finalize(_math.all_reduce_stats(st, axes, spec.opts), labels, spec.opts)
-
-
-def _lean_fwd(x, w, bias, labels, spec, config, backend, axes):
-  out = lean(x, w, bias, labels, spec, config, backend, axes)
-  return out, (x, w, bias, labels, out.lse)
-
-
-def _lean_bwd(spec, config, backend, axes, res, g):
-  x, w, bias, labels, lse = res
-  local = localize(labels, axes, common.vocab_size(w, spec.w_layout))
-  dx, dw, db = backend.grads(x, w, bias, local, lse, g.loss.astype(jnp.float32), g.lse.astype(jnp.float32), spec,
-                             config)
-  dx = lax.psum(dx.astype(jnp.float32), axes).astype(x.dtype)
-  return dx, dw, None if bias is None else db.astype(bias.dtype), None
-
-
-lean.defvjp(_lean_fwd, _lean_bwd)

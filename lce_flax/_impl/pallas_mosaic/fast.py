@@ -11,7 +11,8 @@ turns the stored tiles into dz in place. Two designs (``Plan.fast_design``, chos
   into an H×V float32 dw: the choice when H·V·4 + c·V·2 is smaller than B·V·2 (small H, many tokens:
   gpt2-small).
 
-Only the reduced loss is differentiable (the per-token outputs' cotangents must be symbolic zeros).
+The ``custom_vjp`` around :func:`fast_forward` and :func:`fast_backward` is :func:`lce_flax._impl.base.fast`: only
+the reduced loss is differentiable (the per-token outputs' cotangents must be symbolic zeros).
 """
 
 from __future__ import annotations
@@ -112,28 +113,23 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
   return total, out, res
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _fast(x, w, bias, labels, weights, spec, p, meta):
-  del meta  # (H, bias dtype): what the backward needs to undo prepare's padding
-  total, out, _ = _fast_forward(x, w, bias, labels, weights, spec, p)
-  return total, out
+def fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan, axes: tuple[str, ...] = ()):
+  """``(Σ weights·loss, TokenOut, residuals)`` of the design ``p.fast_design`` (x and w bf16 or fp16, one dtype;
+  a whole vocabulary: the registry gives this backend no vocab-parallel fast design)."""
+  if axes:
+    raise NotImplementedError("pallas_mosaic has no vocab-parallel fast design")
+  if p.fast_design is None:
+    raise ValueError("a plan of the lean design cannot run mode='fast'")
+  return _fast_forward(x, w, bias, labels, weights, spec, p)
 
 
-def _fast_fwd(x, w, bias, labels, weights, spec, p, meta):
-  del meta
-  # symbolic_zeros=True wraps each array argument in a CustomVJPPrimal (None stays None).
-  total, out, res = _fast_forward(x.value, w.value, None if bias is None else bias.value, labels.value,
-                                  weights.value, spec, p)
-  return (total, out), (res, labels.value)
-
-
-def _fast_bwd(spec, p, meta, residuals, g):
+def fast_backward(residuals, g_total, spec: common.Spec, p: op.Plan, primals):
+  """(dx, dw, dbias) for the scalar cotangent ``g_total``: the "logits" design's two matmuls now, or the "tokens"
+  design's gradients (formed in the forward) scaled."""
   del p
-  (dz, xp, wp, dx, dw, db), labels = residuals
-  g_total, g_out = g
-  common.check_fast_cotangents(g_out)
+  dz, xp, wp, dx, dw, db = residuals
   gt = g_total.astype(F32)
-  (h, bias_dtype), b, v = meta, labels.shape[0], spec.opts.vocab_size  # (fast runs on a whole vocabulary)
+  (b, h), v, bias_dtype = primals.x_shape, spec.opts.vocab_size, primals.bias_dtype  # (a whole vocabulary)
   scale = lambda t, dtype: (t.astype(F32) * gt).astype(dtype)
   if dz is not None:  # "logits": the two matmuls now
     # The cotangent enters dw through x (exact when it is 1, as for a loss): the matmul writes dw in its final
@@ -144,17 +140,4 @@ def _fast_bwd(spec, p, meta, residuals, g):
     dx, dw = scale(dx, dx.dtype), scale(dw, dx.dtype)
   dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
   dbias = None if db is None else scale(db, bias_dtype)[:v]
-  return dx[:b, :h], dw, dbias, None, None
-
-
-_fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
-
-
-def fast(x, w, bias, labels, weights, spec: common.Spec, config: op.Plan | op.Config | None = None):
-  """``(Σ weights·loss, TokenOut)``, differentiable in x, w, bias through the scalar only (6·B·H·V FLOPs).
-
-  x and w are bf16 or fp16 (one dtype); ``config`` is ``design(..., mode="fast", ...).config``, whose
-  ``fast_design`` says which design runs (an unresolved :class:`~.op.Config` or None is resolved through
-  :func:`.op.design` first)."""
-  p = op.resolve(x, w, spec, config, "fast")
-  return _fast(x, w, bias, labels, weights, spec, p, (x.shape[1], None if bias is None else bias.dtype))
+  return dx[:b, :h], dw, dbias

@@ -1,7 +1,9 @@
 """``impl="pallas_mosaic"``: Pallas Mosaic GPU kernels (TMA + WGMMA) for Hopper GPUs (SM90: H100, H200).
 
-This file holds the design: :class:`Config`, the :func:`plan` heuristic, the backend protocol
-(:func:`supported`, :func:`design`, :func:`lean`), the padding (:func:`prepare`) and the lean ``custom_vjp``.
+This file holds the design: :class:`Config`, the :func:`plan` heuristic, the backend protocol of
+:mod:`lce_flax._impl.base` (:func:`supported`, :func:`design`, :func:`stats`, :func:`grads`), the padding
+(:func:`prepare`) and the recompute backward (the lean ``custom_vjp`` around them is
+:func:`lce_flax._impl.base.lean`).
 The register-tile loss math is in :mod:`.epilogue`, the one-warpgroup (interpretable) kernels in :mod:`.kernels`,
 the warp-specialised ones in :mod:`.kernels_ws`, and the fast designs with their dz pass in :mod:`.fast`.
 
@@ -59,9 +61,7 @@ instead (layout inference and the SMEM budget are checked there), the GPU check 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -229,17 +229,12 @@ def check_dtype(dtype) -> None:
 
 
 def supported(spec: common.Spec, platform: str, dtype=None) -> None:
-  """Raises ``NotImplementedError`` unless the kernels can run here: bf16/fp16 inputs (``dtype`` None: not
-  checked) on an SM90 GPU, or under Mosaic GPU's interpreter (``spec.interpret``) on any platform."""
+  """Raises ``NotImplementedError`` unless the kernels take ``dtype``: bf16/fp16 (None: not checked). The SM90 GPU
+  they need (or Mosaic GPU's interpreter) is checked by the registry
+  (:func:`lce_flax._impl.base.check_supported`)."""
+  del spec, platform
   if dtype is not None:
     check_dtype(dtype)
-  if spec.interpret:
-    return
-  if platform != "gpu":
-    raise NotImplementedError(f"pallas_mosaic needs an NVIDIA GPU (platform={platform!r}) or interpret=True")
-  cc = _device.compute_capability()
-  if cc is None or cc < (9, 0):
-    raise NotImplementedError(f"pallas_mosaic needs WGMMA (compute capability >= 9.0, Hopper), got {cc}")
 
 
 def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: int) -> int:
@@ -290,20 +285,7 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
                        memory_bytes(p, num_tokens, hidden, vocab, jnp.dtype(dtype).itemsize))
 
 
-def resolve(x, w, spec: common.Spec, config, mode: str) -> Plan:
-  """``config`` as :func:`lean` / :func:`.fast.fast` take it: a :class:`Plan` of ``mode`` (an unresolved
-  :class:`Config` or None goes through :func:`design` first); checks the inputs' dtypes."""
-  if w.dtype != x.dtype:
-    raise NotImplementedError(f"pallas_mosaic needs x and w of one dtype, got {x.dtype} and {w.dtype}")
-  if not isinstance(config, Plan):
-    return design(x.shape[0], x.shape[1], spec, x.dtype, mode, config).config
-  check_dtype(x.dtype)
-  if (config.fast_design is not None) != (mode == "fast"):
-    raise ValueError(f"a plan of the {config.fast_design or 'lean'} design cannot run mode={mode!r}")
-  return config
-
-
-# ------------------------------------------------------------------------------------------------ custom_vjp
+# --------------------------------------------------------------------------------------------- the kernels' calls
 
 
 def run_forward(xp, wp, bp, yp, d: kernels.Dims, p: Plan, opts):
@@ -344,22 +326,6 @@ def _stats(x, w, bias, labels, spec, p) -> _math.RowStats:
   xp, wp, bp, yp, d = prepare(x, w, bias, labels, spec, p)
   st, _ = run_forward(xp, wp, bp, yp, d, p, spec.opts)
   return _math.RowStats(*(a[:b] for a in st))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _lean(x, w, bias, labels, spec, p):
-  return _math.finalize(_stats(x, w, bias, labels, spec, p), labels, spec.opts)
-
-
-def _lean_fwd(x, w, bias, labels, spec, p):
-  out = _lean(x, w, bias, labels, spec, p)
-  return out, (x, w, bias, labels, out.lse)
-
-
-def _lean_bwd(spec, p, res, g):
-  x, w, bias, labels, lse = res
-  dx, dw, db = _grads(x, w, bias, labels, lse, g.loss, g.lse, spec, p)
-  return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
 
 
 def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
@@ -406,22 +372,11 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   return dx[:b, :h], dw.astype(w.dtype), None if bias is None else db[:v]
 
 
-_lean.defvjp(_lean_fwd, _lean_bwd)
+def stats(x, w, bias, labels, spec: common.Spec, plan: Plan) -> _math.RowStats:
+  """The forward kernel's row statistics of the columns of ``w`` (x and w bf16 or fp16, one dtype)."""
+  return _stats(x, w, bias, labels, spec, plan)
 
 
-def lean(x, w, bias, labels, spec: common.Spec, config: Plan | Config | None = None) -> _math.TokenOut:
-  """Per-token loss, lse and correctness; differentiable in x, w and bias with any cotangent on loss and lse.
-
-  x and w are bf16 or fp16 (one dtype); ``config`` is ``design(..., mode="lean", ...).config`` (an unresolved
-  :class:`Config` or None is resolved through :func:`design` first)."""
-  return _lean(x, w, bias, labels, spec, resolve(x, w, spec, config, "lean"))
-
-
-def stats(x, w, bias, labels, spec: common.Spec, config: Plan | Config | None = None) -> _math.RowStats:
-  """The forward kernel's row statistics of the columns of ``w``."""
-  return _stats(x, w, bias, labels, spec, resolve(x, w, spec, config, "lean"))
-
-
-def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, config: Plan | Config | None = None):
+def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, plan: Plan):
   """The recompute backward for the given lse: (dx float32, dw, dbias float32)."""
-  return _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, resolve(x, w, spec, config, "lean"))
+  return _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, plan)

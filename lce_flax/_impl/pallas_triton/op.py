@@ -1,8 +1,9 @@
 """``impl="pallas_triton"``: Pallas kernels lowered through Triton, for NVIDIA GPUs from SM80 (A100, H100).
 
-This file holds the design: :class:`Config`, the :func:`plan` heuristic, the backend protocol
-(:func:`supported`, :func:`design`, :func:`lean`; there is no fast design) and the recompute ``custom_vjp`` that
-``impl="triton"`` shares (:class:`Kernels`, :func:`lean_with`). The kernels are in :mod:`.kernels`.
+This file holds the design: :class:`Config`, the :func:`plan` heuristic, the backend protocol of
+:mod:`lce_flax._impl.base` (:func:`supported`, :func:`design`, :func:`stats`, :func:`grads`; there is no fast
+design) and the recompute backward that ``impl="triton"`` shares (:class:`Kernels`, :func:`grads_with`). The lean
+``custom_vjp`` around them is :func:`lce_flax._impl.base.lean`; the kernels are in :mod:`.kernels`.
 
 On a machine without a GPU the same kernels run in Pallas interpret mode (``spec.interpret``), which is how the
 CPU test-suite checks them.
@@ -27,7 +28,7 @@ Forward (one kernel, O(B) output)
   ``block_k`` to fit shared memory.
 
 Backward (recompute; no B×V array)
-  ``jax.custom_vjp`` keeps x, w, bias, labels and the [B] lse. The backward walks the vocabulary in chunks of
+  The lean ``jax.custom_vjp`` keeps x, w, bias, labels and the [B] lse. The backward walks the vocabulary in chunks of
   ``vocab_chunk`` columns. Per chunk a Pallas kernel recomputes the chunk's logits tile by tile (same tiling as the
   forward, grouped tile order for L2 reuse), turns them into the logit gradient with
   :func:`lce_flax._math.dlogits` and writes ``dz`` [B, chunk] in the input dtype (and, with a bias, per row
@@ -63,7 +64,6 @@ import dataclasses
 import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -71,8 +71,6 @@ from lce_flax import _device, _math
 from lce_flax._impl import common
 from lce_flax._impl.common import F32, cdiv, pow2_ceil, pow2_floor
 from lce_flax._impl.pallas_triton import kernels
-
-fast = None  # no fast design: dispatch runs ``lean`` and reduces; the gradient comes from the recompute backward
 
 DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
@@ -216,19 +214,14 @@ def check_dtype(impl: str, dtype) -> None:
 
 
 def supported(spec: common.Spec, platform: str, dtype=None) -> None:
-  """Raises ``NotImplementedError`` unless the kernels can run here: an SM80+ NVIDIA GPU, or interpret mode."""
+  """Raises ``NotImplementedError`` for a dtype the kernels do not take (the GPU they need, or interpret mode, is
+  checked by the registry: :func:`lce_flax._impl.base.check_supported`)."""
+  del spec, platform
   check_dtype("pallas_triton", dtype)
-  if spec.interpret:
-    return  # interpret mode runs anywhere
-  if platform != "gpu":
-    raise NotImplementedError(f"pallas_triton needs an NVIDIA GPU (platform={platform!r}) or interpret=True")
-  cc = _device.compute_capability()
-  if cc is None or cc < (8, 0):
-    raise NotImplementedError(f"pallas_triton needs an NVIDIA GPU with compute capability >= 8.0, got {cc}")
 
 
 def lean_design(impl: str, p: Plan, num_tokens: int, hidden: int, vocab: int, dtype) -> common.Design:
-  """The ``Design`` of the recompute custom_vjp below with the resolved plan ``p`` (``pallas_triton`` and
+  """The ``Design`` of the recompute backward below with the resolved plan ``p`` (``pallas_triton`` and
   ``triton``). ``memory_bytes`` (the module docstring's accounting, a bias included): the forward's partial
   stats (16 bytes per token and split), the dz chunk (B·chunk·itemsize) and its bias column sums, and the
   float32 dx (B·H·4, twice with XLA's product when ``dx_kernel`` is False); with ``low_memory``, the dx pass's
@@ -267,12 +260,12 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
   return lean_design("pallas_triton", p, num_tokens, hidden, spec.opts.vocab_size, dtype)
 
 
-# ------------------------------------------------------------------------------------------------ custom_vjp
+# --------------------------------------------------------------------------------------- the recompute backward
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-  """The two kernel launchers the recompute custom_vjp below calls (hashable: a ``nondiff_argnums`` argument).
+  """The two kernel launchers of the recompute design: the forward statistics and the backward's dz chunk.
 
   ``impl="triton"`` runs the same forward/backward orchestration with its own launchers.
 
@@ -286,22 +279,6 @@ class Kernels:
 
   forward: Any
   dz_chunk: Any
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _lean(x, w, bias, labels, spec, p, launchers):
-  return _math.finalize(launchers.forward(x, w, bias, labels, spec, p), labels, spec.opts)
-
-
-def _lean_fwd(x, w, bias, labels, spec, p, launchers):
-  out = _lean(x, w, bias, labels, spec, p, launchers)
-  return out, (x, w, bias, labels, out.lse)
-
-
-def _lean_bwd(spec, p, launchers, res, g):
-  x, w, bias, labels, lse = res
-  dx, dw, db = grads_with(launchers, x, w, bias, labels, lse, g.loss, g.lse, spec, p)
-  return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype), None
 
 
 def grads_with(launchers: Kernels, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p):
@@ -384,37 +361,14 @@ def _dx_by_token_blocks(launchers, x, w, bias, labels, lse, g_loss, g_lse, spec,
   return dx
 
 
-_lean.defvjp(_lean_fwd, _lean_bwd)
 PALLAS_KERNELS = Kernels(kernels.forward, kernels.dz_chunk)
 
 
-def lean_with(launchers: Kernels, x, w, bias, labels, spec: common.Spec, p) -> _math.TokenOut:
-  """The recompute custom_vjp with the given kernel launchers and a resolved plan (``p`` needs ``vocab_chunk``,
-  ``dx_kernel`` and ``low_memory``, plus whatever the launchers read)."""
-  return _lean(x, w, bias, labels, spec, p, launchers)
-
-
-def _plan(x, w, spec: common.Spec, config) -> Plan:
-  if isinstance(config, Plan):
-    return config
-  common.check_config(config, Config, "pallas_triton")
-  check_dtype("pallas_triton", x.dtype)
-  return plan(x.shape[0], x.shape[1], common.vocab_size(w, spec.w_layout), x.dtype, config)
-
-
-def lean(x, w, bias, labels, spec: common.Spec, config: Plan | Config | None = None) -> _math.TokenOut:
-  """Per-token loss, lse and correctness; differentiable in x, w and bias with any cotangent on loss and lse.
-
-  ``config`` is ``design(...).config`` (a :class:`Plan`); an unresolved :class:`Config` (or None) is resolved
-  through :func:`plan` first."""
-  return lean_with(PALLAS_KERNELS, x, w, bias, labels, spec, _plan(x, w, spec, config))
-
-
-def stats(x, w, bias, labels, spec: common.Spec, config: Plan | Config | None = None) -> _math.RowStats:
+def stats(x, w, bias, labels, spec: common.Spec, plan: Plan) -> _math.RowStats:
   """The forward kernel's row statistics of the columns of ``w``."""
-  return PALLAS_KERNELS.forward(x, w, bias, labels, spec, _plan(x, w, spec, config))
+  return PALLAS_KERNELS.forward(x, w, bias, labels, spec, plan)
 
 
-def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, config: Plan | Config | None = None):
+def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, plan: Plan):
   """The recompute backward for the given lse: (dx float32, dw, dbias float32)."""
-  return grads_with(PALLAS_KERNELS, x, w, bias, labels, lse, g_loss, g_lse, spec, _plan(x, w, spec, config))
+  return grads_with(PALLAS_KERNELS, x, w, bias, labels, lse, g_loss, g_lse, spec, plan)

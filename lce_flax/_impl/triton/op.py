@@ -2,8 +2,9 @@
 
 The same design as ``impl="pallas_triton"`` (:mod:`lce_flax._impl.pallas_triton.op`), written directly in Triton
 instead of being lowered from Pallas; only the two kernels differ (:mod:`lce_flax._impl.triton.kernels`),
-everything around them is shared. This file holds the configuration, the plan, and the backend protocol
-(:func:`supported`, :func:`design`, :func:`lean`; there is no fast design).
+everything around them is shared. This file holds the configuration, the plan, and the backend protocol of
+:mod:`lce_flax._impl.base` (:func:`supported`, :func:`design`, :func:`stats`, :func:`grads`; there is no fast
+design).
 
 Forward (``_fwd_kernel``)
   A 1-D grid of ``row_blocks × num_splits`` programs, split-fastest (``pid = i·S + j``). Program ``(i, j)`` walks
@@ -14,8 +15,8 @@ Forward (``_fwd_kernel``)
   running ones as :func:`lce_flax._math.merge_stats` does (online logsumexp). 4 float32 per token and split leave
   the chip; JAX merges the splits and finalises (:func:`lce_flax._impl.common.merge_splits`).
 
-Backward (``_dz_kernel`` inside :func:`lce_flax._impl.pallas_triton.op.lean_with`)
-  The recompute ``jax.custom_vjp`` of ``pallas_triton`` with this backend's launchers: per vocabulary chunk the
+Backward (``_dz_kernel`` inside :func:`lce_flax._impl.pallas_triton.op.grads_with`)
+  The recompute backward of ``pallas_triton`` with this backend's launchers: per vocabulary chunk the
   dz kernel recomputes the chunk's logits tile by tile (grouped tile order for L2 reuse) and writes the logit
   gradient of :func:`lce_flax._math.dlogits` in the input dtype (and per row block column sums for dbias); XLA
   matmuls then write the chunk's dw columns and add into a float32 dx. ``Config(dx_kernel=True)`` and
@@ -27,8 +28,9 @@ Precision: float32 accumulation everywhere. bf16/fp16 inputs multiply on the ten
 ``jax.default_matmul_precision`` like ``pallas_triton``: TF32 by default, exact IEEE float32 products (FMA, slow)
 under ``"highest"``/``"float32"`` (read when :func:`design` runs, i.e. at trace time).
 
-Needs ``jax_triton`` (the ``[gpu]`` extra) and a CUDA GPU; elsewhere :func:`supported` raises
-``NotImplementedError`` naming what is missing, so ``impl="auto"`` skips this backend.
+Needs ``jax_triton`` (the ``[gpu]`` extra) and a CUDA GPU (SM80+, no interpret mode: the registry of
+:mod:`lce_flax._impl.base` checks the GPU); elsewhere ``NotImplementedError`` names what is missing, so
+``impl="auto"`` skips this backend.
 """
 
 from __future__ import annotations
@@ -37,12 +39,10 @@ import dataclasses
 
 import jax
 
-from lce_flax import _device, _math
+from lce_flax import _math
 from lce_flax._impl import common
 from lce_flax._impl.pallas_triton import op as pt
 from lce_flax._impl.triton import kernels
-
-fast = None  # no fast design: dispatch runs ``lean`` and reduces; the gradient comes from the recompute backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,19 +87,13 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: Config | None 
 
 
 def supported(spec: common.Spec, platform: str, dtype=None) -> None:
-  """Raises ``NotImplementedError`` unless raw Triton kernels can run here (CUDA GPU, SM80+, jax-triton)."""
+  """Raises ``NotImplementedError`` for a dtype the kernels do not take or a missing package (triton,
+  jax-triton); the GPU they need is checked by the registry (:func:`lce_flax._impl.base.check_supported`)."""
+  del spec, platform
   pt.check_dtype("impl='triton'", dtype)
-  if platform != "gpu" or spec.interpret:
-    raise NotImplementedError(
-        f"impl='triton' runs raw Triton kernels, which need an NVIDIA GPU (platform={platform!r}, "
-        f"interpret={spec.interpret}); it has no interpret mode: use impl='pallas_triton' (interpret=True) or "
-        "impl='chunked' here")
   if kernels.triton is None:
     raise NotImplementedError(f"impl='triton' needs the triton package: {kernels.TRITON_IMPORT_ERROR}")
   kernels.jax_triton()
-  cc = _device.compute_capability()
-  if cc is None or cc < (8, 0):
-    raise NotImplementedError(f"impl='triton' needs an NVIDIA GPU with compute capability >= 8.0, got {cc}")
 
 
 def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, config: Config | None = None
@@ -113,27 +107,11 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
   return pt.lean_design("triton", p, num_tokens, hidden, spec.opts.vocab_size, dtype)
 
 
-def _plan(x, w, spec: common.Spec, config) -> Plan:
-  if isinstance(config, Plan):
-    return config
-  supported(spec, _device.platform(), x.dtype)  # (dispatch has checked it when it passes a resolved plan)
-  common.check_config(config, Config, "triton")
-  return plan(x.shape[0], x.shape[1], common.vocab_size(w, spec.w_layout), x.dtype, config)
-
-
-def lean(x, w, bias, labels, spec: common.Spec, config: Plan | Config | None = None) -> _math.TokenOut:
-  """Per-token loss, lse and correctness; differentiable in x, w and bias with any cotangent on loss and lse.
-
-  ``config`` is ``design(...).config`` (a :class:`Plan`); an unresolved :class:`Config` (or None) is resolved
-  through :func:`plan` first."""
-  return pt.lean_with(kernels.KERNELS, x, w, bias, labels, spec, _plan(x, w, spec, config))
-
-
-def stats(x, w, bias, labels, spec: common.Spec, config: Plan | Config | None = None) -> _math.RowStats:
+def stats(x, w, bias, labels, spec: common.Spec, plan: Plan) -> _math.RowStats:
   """The forward kernel's row statistics of the columns of ``w``."""
-  return kernels.KERNELS.forward(x, w, bias, labels, spec, _plan(x, w, spec, config))
+  return kernels.KERNELS.forward(x, w, bias, labels, spec, plan)
 
 
-def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, config: Plan | Config | None = None):
+def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, plan: Plan):
   """The recompute backward for the given lse: (dx float32, dw, dbias float32)."""
-  return pt.grads_with(kernels.KERNELS, x, w, bias, labels, lse, g_loss, g_lse, spec, _plan(x, w, spec, config))
+  return pt.grads_with(kernels.KERNELS, x, w, bias, labels, lse, g_loss, g_lse, spec, plan)
