@@ -126,9 +126,11 @@ def interleaved(fns, rounds=3):
 def sweep_configs(role):
   """The sweep's grid: the warpgroup split, the 2-CTA cluster (and its direction), the snake's direction."""
   stages = 3 if role == "dw_acc" else 4
-  grid = [("n", None, "n"), ("n", "m", "n"), ("m", "n", "n"), ("n", "n", "n"), ("m", None, "n"), ("n", None, "m")]
+  grid = [("n", None, "n", 16), ("n", "m", "n", 16), ("m", "n", "n", 16), ("n", "n", "n", 16), ("m", "m", "n", 16),
+          ("m", "n", "n", 8), ("n", "m", "n", 8), ("m", "n", "m", 16)]
   n = int(os.environ.get("SWEEP_N", len(grid)))
-  return [G.GemmConfig(stages=stages, wg_split=wg, cluster=cl, order_minor=om) for wg, cl, om in grid[:n]]
+  return [G.GemmConfig(stages=stages, wg_split=wg, cluster=cl, order_minor=om, order_width=ow)
+          for wg, cl, om, ow in grid[:n]]
 
 
 def products(x, w, dz):
@@ -154,6 +156,9 @@ def main():
   ap.add_argument("--quick-example", action="store_true", help="3 configs of jax's example instead of 6")
   ap.add_argument("--no-example", action="store_true")
   ap.add_argument("--no-fused", action="store_true")
+  ap.add_argument("--final", action="store_true", help="no sweep: the table's configs against XLA and the example, "
+                  "every contender of a product (and its loss-work variants) timed in alternation")
+  ap.add_argument("--rounds", type=int, default=5)
   args = ap.parse_args()
   budget = float(os.environ.get("BUDGET_S", "1e9"))
   shapes = os.environ.get("SHAPES", ",".join(SHAPES)).split(",")
@@ -180,6 +185,16 @@ def main():
     w = (0.02 * jax.random.normal(k[1], (h, v), jnp.float32)).astype(jnp.bfloat16)
     dz = (1e-3 * jax.random.normal(k[2], (b, v), jnp.float32)).astype(jnp.bfloat16)
     flops = 2 * b * h * v
+    if args.final:
+      labels = jax.random.randint(k[3], (b,), 0, v, jnp.int32)
+      for prod in ("fwd", "dx", "dw"):
+        if budget_left(budget) < 40:
+          emit(kind="stop", shape=shape, product=prod, why="past BUDGET_S")
+          break
+        final_product(shape, prod, x, w, dz, labels, kind, args.rounds)
+        save()
+      del x, w, dz
+      continue
     ours, xla = products(x, w, dz)
     best_bare, top = {}, {}
     for prod in ("fwd", "dx", "dw"):
@@ -248,6 +263,84 @@ def main():
     with open(os.path.join(args.out, "gemm_tuning.json"), "w") as f:
       json.dump({"source": "benchmarks/bench_gemm.py --sweep", "date": meta["date"], "jax": meta["jax"],
                  "devices": {kind: table_rows}}, f, indent=1)
+
+
+ALT_CFGS = {  # hand-picked candidates timed beside the table's row in --final mode
+    "fwd": [G.GemmConfig(wg_split="m", cluster="n", order_width=8, stages=3, epi_n=128)],
+    "dx": [G.GemmConfig(wg_split="m", cluster="n", order_width=8)],
+    "dw": [G.GemmConfig(wg_split="m", cluster="n", order_width=8)],
+}
+
+
+def final_product(shape, prod, x, w, dz, labels, kind, rounds):
+  """One product, every contender timed in alternation: XLA, ours (table row and a candidate), jax's example (its
+  two configs that won the sweeps), and ours with the product's loss work."""
+  b, h = x.shape
+  v = w.shape[1]
+  flops = 2 * b * h * v
+  mnk = {"fwd": (b, v, h), "dx": (b, h, v), "dw": (h, v, b)}[prod]
+  ours, xla = products(x, w, dz)
+  make, oargs = ours[prod]
+  f_xla, xargs = xla[prod]
+  ref = f_xla(*xargs)
+  fns = {"xla": (f_xla, xargs)}
+  cfgs = list(dict.fromkeys([tuning.select_config(prod, *mnk, kind)] + ALT_CFGS[prod]))
+  for i, cfg in enumerate(cfgs):
+    f = make(cfg)
+    emit(kind="check", shape=shape, product=prod, cfg=cfg.short(), rel_err_vs_xla=rel_err(f(*oargs), ref))
+    fns[f"ours{i}"] = (f, oargs)
+  del ref
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+  D = hm.MatmulDimension
+  a_mk = {"fwd": x, "dx": dz, "dw": jnp.asarray(x.T)}[prod]
+  b_kn = {"fwd": w, "dx": jnp.asarray(w.T), "dw": dz}[prod]
+  for wg, cl in ((D.N, D.M), (D.M, D.N)):
+    cfg = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=64, epi_tile_m=64,
+                          grid_minor_dim=D.N, grid_tile_width=16, wg_dimension=wg, cluster_dimension=cl)
+    mm = 128 * (1 + (wg == D.M)) * (1 + (cl == D.M))
+    mn = 128 * (1 + (wg == D.N)) * (1 + (cl == D.N))
+    fns[f"example wg={wg} cl={cl}"] = (jax.jit(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg)),
+                                       (pad_to(a_mk, 0, mm), pad_to(b_kn, 1, mn)))
+  del a_mk, b_kn
+  opts = G.StatsOptions()
+  role_cfg = lambda role, m, n, k: tuning.select_config(role, m, n, k, kind)
+  if prod == "fwd":
+    c1 = role_cfg("fwd_stats", *mnk)
+    fns["fwd_stats"] = (jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=G.RowStats(y, opts), config=c1)), (x, w, labels))
+    c2 = role_cfg("fwd_store", *mnk)
+    fns["fwd_store"] = (jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=(G.RowStats(y, opts), G.Store()), config=c2)),
+                        (x, w, labels))
+  elif prod == "dx":
+    c3 = role_cfg("dx_prologue", *mnk)
+    lse = jnp.full((b,), 3.0, jnp.float32)
+    one = jnp.ones((b,), jnp.float32)
+    fns["dx_prologue"] = (jax.jit(lambda z, w, l, c, a, y: G.gemm(
+        z, w, transpose_b=True, prologue=G.DzFromLogits(l, c, a, y), config=c3)), (dz, w, lse, one, one, labels))
+  else:
+    c4 = role_cfg("dw_acc", *mnk)
+    c = jnp.ones((h, v), jnp.float32)
+    fns["dw_acc"] = (jax.jit(lambda x, dz, c: G.gemm(x, dz, transpose_a=True, epilogue=G.AddTo(c), config=c4)),
+                     (x, dz, c))
+    dg = jax.lax.dot_general
+    fns["xla_f32_plus_c"] = (jax.jit(lambda x, dz, c: c + dg(x, dz, (((0,), (0,)), ((), ())),
+                                                             preferred_element_type=jnp.float32)), (x, dz, c))
+  t = interleaved(fns, rounds)
+  ours_best = min((k for k in t if k.startswith("ours")), key=t.get)
+  ex_best = min((k for k in t if k.startswith("example")), key=t.get)
+  bare_best = min(t[ours_best], t["xla"], t[ex_best])
+  ms = t[ours_best]
+  row = dict(kind="final", shape=shape, product=prod, ms={k: round(val, 3) for k, val in t.items()},
+             ours_cfg=cfgs[int(ours_best[4:])].short(), ours_ms=round(ms, 3), ours_tflops=round(flops / ms / 1e9, 1),
+             xla_ms=round(t["xla"], 3), ours_vs_xla=round(t["xla"] / ms, 3), example_ms=round(t[ex_best], 3),
+             example_cfg=ex_best[8:], ours_vs_example=round(t[ex_best] / ms, 3))
+  for name in ("fwd_stats", "fwd_store", "dx_prologue", "dw_acc"):
+    if name in t:
+      row[f"{name}_ms"] = round(t[name], 3)
+      row[f"{name}_vs_best_bare"] = round(t[name] / bare_best, 3)
+      row[f"{name}_vs_xla_bare"] = round(t["xla"] / t[name], 3)
+  if "xla_f32_plus_c" in t:
+    row["dw_acc_vs_xla_f32_plus_c"] = round(t["xla_f32_plus_c"] / t["dw_acc"], 3)
+  emit(**row)
 
 
 def fused(shape, x, w, dz, flops, best_bare, top, table_rows):

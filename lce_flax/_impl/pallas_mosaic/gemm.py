@@ -100,8 +100,9 @@ class GemmConfig:
         raise ValueError(f"GemmConfig.{name}={getattr(self, name)} must be a multiple of 64")
     if self.wg_split not in ("m", "n") or self.cluster not in (None, "m", "n") or self.order_minor not in ("m", "n"):
       raise ValueError(f"bad GemmConfig dimension names: {self}")
-    if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
-      raise ValueError(f"the epilogue sub-tile {self.epi_m}x{self.epi_n} must divide the warpgroup tile")
+    if self.tile_m % self.epi_m or self.tile_n % self.epi_n or self.epi_m % 64 or self.epi_n % 32:
+      raise ValueError(f"the epilogue sub-tile {self.epi_m}x{self.epi_n} must divide the warpgroup tile, with rows a "
+                       "multiple of 64 (the WGMMA register layout) and columns a multiple of 32")
     if self.stages < 2:
       raise ValueError("GemmConfig.stages must be >= 2")
 
@@ -207,9 +208,11 @@ class Store(Part):
 
   def apply(self, z, t, ins, outs, smem):
     (out,), (buf,) = outs, smem
-    for q, (ms, ns) in enumerate(_subtiles(t.cfg)):
+    subs = list(_subtiles(t.cfg))
+    for q, (ms, ns) in enumerate(subs):
       slot = q % 2
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the copy that last read this slot is done
+      # the copy that last read this slot is done (with an odd count, the previous tile's last copy used slot 0)
+      plgpu.wait_smem_to_gmem(0 if (q == 0 and len(subs) % 2) else 1, wait_read_only=True)
       buf[t.g, slot] = z[ms, ns].astype(buf.dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(buf.at[t.g, slot], out.at[pl.ds(t.row0 + ms.start, t.cfg.epi_m),
@@ -245,7 +248,7 @@ class AddTo(Part):
     # the first sub-tile of C lands while the K loop runs; slot 0 was last read by the previous tile's
     # second-to-last store, which is done once at most one copy is in flight
     (c,), (buf, bars) = ins, smem
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+    plgpu.wait_smem_to_gmem(0 if len(list(_subtiles(t.cfg))) % 2 else 1, wait_read_only=True)
     self._load(0, 0, t, c, buf, bars)
 
   def apply(self, z, t, ins, outs, smem):

@@ -8,8 +8,8 @@ Roles: the bare products ``fwd`` (x·w), ``dx`` (dz·wᵀ), ``dw`` (xᵀ·dz, bf
 ``fwd_stats`` (statistics epilogue), ``fwd_store`` (statistics + stored logits), ``dx_prologue`` (dz formed in the
 prologue), ``dw_acc`` (xᵀ·dz + C in float32); ``plain`` for anything else. Shape bucket: ``(M, N, K)`` rounded
 to powers of two; the row nearest in log-distance serves a shape. A role with loss work and no row of its own
-takes its bare product's row (:func:`fit_role` makes it fit the hooks' SMEM), then the device's ``plain`` row,
-then :data:`DEFAULT`.
+takes its bare product's row (:func:`fit_role` makes it fit the hooks' SMEM), then (``plain`` too) the nearest row
+of any bare product of the device, then :data:`DEFAULT`.
 """
 
 from __future__ import annotations
@@ -48,10 +48,9 @@ def load_table() -> dict:
 
 
 def _pick(rows, m: int, n: int, k: int):
-  if not rows:
-    return None
+  """The (role, row) of ``rows`` whose bucket is nearest to (m, n, k) in log-distance."""
   want = [math.log2(d) for d in bucket(m, n, k)]
-  return min(rows, key=lambda r: sum(abs(math.log2(b) - w) for b, w in zip(r["bucket"], want)))
+  return min(rows, key=lambda rr: sum(abs(math.log2(b) - w) for b, w in zip(rr[1]["bucket"], want)))
 
 
 # roles with loss work run on their bare product's row, adjusted to fit their extra shared memory
@@ -72,12 +71,15 @@ def fit_role(role: str, cfg: GemmConfig) -> GemmConfig:
 def select_row(role: str, m: int, n: int, k: int, device_kind: str) -> tuple[GemmConfig, str]:
   """The chosen config and where it came from (``"table: <kind>/<role>/<bucket>"`` or ``"default"``)."""
   table = load_table().get(_norm_kind(device_kind), {})
-  for r in dict.fromkeys((role, BASE_ROLE.get(role, role), "plain")):
-    row = _pick(table.get(r), m, n, k)
-    if row is not None:
-      b = "x".join(str(x) for x in row["bucket"])
-      cfg = GemmConfig(**row["config"])
-      return (cfg if r == role else fit_role(role, cfg)), f"table: {device_kind}/{r}/{b}"
+  bare = [(r, row) for r in ("fwd", "dx", "dw") for row in table.get(r, ())]
+  for tier in (role, BASE_ROLE.get(role, role), "bare"):
+    rows = bare if tier == "bare" else [(tier, row) for row in table.get(tier, ())]
+    if not rows:
+      continue
+    r, row = _pick(rows, m, n, k)
+    b = "x".join(str(x) for x in row["bucket"])
+    cfg = GemmConfig(**row["config"])
+    return (cfg if r == role else fit_role(role, cfg)), f"table: {device_kind}/{r}/{b}"
   return fit_role(role, DEFAULT), "default"
 
 
