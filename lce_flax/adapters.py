@@ -229,8 +229,7 @@ def _pick(owner: str, entries: Mapping[str, Any], attr: str | None) -> tuple[str
                    f"{_shape(entries[attr])}); its 2-D tables: {_listing(tables)}")
     return attr, jnp.asarray(_value(entries[attr]))
   if len(tables) > 1:
-    raise _error(ValueError, f"{owner} holds several 2-D tables ({_listing(tables)}); pick the table with "
-                 "attr=<name>")
+    raise _error(ValueError, f"{owner} holds several 2-D tables; pick one with attr=<name>: {_listing(tables)}")
   if not tables:
     return "", None
   ((name, _),) = tables.items()
@@ -269,7 +268,7 @@ def _from_mapping(head: Mapping, attr: str | None, w_layout: str | None, owner: 
   if attr is None and "kernel" in head:
     raise _error(ValueError, f"{owner} has keys {_short(keys, 60)}: an nn.Dense head has only 'kernel' and "
                  "'bias'; name the table with attr=<key>")
-  name, table = _pick(f"{owner} (keys {_short(keys, 60)})", head, attr)
+  name, table = _pick(owner, head, attr)
   if table is None:
     raise _error(ValueError, f"{owner} has keys {_short(keys, 60)} and no 2-D table; pass the head's own entry, "
                  "e.g. params['head'] (nn.Dense) or params['embed'] (nn.Embed)")

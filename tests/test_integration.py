@@ -110,6 +110,28 @@ class FrameworkEinsum(nnx.Module):
     return jnp.einsum(self.einsum_str, x, self.w[...])
 
 
+class TunixEinsum(nnx.Module):
+  """As tunix's ``Einsum``: ``w``, ``einsum_str``, a ``shape`` tuple and a compute ``dtype`` as attributes."""
+
+  def __init__(self, einsum_str, shape, *, dtype, rngs):
+    self.einsum_str, self.shape, self.dtype = einsum_str, shape, dtype
+    self.w = nnx.Param(0.3 * jax.random.normal(rngs.params(), shape))
+
+  def __call__(self, x):
+    return jnp.einsum(self.einsum_str, x.astype(self.dtype), self.w[...].astype(self.dtype))
+
+
+class TunixEmbedder(nnx.Module):
+  """As tunix's ``Embedder``: a [V, D] ``input_embedding`` and a compute ``dtype``."""
+
+  def __init__(self, v, d, *, dtype, rngs):
+    self.input_embedding = nnx.Param(0.3 * jax.random.normal(rngs.params(), (v, d)))
+    self.dtype = dtype
+
+  def decode(self, x):
+    return jnp.dot(x.astype(self.dtype), self.input_embedding[...].astype(self.dtype).T)
+
+
 class CallTimeEinsum(nnx.Module):
   """An einsum layer that takes its equation at call time (no ``einsum_str``): the layout is given."""
 
@@ -143,6 +165,10 @@ NNX_HEADS = {
     "framework_einsum_vd": (lambda r: FrameworkEinsum("...d,vd->...v", (V, H), rngs=r), lambda m, x: m(x), {}),
     "call_time_einsum_hv": (lambda r: CallTimeEinsum((H, V), rngs=r), lambda m, x: m("...d,dv->...v", x),
                             {"w_layout": "hv"}),
+    "tunix_einsum": (lambda r: TunixEinsum("BTD,DV->BTV", (H, V), dtype=jnp.float32, rngs=r), lambda m, x: m(x),
+                     {}),
+    "tunix_embedder_attr": (lambda r: TunixEmbedder(V, H, dtype=jnp.float32, rngs=r), lambda m, x: m.decode(x),
+                            {"attr": "input_embedding"}),
 }
 
 
@@ -194,6 +220,39 @@ def _linen_case(kind):
   module = nn.Embed(V, H, embedding_init=_init())
   return module, module.init(jax.random.key(2), jnp.ones((1,), jnp.int32))["params"], lambda p, x: module.apply(
       {"params": p}, x, method="attend")
+
+
+def test_gemma_embedder_params_and_bound_modules():
+  """gemma's ``params['embedder']`` (``{'input_embedding'}``, alone or beside other 2-D tables, named by
+  ``attr=``), and bound ``nn.Dense`` / ``nn.Embed`` modules, against their own logits + optax, loss and grads."""
+  x, labels, where = make_data(30)
+  table = jnp.asarray(0.3 * np.random.default_rng(31).standard_normal((V, H)), jnp.float32)
+  ref = lambda t, x: reference_ce(x @ t.T, labels, where)
+  lr, gr = jax.value_and_grad(ref, argnums=(0, 1))(table, x)
+  for params, kw in (({"input_embedding": table}, {}), ({"input_embedding": table}, {"attr": "input_embedding"}),
+                     ({"input_embedding": table, "mm_input_projection": jnp.zeros((5, H))},
+                      {"attr": "input_embedding"})):
+    lf, gf = jax.value_and_grad(lambda t, x: head_loss({**params, "input_embedding": t}, x, labels, where=where,
+                                                       **kw), argnums=(0, 1))(table, x)
+    assert rel(lf, lr) <= TOL
+    assert_trees_close(gf, gr)
+
+  class Tied(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, x, fused):
+      embed = nn.Embed(V, H, name="embed")
+      dense = nn.Dense(V, name="head")
+      embed(tokens)
+      if fused:
+        return head_loss(embed, x, labels, where=where) + head_loss(dense, x, labels, where=where)
+      return reference_ce(embed.attend(x), labels, where) + reference_ce(dense(x), labels, where)
+
+  model = Tied()
+  params = model.init(jax.random.key(0), labels.clip(0), x, False)
+  lf, gf = jax.value_and_grad(lambda p: model.apply(p, labels.clip(0), x, True))(params)
+  lr, gr = jax.value_and_grad(lambda p: model.apply(p, labels.clip(0), x, False))(params)
+  assert rel(lf, lr) <= TOL
+  assert_trees_close(gf, gr)
 
 
 @pytest.mark.parametrize("kind", ["dense_bias", "dense_partitioned", "embed"])
@@ -277,6 +336,13 @@ def test_head_dtype_is_the_loss_dtype(monkeypatch):
   assert seen[-1].dtype is None  # no head dtype: promotion, as nnx.Linear
   head_loss(nnx.Embed(V, H, rngs=nnx.Rngs(0)), xb, labels)
   assert seen[-1].dtype == jnp.float32  # nnx.Embed's dtype is its table's: attend runs in float32
+  # a framework class's own dtype attribute (tunix's Einsum.dtype, Embedder.dtype) is read the same way
+  tunix_head = TunixEinsum("BTD,DV->BTV", (H, V), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  fused = head_loss(tunix_head, x, labels)
+  assert seen[-1].dtype == jnp.bfloat16
+  assert rel(fused, reference_ce(tunix_head(x), labels)) <= 2e-2
+  head_loss(TunixEmbedder(V, H, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), x, labels)
+  assert seen[-1].dtype == jnp.bfloat16
 
 
 # ------------------------------------------------------------------------------------------------- (b) errors
@@ -286,7 +352,7 @@ def _one_line_error(exc_type, fn, *needles):
   with pytest.raises(exc_type) as info:
     fn()
   msg = str(info.value)
-  assert "\n" not in msg and len(msg) < 500 and "Could not convert" not in msg, msg
+  assert "\n" not in msg and len(msg) <= 200 and "Could not convert" not in msg, msg
   for needle in needles:
     assert needle in msg, f"{needle!r} not in {msg!r}"
   return msg
@@ -301,12 +367,12 @@ class NotAHead:
                                       ([1, 2], "list")])
 def test_type_error_names_the_type(obj, name):
   x, labels, _ = make_data(0)
-  msg = _one_line_error(TypeError, lambda: head_loss(obj, x, labels), name, "nnx.Einsum", "accepted")
+  msg = _one_line_error(TypeError, lambda: head_loss(obj, x, labels), name, "nnx.Linear/Einsum/Embed", "accepted")
   assert msg == _one_line_error(TypeError, lambda: head_weights(obj))
 
 
 def test_linen_module_says_pass_its_params():
-  _one_line_error(TypeError, lambda: head_weights(nn.Dense(V)), "Dense", "param dict")
+  _one_line_error(TypeError, lambda: head_weights(nn.Dense(V)), "nn.Dense", "unbound", "param dict")
 
 
 def test_value_errors():
@@ -316,7 +382,15 @@ def test_value_errors():
                   "attr=")
   _one_line_error(ValueError, lambda: head_weights(TwoTables(V, H, rngs=rngs), attr="nope"), "'nope'", "table")
   _one_line_error(ValueError, lambda: head_weights({"kernel": jnp.zeros((H, V)), "scale": jnp.zeros(H)}),
-                  "['kernel', 'scale']")
+                  "['kernel', 'scale']", "attr=")
+  # gemma's embedder entry beside another table: the message names both and says attr=
+  two = {"input_embedding": jnp.zeros((V, H)), "mm_input_projection": jnp.zeros((5, H))}
+  _one_line_error(ValueError, lambda: head_weights(two), "input_embedding (97, 24)", "mm_input_projection", "attr=")
+  _one_line_error(ValueError, lambda: head_weights(two, attr="embedding"), "'embedding'", "input_embedding (97, 24)")
+  _one_line_error(ValueError, lambda: head_weights({"scale": jnp.zeros(H)}), "['scale']", "no 2-D table")
+  _one_line_error(ValueError, lambda: head_weights(jnp.zeros((V, H)), attr="w"), "attr='w'", "the table itself")
+  long = {f"entry_number_{i}": jnp.zeros((3, 3)) for i in range(40)}
+  _one_line_error(ValueError, lambda: head_weights(long), "attr=")  # cut to one line of at most 200 characters
   _one_line_error(ValueError, lambda: head_weights(nnx.Einsum("...hd,hdv->...v", (2, H, V), rngs=rngs)),
                   "contracts 2 axes")
   _one_line_error(ValueError, lambda: head_weights(nnx.Einsum("...d,dnv->...nv", (H, 2, V), rngs=rngs)),
@@ -327,7 +401,9 @@ def test_value_errors():
                   "bias of shape (2, 97)")
   _one_line_error(ValueError, lambda: head_weights(jnp.zeros((H, V))), "w_layout=")
   _one_line_error(ValueError, lambda: head_weights(nnx.Linear(H, V, rngs=rngs), w_layout="vh"), "contradicts")
-  _one_line_error(ValueError, lambda: head_weights(nnx.Linear(H, V, rngs=rngs), attr="kernel"), "custom classes")
+  _one_line_error(ValueError, lambda: head_weights(nnx.Linear(H, V, rngs=rngs), attr="embedding"),
+                  "nnx.Linear's weight is 'kernel'")
+  assert head_weights(nnx.Linear(H, V, rngs=rngs), attr="kernel").w_layout == "hv"  # its own name is fine
   # a [D, V] weight read as a tied [V, D] table: the error says which layout would fit
   _one_line_error(ValueError, lambda: head_loss(CallTimeEinsum((H, V), rngs=rngs), x, labels), "w_layout='hv'")
 

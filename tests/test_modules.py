@@ -359,8 +359,88 @@ def test_linen_errors():
     head.apply({"params": params}, x, labels, reduction="avg")
   with pytest.raises(ValueError, match=r"x.shape=\(3, 11, 32\).*H=33"):
     lce_linen.TiedLMHead()(jnp.zeros((VOCAB, EMBED + 1)), x, labels)
-  with pytest.raises(ValueError, match=r"\[V, H\] table"):
+  with pytest.raises(ValueError, match=r"must be 2-D.*\(97,\)"):
     lce_linen.TiedLMHead()(jnp.zeros((VOCAB,)), x, labels)
+  with pytest.raises(TypeError, match="without labels returns the logits; where, z_loss"):
+    head.apply({"params": params}, x, where=labels > 0, z_loss=1e-4)
+
+
+class DropInLM(nn.Module):
+  """A linen LM written for ``nn.Dense``: ``self.lm_head(h)`` gives the logits (generation); the fused head is
+  put where the Dense stood, and the same module gives the loss when labels are passed."""
+
+  head: str  # "dense" | "fused" | "tied"
+
+  def setup(self):
+    self.embed = nn.Embed(VOCAB, EMBED)
+    self.mlp = nn.Dense(EMBED)
+    if self.head == "dense":
+      self.lm_head = nn.Dense(VOCAB, use_bias=False)
+    elif self.head == "fused":
+      self.lm_head = lce_linen.LMHead(VOCAB, options=LossOptions(impl="chunked", **chunk("chunked")))
+    else:
+      self.lm_head = lce_linen.TiedLMHead(options=LossOptions(impl="chunked"))
+
+  def __call__(self, tokens, labels=None):
+    h = jnp.tanh(self.mlp(self.embed(tokens)))
+    if self.head == "tied":
+      return self.lm_head(self.embed, h, labels)
+    return self.lm_head(h) if labels is None else self.lm_head(h, labels)
+
+
+@pytest.mark.parametrize("head", ["fused", "tied"])
+def test_linen_heads_are_drop_ins(head):
+  """Without labels the heads return the logits Dense / Embed.attend return; with labels the fused loss; same
+  parameter tree as the Dense model (tied: no head parameters), gradients of every parameter equal."""
+  tokens, labels = make_batch(seed=11)
+  fused = DropInLM(head)
+  params = fused.init(jax.random.key(0), tokens)["params"]
+  if head == "fused":
+    dense = DropInLM("dense")
+    assert shapes_dtypes(dense.init(jax.random.key(0), tokens)["params"]) == shapes_dtypes(nn.meta.unbox(params))
+    logits_fn = lambda p: dense.apply({"params": nn.meta.unbox(p)}, tokens)
+  else:
+    assert "lm_head" not in params
+    logits_fn = lambda p: fused.apply({"params": p}, tokens, method=lambda m, t: m.embed.attend(
+        jnp.tanh(m.mlp(m.embed(t)))))
+  np.testing.assert_allclose(fused.apply({"params": params}, tokens), logits_fn(params), rtol=1e-6, atol=1e-6)
+  got, g = jax.value_and_grad(lambda p: fused.apply({"params": p}, tokens, labels))(params)
+  want, g_ref = jax.value_and_grad(lambda p: optax_loss(logits_fn(p), labels))(params)
+  assert rel_err(got, want) < 1e-5
+  assert_trees_close(nn.meta.unbox(g), nn.meta.unbox(g_ref))
+
+
+def test_tied_heads_take_what_the_adapters_take():
+  """TiedLMHead (linen and NNX) reads a param dict ({'embedding'}, gemma's {'input_embedding'}), a custom
+  embedder holding a [V, H] nnx.Param (its dtype used), and names one of several tables with attr=."""
+
+  class Embedder(nnx.Module):  # as tunix's
+    def __init__(self, *, dtype, rngs):
+      self.input_embedding = nnx.Param(jax.random.normal(rngs.params(), (VOCAB, EMBED)))
+      self.dtype = dtype
+
+  x = jax.random.normal(jax.random.key(2), (3, 5, EMBED))
+  _, labels = make_batch(seed=12)
+  labels = labels[:, :5]
+  emb = Embedder(dtype=jnp.float32, rngs=nnx.Rngs(0))
+  table = emb.input_embedding[...]
+  want = optax_loss(x @ table.T, labels)
+  for tied in (lce_linen.TiedLMHead(), lce_nnx.TiedLMHead()):
+    for embed in (emb, {"embedding": table}, {"input_embedding": table}, table):
+      assert rel_err(tied(embed, x, labels), want) < 1e-5
+      np.testing.assert_allclose(tied(embed, x), x @ table.T, rtol=1e-5, atol=1e-5)
+  two = {"input_embedding": table, "mm_input_projection": jnp.zeros((7, EMBED))}
+  assert rel_err(lce_nnx.TiedLMHead(attr="input_embedding")(two, x, labels), want) < 1e-5
+  assert rel_err(lce_linen.TiedLMHead(attr="input_embedding")(two, x, labels), want) < 1e-5
+  with pytest.raises(ValueError, match="several 2-D tables; pick one with attr="):
+    lce_nnx.TiedLMHead()(two, x, labels)
+  # the embedder's own dtype is the matmul dtype, as its decode computes it
+  bf16 = Embedder(dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  assert lce_nnx.TiedLMHead().logits(bf16, x).dtype == jnp.bfloat16
+  up = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
+  assert rel_err(lce_nnx.TiedLMHead(options=LossOptions(impl="chunked"))(bf16, x, labels),
+                 linear_cross_entropy_np(up(x), up(bf16.input_embedding[...]), labels,
+                                         w_layout="vh")["loss"]) < 1e-5
 
 
 # -------------------------------------------------------------------------------------------------------------- nnx
@@ -454,6 +534,38 @@ def test_nnx_head_and_logits_match_linear():
   np.testing.assert_allclose(tied.logits(embed, x), embed.attend(x), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(tied(embed, x, labels), optax_loss(embed.attend(x), labels), rtol=1e-6)
   np.testing.assert_allclose(tied(embed.embedding[...], x, labels), tied(embed, x, labels), rtol=1e-6)
+
+
+def test_nnx_head_without_labels_is_linear():
+  """``head(x)`` is nnx.Linear's output, so LMHead stands where the model calls ``self.lm_head(h)``."""
+  x = jax.random.normal(jax.random.key(3), (2, 5, EMBED))
+  lin = nnx.Linear(EMBED, VOCAB, use_bias=False, rngs=nnx.Rngs(6))
+  head = lce_nnx.LMHead(EMBED, VOCAB, rngs=nnx.Rngs(6))
+  np.testing.assert_array_equal(head(x), lin(x))
+  with pytest.raises(TypeError, match="without labels returns the logits; return_aux"):
+    head(x, return_aux=True)
+
+
+def test_nnx_head_on_a_mesh_without_its_names():
+  """The default logical names on a ("fsdp", "tp") mesh with no rules (tunix's): replicated, and the model's
+  partition specs resolve on that mesh; with rules, they follow the rules; mesh names given are kept."""
+  mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    head = lce_nnx.LMHead(EMBED, 96, use_bias=True, rngs=nnx.Rngs(0))
+    specs = nnx.get_partition_spec(nnx.state(head))
+    assert specs["kernel"].get_value() == P(None, None) and specs["bias"].get_value() == P(None)
+    state = jax.device_put(nnx.state(head), nnx.get_named_sharding(nnx.state(head), mesh))  # no error
+    assert state["kernel"].get_value().sharding.spec == P(None, None)
+    with nn.logical_axis_rules((("embed", "fsdp"), ("vocab", "tp"))):
+      ruled = lce_nnx.LMHead(EMBED, 96, rngs=nnx.Rngs(0))
+      assert nnx.get_partition_spec(nnx.state(ruled))["kernel"].get_value() == P("fsdp", "tp")
+    named = lce_nnx.LMHead(EMBED, 96, kernel_axes=("fsdp", "tp"), rngs=nnx.Rngs(0))
+  assert named.kernel[...].sharding.spec == P("fsdp", "tp")
+  x = jax.random.normal(jax.random.key(4), (4, 3, EMBED))
+  labels = jnp.asarray(np.random.default_rng(4).integers(0, 96, (4, 3)), jnp.int32)
+  want = linear_cross_entropy_np(x, np.asarray(named.kernel[...]), labels)["loss"]
+  with jax.set_mesh(mesh):
+    assert rel_err(nnx.jit(lambda m, x: m(x, labels, impl="chunked"))(named, x), want) < 1e-5
 
 
 def test_nnx_dtypes():
