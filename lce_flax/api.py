@@ -87,12 +87,11 @@ def _routing(x, w, labels, bias, where, opts: LossOptions, route: base.Route | N
   if any(typed.values()):
     axes = sorted({a for ax in typed.values() for a in ax})
     return "explicit", (f"the inputs are typed as sharded over Explicit mesh axes {axes}: the op runs under "
-                        "shard_map (lce_flax.sharding), each device this design on its shard (x, labels split over "
-                        "their first dim; w's V split: the vocab-parallel head, explain(vocab_shards=...); w's H "
+                        "shard_map (lce_flax.sharding), each device runs it on its shard (the design shown is the "
+                        "whole problem's; x, labels split over their first dim; w's V split: the vocab-parallel head, explain(vocab_shards=...); w's H "
                         "split: gathered once per call)",)
   auto = _partition.auto_mesh_active()
-  kernels = (route is not None and route.entry.kernels and not route.spec.interpret and jax.device_count() > 1
-             and num_tokens > 0)
+  kernels = _kernels_on_many_devices(route, num_tokens)
   if not (auto or kernels):
     return "local", ()
   why = ("the context mesh has Auto axes of size > 1" if auto else
@@ -103,7 +102,13 @@ def _routing(x, w, labels, bias, where, opts: LossOptions, route: base.Route | N
           "the gradients are formed in the forward on each shard (the FLOPs of this design) and scaled in the "
           "backward")
   return "partitioned", (f"{why}: the op runs as custom-partitioned primitives (lce_flax._partition), each device "
-                         f"this design on its shard; {cost}",)
+                         f"runs it on its shard (the design shown is the whole problem's); {cost}",)
+
+
+def _kernels_on_many_devices(route: base.Route | None, num_tokens: int) -> bool:
+  """Whether this call runs compiled kernels (Triton / Mosaic custom calls) in a process with several devices."""
+  return (route is not None and num_tokens > 0 and jax.device_count() > 1 and route.entry.kernels
+          and not route.spec.interpret)
 
 
 # ------------------------------------------------------------------------------------------------ the op

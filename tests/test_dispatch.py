@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import lce_flax
-from lce_flax import LossOptions, _device, explain, linear_cross_entropy
-from lce_flax._impl import base
+from lce_flax import LossOptions, _device, _math, explain, linear_cross_entropy
+from lce_flax._impl import base, common
 from tests._checks import check_impl, make_inputs
 from tests.reference_np import linear_cross_entropy_np, rel_err
 
@@ -189,11 +189,22 @@ GPU_IMPLS = ["xla", "chunked", "pallas_triton", "triton", "pallas_mosaic"]
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("mode", ["fast", "lean"])
 def test_every_gpu_path_against_reference(impl, dtype, mode):
-  """Forces each implementation this GPU can run and checks it against the float64 oracle."""
-  try:
-    d = explain(S((101, 128), dtype), S((128, 1000), dtype), impl=impl, mode=mode)
-  except (ValueError, NotImplementedError) as e:
-    pytest.skip(f"{impl} cannot run {mode} {jnp.dtype(dtype).name} on this GPU: {e}")
+  """Forces each implementation this GPU can run and checks it against the float64 oracle; a pairing that no GPU
+  runs is checked for its error instead."""
+  try:  # the device: a GPU of the compute capability the kernels need, their packages (jax-triton)
+    base.check_supported(impl, common.Spec(_math.LossSpec(vocab_size=1000)), _device.platform(), None)
+  except NotImplementedError as e:
+    pytest.skip(f"this GPU cannot run {impl}: {e}")
+  args = (S((101, 128), dtype), S((128, 1000), dtype))
+  if mode == "fast" and impl in ("pallas_triton", "triton"):
+    with pytest.raises(ValueError, match=f"impl='{impl}' has no fast design"):
+      explain(*args, impl=impl, mode=mode)
+    return
+  if impl == "pallas_mosaic" and dtype == jnp.float32:
+    with pytest.raises(ValueError, match="pallas_mosaic runs bfloat16 and float16 inputs"):
+      explain(*args, impl=impl, mode=mode)
+    return
+  d = explain(*args, impl=impl, mode=mode)
   assert d.impl == impl
   # fp32 is checked as exact fp32: XLA and Triton may run float32 dots as TF32 at the default precision.
   with jax.default_matmul_precision("highest"):
@@ -269,3 +280,54 @@ def test_traced_option_values_are_refused_by_name(name, value):
     jax.jit(lambda x, v: linear_cross_entropy(x, w, y, **{name: v}))(x, value)
   got = linear_cross_entropy(x, w, y, **{name: jnp.float32(value)})
   assert rel_err(got, linear_cross_entropy_np(xn, wn, yn, **{name: np.float32(value)})["loss"]) < 1e-5
+
+
+# ------------------------------------------------------------------------------------- routing and fallbacks
+
+
+def test_explain_reports_the_routing():
+  """explain() says where the op runs when it does not run as one device's op, and what that costs."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  w = S((32, 96), jnp.float32)
+  assert not any("shard" in n for n in explain(S((64, 32), jnp.float32), w).notes)  # one device: nothing to say
+  mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+  typed = explain(S((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("data"))), w)
+  assert any("Explicit mesh axes ['data']" in n and "shard_map" in n for n in typed.notes)
+  auto = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+  with jax.set_mesh(auto):
+    mean = explain(S((64, 32), jnp.float32), w)
+    none = explain(S((64, 32), jnp.float32), w, reduction="none")
+  assert any("custom-partitioned" in n and "FLOPs of this design" in n for n in mean.notes)
+  assert any("custom-partitioned" in n and "10·B·H·V FLOPs" in n for n in none.notes)
+
+
+def test_explain_reports_kernels_routed_through_the_partitioned_form(fake_gpu):
+  fake_gpu((9, 0))
+  d = explain(**LLAMA)
+  assert any(f"this process has {jax.device_count()} devices and 'pallas_mosaic' runs compiled kernels" in n
+             for n in d.notes)
+
+
+def test_explain_reports_copies_and_kernels_inside_a_backend():
+  """Mosaic's padding copy of w, the Triton dz pass inside the Mosaic backend, float32 dw in interpret mode."""
+  odd = explain(S((100, 100), jnp.bfloat16), S((100, 1000), jnp.bfloat16), impl="pallas_mosaic", interpret=True)
+  assert any("w is zero-padded from H×V = 100×1000 to 128×1024" in n for n in odd.notes)
+  assert any("dz pass is a Pallas Triton kernel" in n for n in odd.notes)
+  assert not any("zero-padded" in n for n in explain(**LLAMA, impl="pallas_mosaic", interpret=True).notes)
+  lean = explain(**LLAMA, impl="pallas_mosaic", interpret=True, mode="lean")
+  assert not any("dz pass" in n for n in lean.notes)
+  tri = explain(S((64, 64), jnp.float32), S((64, 100), jnp.float32), impl="pallas_triton", interpret=True)
+  assert any("interpret mode: the dw matmul accumulates in float32" in n for n in tri.notes)
+
+
+def test_each_fallback_warns_once_at_trace_time():
+  base._WARNED.clear()
+  (x, w, y, _), _ = make_inputs(15, (16,), 16, 40, jnp.float32)
+  f = lambda x: linear_cross_entropy(x, w, y, impl="pallas_triton", interpret=True)
+  with pytest.warns(UserWarning, match="pallas_triton has no fast design: runs its 'recompute' design"):
+    jax.jit(f).lower(x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jax.jit(lambda x: 2 * f(x)).lower(x)  # once
+    explain(x, w, impl="pallas_triton", interpret=True)  # explain reports, never warns

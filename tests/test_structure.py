@@ -116,3 +116,14 @@ def test_each_routing_module_imports_alone(module):
   run = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True, text=True,
                        env={"JAX_PLATFORMS": "cpu", "PATH": ""}, timeout=120)
   assert run.returncode == 0, run.stderr
+
+
+def test_version_is_written_once():
+  """pyproject.toml reads the version from ``lce_flax.__version__`` (no second copy to drift)."""
+  import tomllib
+
+  import lce_flax
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+  assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lce_flax.__version__"}
+  assert lce_flax.__version__.count(".") == 2

@@ -1,27 +1,12 @@
-"""What every backend shares: the backend protocol, the static call description, the head's three matmuls and
-small integer helpers.
+"""What every backend shares: the static call description (:class:`Spec`), the :class:`Design` a backend returns,
+the head's three matmuls and small integer helpers.
 
-A backend module (``reference``, ``chunked``, ``pallas_triton``, ``triton``, ``pallas_mosaic``) exposes, for a
-2-D problem (``x`` [B, H], ``w`` [H, V] or [V, H], ``bias`` [V] or None, normalised ``labels`` [B] int32, see
-:func:`lce_flax._math.normalize_labels`):
-
-* ``Config``: a frozen dataclass of the backend's knobs (None fields: chosen by the heuristic), with a
-  ``vocab_chunk`` field where a design loops over vocabulary columns and a ``token_chunk`` field where one loops
-  over tokens;
-* ``supported(spec, platform, dtype) -> None``: raises ``NotImplementedError`` naming what it cannot do
-  (``dtype`` is the computation dtype of x and w);
-* ``design(num_tokens, hidden, spec, dtype, mode, config) -> Design``: the design that runs for ``mode``
-  (``"fast"`` or ``"lean"``) with every field of ``config`` resolved; raises ``ValueError`` naming a bad field
-  and ``NotImplementedError`` when the backend has no design for ``mode``;
-* ``lean(x, w, bias, labels, spec, config) -> TokenOut``: differentiable with *any* per-token cotangent on
-  ``loss`` and ``lse``; keeps O(B) residuals and recomputes logits in the backward (8·B·H·V FLOPs);
-* ``fast(x, w, bias, labels, weights, spec, config) -> (Σ_t weights_t·loss_t, TokenOut)`` (or ``fast = None``):
-  forms the gradients while the logits are on hand (6·B·H·V FLOPs); only the scalar is differentiable;
-* ``stats(x, w, bias, labels, spec, config) -> RowStats`` and
-  ``grads(x, w, bias, labels, lse, g_loss, g_lse, spec, config) -> (dx, dw, dbias)``: the two halves of ``lean``
-  (its forward before :func:`lce_flax._math.finalize`, and its backward for a given lse), which the
-  vocab-parallel head (:mod:`lce_flax._impl.vocab_parallel`) runs on one shard of the vocabulary. dx is float32
-  (the shards' parts are summed before rounding), dw has ``w``'s dtype, dbias is float32.
+A backend module (``reference``, ``chunked``, ``pallas_triton``, ``triton``, ``pallas_mosaic``) implements the
+protocol of :mod:`lce_flax._impl.base` (``Backend``: ``Config``, ``supported``, ``design``, ``stats``, ``grads``;
+``FastBackend`` adds ``fast_forward`` / ``fast_backward``) for a 2-D problem (``x`` [B, H], ``w`` [H, V] or
+[V, H], ``bias`` [V] or None, normalised ``labels`` [B] int32, see :func:`lce_flax._math.normalize_labels`). The
+backends hold plans and kernels only: the ``custom_vjp``s around ``stats``/``grads`` and the fast forward, the
+registry that says where each can run, and the dispatch are :mod:`lce_flax._impl.base`'s.
 
 Columns and labels: a backend walks the columns ``w`` holds (its count is read from ``w``'s shape), while
 ``spec.opts.vocab_size`` is the size of the label space (out-of-range labels, the ``ε/V`` of label smoothing).
@@ -29,9 +14,10 @@ The two differ only on a vocabulary shard: there labels are shard-local (:func:`
 localize`), and a counted label whose column another shard holds lies in ``[columns, V)``: counted, in range,
 and matching no column here.
 
-``lean`` and ``fast`` receive ``Design.config``: dispatch (``lce_flax/api.py``) resolves it once and decides
-every fallback; a backend never switches to another design or backend by itself. ``api.py`` also owns
-validation, flattening, label normalisation and reductions, so no backend repeats them.
+``stats``, ``grads`` and the fast forward receive ``Design.config`` (the plan): dispatch
+(:func:`lce_flax._impl.base.dispatch`) resolves it once and decides every fallback; a backend never switches to
+another design or backend by itself. ``base`` also owns the argument checks, flattening, label normalisation
+and reductions, so no backend repeats them.
 """
 
 from __future__ import annotations

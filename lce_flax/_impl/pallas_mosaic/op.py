@@ -281,8 +281,30 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
     name, chunking = "logits", f"{tiles}; the logits of all {num_tokens} tokens stored at once (no chunk loop)"
   else:
     name, chunking = "tokens", f"{tiles}; token chunks of {p.token_chunk} tokens, each chunk's logits stored"
+  notes = []
+  hp, vp = padded_w(p, hidden, vocab, spec.w_layout)
+  if (hp, vp) != (hidden, vocab):
+    notes.append(f"w is zero-padded from H×V = {hidden}×{vocab} to {hp}×{vp} for TMA: a copy of w (and of its "
+                 f"gradient) per call; H a multiple of {p.block_k} and V of {_v_multiple(p, spec.w_layout)} (at least "
+                 f"{p.block_v * (2 if p.warp_specialized else 1)}) avoid it (with a bias V is padded to 64 columns)")
+  if p.fast_design is not None:
+    how = "interpreted" if spec.interpret else "compiled by Pallas Triton"
+    notes.append(f"the fast design's dz pass is a Pallas Triton kernel inside this backend ({how}): it turns the "
+                 "stored logit tiles into dz in place")
   return common.Design("pallas_mosaic", mode, name, p, chunking,
-                       memory_bytes(p, num_tokens, hidden, vocab, jnp.dtype(dtype).itemsize))
+                       memory_bytes(p, num_tokens, hidden, vocab, jnp.dtype(dtype).itemsize), notes=tuple(notes))
+
+
+def _v_multiple(p: Plan, w_layout: str) -> int:
+  """What V must be a multiple of for TMA to tile w as it is (see :func:`prepare`, without a bias)."""
+  return p.block_v if p.fast_design else (64 if w_layout == "hv" else 8)
+
+
+def padded_w(p: Plan, hidden: int, vocab: int, w_layout: str) -> tuple[int, int]:
+  """(H, V) of the w the kernels read: :func:`prepare`'s padding for a call without a bias."""
+  mult = _v_multiple(p, w_layout)
+  cta_v = p.block_v * (2 if p.warp_specialized else 1)
+  return cdiv(hidden, p.block_k) * p.block_k, max(cdiv(vocab, mult) * mult, cta_v)
 
 
 # --------------------------------------------------------------------------------------------- the kernels' calls

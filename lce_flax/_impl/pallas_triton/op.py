@@ -220,12 +220,15 @@ def supported(spec: common.Spec, platform: str, dtype=None) -> None:
   check_dtype("pallas_triton", dtype)
 
 
-def lean_design(impl: str, p: Plan, num_tokens: int, hidden: int, vocab: int, dtype) -> common.Design:
+def lean_design(impl: str, p: Plan, num_tokens: int, hidden: int, vocab: int, dtype, interpret: bool = False
+                ) -> common.Design:
   """The ``Design`` of the recompute backward below with the resolved plan ``p`` (``pallas_triton`` and
   ``triton``). ``memory_bytes`` (the module docstring's accounting, a bias included): the forward's partial
   stats (16 bytes per token and split), the dz chunk (B·chunk·itemsize) and its bias column sums, and the
   float32 dx (B·H·4, twice with XLA's product when ``dx_kernel`` is False); with ``low_memory``, the dx pass's
   float32 [token_block, H] block and its [token_block, dx_chunk] dz instead of the dx."""
+  notes = ("interpret mode: the dw matmul accumulates in float32 and is then cast (compiled, it writes w's dtype "
+           "directly, accumulating in float32 inside cuBLAS)",) if interpret else ()
   itemsize = jnp.dtype(dtype).itemsize
   rows = cdiv(num_tokens, p.block_t) * p.block_t
   width = min(p.vocab_chunk, cdiv(vocab, p.block_v) * p.block_v)
@@ -235,11 +238,11 @@ def lean_design(impl: str, p: Plan, num_tokens: int, hidden: int, vocab: int, dt
     mem += p.token_block * hidden * 4 + p.token_block * p.dx_chunk * itemsize
     chunking = (f"{tiles}; backward: dw over vocabulary chunks of {p.vocab_chunk} columns, then dx over blocks "
                 f"of {p.token_block} tokens × chunks of {p.dx_chunk} columns")
-    return common.Design(impl, "lean", "recompute_low_memory", p, chunking, mem)
+    return common.Design(impl, "lean", "recompute_low_memory", p, chunking, mem, notes)
   mem += num_tokens * hidden * 4 * (1 if p.dx_kernel else 2)
   dx = "in place (dx kernel)" if p.dx_kernel else "by XLA matmuls"
   chunking = f"{tiles}; backward: vocabulary chunks of {p.vocab_chunk} columns, dx accumulated {dx}"
-  return common.Design(impl, "lean", "recompute", p, chunking, mem)
+  return common.Design(impl, "lean", "recompute", p, chunking, mem, notes)
 
 
 def check_mode(impl: str, mode: str) -> None:
@@ -257,7 +260,7 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
   check_mode("pallas_triton", mode)
   check_dtype("pallas_triton", dtype)
   p = plan(num_tokens, hidden, spec.opts.vocab_size, dtype, config)
-  return lean_design("pallas_triton", p, num_tokens, hidden, spec.opts.vocab_size, dtype)
+  return lean_design("pallas_triton", p, num_tokens, hidden, spec.opts.vocab_size, dtype, spec.interpret)
 
 
 # --------------------------------------------------------------------------------------- the recompute backward
