@@ -5,13 +5,14 @@
 #   benchmarks/gpu_check.sh [LOG]      LOG: a file, or a folder for gpu-check-<date>.log
 #                                      (default: $OUT if set, else benchmarks/results/)
 #
-# 1. every `-m gpu` test, with pytest-xdist (-n 4) on the one GPU: XLA_PYTHON_CLIENT_PREALLOCATE=false and a memory
-#    fraction per worker, so that the four workers compile in parallel on the CPU cores and share the GPU's memory;
-#    the slowest tests are listed (--durations);
-# 2. the example trainer's GPU preset for a few steps with each head (--compare: fused and plain, each in its own
-#    process), and the headroom preset (V = 256000, 32768 tokens a step), where the plain head does not fit;
-# 3. README.md's code blocks: tests/test_readme.py if it exists, else each ```python block in turn in one
+# 1. the example trainer's GPU preset for a few steps with each head (the fused head trains; the plain head's step at
+#    the same batch is compiled and timed), and the headroom preset (V = 256000, 65536 tokens a step), where the plain
+#    head does not fit;
+# 2. README.md's code blocks: tests/test_readme.py if it exists, else each ```python block in turn in one
 #    namespace (later blocks use the names of earlier ones);
+# 3. every `-m gpu` test, with pytest-xdist (-n 4) on the one GPU: XLA_PYTHON_CLIENT_PREALLOCATE=false and a memory
+#    fraction per worker, so that the four workers compile in parallel on the CPU cores and share the GPU's memory;
+#    the slowest tests are listed (--durations). It gets the time left of GPU_CHECK_SECONDS (default 530);
 # 4. with 2 or more GPUs: the trainer's fused step compiled on a data-parallel mesh of 2 against one GPU at the same
 #    per-device batch (temporary bytes per device; they should be equal).
 # Each section has a time limit; the log ends with one line per section and the script exits non-zero if any failed.
@@ -24,7 +25,7 @@ DAY=$(date -u +%F)
 dest=${1:-${OUT:-benchmarks/results}}
 if [ -d "$dest" ] || [ "${dest%/}" != "$dest" ]; then
   mkdir -p "$dest"
-  LOG="$dest/gpu-check-$DAY.log"
+  LOG="${dest%/}/gpu-check-$DAY.log"
 else
   mkdir -p "$(dirname "$dest")"
   LOG=$dest
@@ -43,7 +44,8 @@ section() {  # section NAME LIMIT_S COMMAND...: runs COMMAND under a time limit,
   echo
   echo "=== $name (limit ${limit}s): $*"
   local t0=$SECONDS rc=0
-  timeout --signal=INT --kill-after=15 "$limit" "$@" || rc=$?
+  # (through bash -c, so that a section may be one of the functions below; they and their variables are exported)
+  timeout --signal=INT --kill-after=15 "$limit" bash -c '"$@"' _ "$@" || rc=$?
   local status=ok
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then status="TIMED OUT"; failed=1
   elif [ "$rc" -ne 0 ]; then status="FAILED (exit $rc)"; failed=1; fi
@@ -77,37 +79,70 @@ if [ "$NGPU" -lt 1 ]; then
   exit 2
 fi
 
-# 1. The GPU tests: four workers on one GPU, each allowed 22% of its memory, allocating as they go.
-section "gpu tests (pytest -m gpu -n 4)" 330 env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.22 "$PY" -m pytest -m gpu -n 4 -q -p no:cacheprovider --durations=15 tests
+# 1. The trainer's presets, a few steps: the fused head trains (loss, held-out loss, memory, tokens/s), then the
+#    plain head's step at the same batch is compiled and timed in the same process (or reported as not fitting).
+#    The check then reads train_lm.json: the fused head must have trained (finite losses), and at the gpu preset
+#    the plain head must fit too.
+trainer() {  # trainer PRESET PLAIN_MUST_FIT
+  "$PY" examples/train_lm.py --preset "$1" --steps 6 --eval-every 0 --eval-batches 1 --bench-steps 2 \
+    --sample-tokens 8 --quiet --out "$WORK/$1" || return
+  "$PY" - "$WORK/$1/train_lm.json" "$2" <<'EOF'
+import json, math, sys
+r = json.load(open(sys.argv[1]))
+fused, plain = r["runs"]["fused"], r["same_batch"]["plain"]
+ok = fused["fits"] and all(math.isfinite(x) for x in fused["losses"]) and len(fused["losses"]) == 6
+print(f"check: fused trained {len(fused.get('losses', []))} steps: {'ok' if ok else 'NO'}; plain at the same batch: "
+      + ("fits" if plain["fits"] else f"does not fit ({plain.get('error')})"))
+sys.exit(0 if ok and (plain["fits"] or sys.argv[2] != "yes") else 1)
+EOF
+}
+export PY WORK NGPU
+export -f trainer
+section "trainer --preset gpu" 120 trainer gpu yes
+section "trainer --preset headroom" 150 trainer headroom no
 
-# 2. The trainer's presets, a few steps of each head.
-TRAIN=(--steps 6 --eval-every 0 --eval-batches 1 --bench-steps 2 --sample-tokens 0 --quiet)
-section "trainer --preset gpu --compare" 120 "$PY" examples/train_lm.py --preset gpu --compare "${TRAIN[@]}" \
-  --out "$WORK/gpu"
-section "trainer --preset headroom --compare" 120 "$PY" examples/train_lm.py --preset headroom --compare \
-  "${TRAIN[@]}" --out "$WORK/headroom"
-
-# 3. README.md's code blocks.
-if [ -f tests/test_readme.py ]; then
-  section "README code blocks (test_readme)" 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_readme.py
-else
-  section "README code blocks" 60 "$PY" - <<'EOF'
+# 2. README.md's code blocks: on the GPU, then (for the blocks that need several devices) on 8 simulated CPU devices.
+readme_blocks() {
+  "$PY" - <<'EOF'
 import re, sys, time, traceback
+import jax
 text = open("README.md").read()
 blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-ns, bad = {"__name__": "__readme__"}, 0
+ns, bad, where = {"__name__": "__readme__"}, 0, f"{jax.device_count()} {jax.default_backend()} device(s)"
 for i, src in enumerate(blocks, 1):
+  if "device_count() // 2" in src and jax.device_count() < 2:
+    print(f"block {i}/{len(blocks)} on {where}: not run here (its mesh needs 2 or more devices)")
+    continue
   t0 = time.perf_counter()
   try:
     exec(compile(src, f"README.md python block {i}", "exec"), ns)
-    print(f"block {i}/{len(blocks)}: ok ({time.perf_counter() - t0:.1f} s)")
+    print(f"block {i}/{len(blocks)} on {where}: ok ({time.perf_counter() - t0:.1f} s)")
   except Exception:
     bad += 1
-    print(f"block {i}/{len(blocks)}: FAILED\n" + "".join(traceback.format_exc().splitlines(True)[-4:]))
+    print(f"block {i}/{len(blocks)} on {where}: FAILED\n" + "".join(traceback.format_exc().splitlines(True)[-4:]))
 sys.exit(1 if bad else 0)
 EOF
-fi
+}
+readme() {
+  if [ -f tests/test_readme.py ]; then
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_readme.py
+  else
+    local rc=0
+    readme_blocks || rc=$?
+    if [ "$NGPU" -lt 2 ]; then
+      JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 readme_blocks || rc=$?
+    fi
+    return $rc
+  fi
+}
+export -f readme readme_blocks
+section "README code blocks" 90 readme
+
+# 3. The GPU tests, in the time left of the 9 minutes (less a minute for section 4 and the summary): four workers on
+#    one GPU, each allowed 22% of its memory, allocating as they go. A run cut short prints what ran and the slowest.
+left=$(( ${GPU_CHECK_SECONDS:-530} - SECONDS - 60 ))
+section "gpu tests (pytest -m gpu -n 4)" "$(( left > 60 ? left : 60 ))" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.22 "$PY" -m pytest -m gpu -n 4 -q -rfEs -p no:cacheprovider --durations=15 tests
 
 # 4. Per-device memory of the trainer's data-parallel step (needs 2 GPUs).
 if [ "$NGPU" -ge 2 ]; then

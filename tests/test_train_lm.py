@@ -299,4 +299,4 @@ def test_presets_set_no_option_of_the_fused_head():
   with pytest.raises(SystemExit):
     lm_main.parse_args(["--chunk-size", "4096"])
   headroom = lm_main.PRESETS["headroom"]
-  assert headroom["vocab_size"] == 256000 and headroom["batch_size"] * headroom["seq_len"] == 32768
+  assert headroom["vocab_size"] == 256000 and headroom["batch_size"] * headroom["seq_len"] == 65536
