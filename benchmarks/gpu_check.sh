@@ -8,8 +8,8 @@
 # 1. the example trainer's GPU preset for a few steps with each head (the fused head trains; the plain head's step at
 #    the same batch is compiled and timed), and the headroom preset (V = 256000, 65536 tokens a step), where the plain
 #    head does not fit;
-# 2. README.md's code blocks: tests/test_readme.py if it exists, else each ```python block in turn in one
-#    namespace (later blocks use the names of earlier ones);
+# 2. README.md's code blocks, each in turn in one namespace (later blocks use the names of earlier ones), on the GPU;
+#    with one GPU, the Multi-GPU block (and tests/test_readme.py, if present) on 8 simulated CPU devices;
 # 3. every `-m gpu` test, with pytest-xdist (-n 4) on the one GPU: XLA_PYTHON_CLIENT_PREALLOCATE=false and a memory
 #    fraction per worker, so that the four workers compile in parallel on the CPU cores and share the GPU's memory;
 #    the slowest tests are listed (--durations). It gets the time left of GPU_CHECK_SECONDS (default 530);
@@ -101,7 +101,7 @@ export -f trainer
 section "trainer --preset gpu" 120 trainer gpu yes
 section "trainer --preset headroom" 150 trainer headroom no
 
-# 2. README.md's code blocks: on the GPU, then (for the blocks that need several devices) on 8 simulated CPU devices.
+# 2. README.md's code blocks.
 readme_blocks() {
   "$PY" - <<'EOF'
 import re, sys, time, traceback
@@ -123,17 +123,21 @@ for i, src in enumerate(blocks, 1):
 sys.exit(1 if bad else 0)
 EOF
 }
-readme() {
+readme() {  # on the GPU (blocks whose mesh needs 2 devices left out on one), then tests/test_readme.py (or the
+            # blocks again), on 8 simulated CPU devices where there is one GPU
+  local rc=0
+  readme_blocks || rc=$?
   if [ -f tests/test_readme.py ]; then
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_readme.py
-  else
-    local rc=0
-    readme_blocks || rc=$?
-    if [ "$NGPU" -lt 2 ]; then
-      JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 readme_blocks || rc=$?
+    if [ "$NGPU" -ge 2 ]; then
+      "$PY" -m pytest -q -p no:cacheprovider tests/test_readme.py || rc=$?
+    else
+      echo "tests/test_readme.py on 8 simulated CPU devices:"
+      JAX_PLATFORMS=cpu "$PY" -m pytest -q -p no:cacheprovider tests/test_readme.py || rc=$?
     fi
-    return $rc
+  elif [ "$NGPU" -lt 2 ]; then
+    JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 readme_blocks || rc=$?
   fi
+  return $rc
 }
 export -f readme readme_blocks
 section "README code blocks" 90 readme
