@@ -179,6 +179,8 @@ def test_gpu_kernel_lowers_for_cuda(cfg):
                                                 config=cfg), m).s, SDS((m, k), BF), SDS((k, n), BF), y),
       (lambda a, b, y: G.gemm(a, b, epilogue=(G.RowStats(y), G.Store()), config=tuning.fit_role("fwd_store", cfg)),
        SDS((m, k), BF), SDS((k, n), BF), y),
+      (lambda a, b, y: G.gemm(a, b, epilogue=(G.RowStats(y), G.Store(jnp.float32)),
+                              config=dataclasses.replace(cfg, stages=3)), SDS((m, k), BF), SDS((k, n), BF), y),
       (lambda z, w, l, c, a, y: G.gemm(z, w, transpose_b=True, prologue=G.DzFromLogits(l, c, a, y),
                                        config=tuning.fit_role("dx_prologue", cfg)),
        SDS((m, n), BF), SDS((k, n), BF), vec, vec, vec, y),
@@ -239,7 +241,7 @@ def test_gpu_hooks():
   labels = jnp.asarray(rng.integers(0, n, m), jnp.int32)
   opts = G.StatsOptions(30.0, True)
   st, z = G.gemm(a, b, epilogue=(G.RowStats(labels, opts), G.Store(jnp.float32)),
-                 config=dataclasses.replace(tuning.DEFAULT, stages=3, epi_n=128))  # one 64x128 sub-tile pair
+                 config=dataclasses.replace(tuning.DEFAULT, stages=3))  # float32 sub-tiles: one stage fewer
   st16, z16 = G.gemm(a, b, epilogue=(G.RowStats(labels, opts), G.Store()),
                      config=tuning.fit_role("fwd_store", tuning.DEFAULT))
   np.testing.assert_array_equal(np.asarray(st16), np.asarray(st))
