@@ -307,6 +307,8 @@ def final_product(shape, prod, x, w, dz, labels, kind, rounds):
   if prod == "fwd":
     c1 = role_cfg("fwd_stats", *mnk)
     fns["fwd_stats"] = (jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=G.RowStats(y, opts), config=c1)), (x, w, labels))
+    fns["fwd_stats_approx"] = (jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=G.RowStats(y, opts), config=c1,
+                                                              approx_math=True)), (x, w, labels))
     c2 = role_cfg("fwd_store", *mnk)
     fns["fwd_store"] = (jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=(G.RowStats(y, opts), G.Store()), config=c2)),
                         (x, w, labels))
@@ -316,6 +318,9 @@ def final_product(shape, prod, x, w, dz, labels, kind, rounds):
     one = jnp.ones((b,), jnp.float32)
     fns["dx_prologue"] = (jax.jit(lambda z, w, l, c, a, y: G.gemm(
         z, w, transpose_b=True, prologue=G.DzFromLogits(l, c, a, y), config=c3)), (dz, w, lse, one, one, labels))
+    fns["dx_prologue_approx"] = (jax.jit(lambda z, w, l, c, a, y: G.gemm(
+        z, w, transpose_b=True, prologue=G.DzFromLogits(l, c, a, y), config=c3, approx_math=True)),
+        (dz, w, lse, one, one, labels))
   else:
     c4 = role_cfg("dw_acc", *mnk)
     c = jnp.ones((h, v), jnp.float32)
@@ -324,6 +329,17 @@ def final_product(shape, prod, x, w, dz, labels, kind, rounds):
     dg = jax.lax.dot_general
     fns["xla_f32_plus_c"] = (jax.jit(lambda x, dz, c: c + dg(x, dz, (((0,), (0,)), ((), ())),
                                                              preferred_element_type=jnp.float32)), (x, dz, c))
+  if "fwd_stats_approx" in fns:  # the approximate exp against the accurate one: the rows' lse
+    lses = []
+    for name in ("fwd_stats", "fwd_stats_approx"):
+      st = G.merge_row_stats(fns[name][0](*fns[name][1]), b)
+      lses.append(st.m + jnp.log(st.s))
+    emit(kind="check", shape=shape, product="fwd_stats_approx",
+         lse_max_abs_diff=float(jnp.abs(lses[0] - lses[1]).max()))
+  if "dx_prologue_approx" in fns:
+    outs = [fns[name][0](*fns[name][1]) for name in ("dx_prologue", "dx_prologue_approx")]
+    emit(kind="check", shape=shape, product="dx_prologue_approx", rel_err_vs_accurate=rel_err(outs[1], outs[0]))
+    del outs
   t = interleaved(fns, rounds)
   ours_best = min((k for k in t if k.startswith("ours")), key=t.get)
   ex_best = min((k for k in t if k.startswith("example")), key=t.get)
@@ -333,7 +349,7 @@ def final_product(shape, prod, x, w, dz, labels, kind, rounds):
              ours_cfg=cfgs[int(ours_best[4:])].short(), ours_ms=round(ms, 3), ours_tflops=round(flops / ms / 1e9, 1),
              xla_ms=round(t["xla"], 3), ours_vs_xla=round(t["xla"] / ms, 3), example_ms=round(t[ex_best], 3),
              example_cfg=ex_best[8:], ours_vs_example=round(t[ex_best] / ms, 3))
-  for name in ("fwd_stats", "fwd_store", "dx_prologue", "dw_acc"):
+  for name in ("fwd_stats", "fwd_stats_approx", "fwd_store", "dx_prologue", "dx_prologue_approx", "dw_acc"):
     if name in t:
       row[f"{name}_ms"] = round(t[name], 3)
       row[f"{name}_vs_best_bare"] = round(t[name] / bare_best, 3)

@@ -189,6 +189,13 @@ def test_gpu_kernel_lowers_for_cuda(cfg):
     assert "mosaic_gpu" in _lower(f, *args)
 
 
+def test_table_config_fits_the_hooks_under_jit():
+  """With no config given, the table's row loses stages until the hooks' SMEM fits (decided at trace time)."""
+  a, b, y = SDS((1000, 576), BF), SDS((576, 2112), BF), SDS((1000,), jnp.int32)
+  assert "mosaic_gpu" in _lower(lambda a, b, y: G.gemm(a, b, epilogue=(G.RowStats(y), G.Store(jnp.float32))), a, b, y)
+  assert "mosaic_gpu" in _lower(lambda a, b, y: G.gemm(a, b, epilogue=G.RowStats(y), approx_math=True), a, b, y)
+
+
 def test_shared_memory_budget_is_checked_when_lowering():
   a, b = SDS((1024, 1024), BF), SDS((1024, 1024), BF)
   with pytest.raises(ValueError, match="shared memory"):  # 5 stages of 48 KB + the epilogue exceed 227 KB

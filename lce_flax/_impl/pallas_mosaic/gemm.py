@@ -564,7 +564,8 @@ SMEM_LIMIT = 227 * 1024
 def _alloc_bytes(alloc) -> int:
   shape = getattr(alloc, "shape", None)
   if shape is None:  # barriers: 8 bytes each
-    return 8 * math.prod(jnp.atleast_1d(jnp.asarray(alloc.num_barriers)).tolist())
+    nb = alloc.num_barriers
+    return 8 * (math.prod(nb) if isinstance(nb, tuple) else int(nb))
   return math.prod(shape) * jnp.dtype(alloc.dtype).itemsize
 
 
@@ -589,10 +590,12 @@ def _check_operand(name, arr, minor_dim_name):
 
 
 def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue=None, prologue=None,
-         config: GemmConfig | None = None, interpret: bool = False, role: str = "plain"):
+         config: GemmConfig | None = None, interpret: bool = False, role: str = "plain", approx_math: bool = False):
   """``epilogue(prologue(A) · B)``; see the module docstring. Returns the epilogue parts' outputs (a tuple, or the
   one array of a one-output epilogue). ``epilogue``: a :class:`Part` or a tuple of them (default ``Store()``);
-  ``config``: a :class:`GemmConfig` (default: :func:`.tuning.select_config` for ``role``)."""
+  ``config``: a :class:`GemmConfig` (default: :func:`.tuning.select_config` for ``role``, with fewer stages where
+  the hooks' SMEM needs it); ``approx_math``: the hooks' ``exp`` on the hardware's approximate unit (``ex2.approx``,
+  relative error ~1e-7) instead of the accurate library routine (GPU path only)."""
   _check_operand("a", a, "M" if transpose_a else "K")
   _check_operand("b", b, "K" if transpose_b else "N")
   if a.dtype != b.dtype:
@@ -637,7 +640,8 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
     kern = plgpu.kernel(functools.partial(_body_ws, **hooks), out_type=out_type, grid=(_device.num_sms() // cs,),
                         grid_names=("sm",), cluster=(cs,), cluster_names=("cluster",), num_threads=3,
                         thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                                             approx_math=approx_math))
   res = kern(*args)
   res = list(res) if isinstance(res, (tuple, list)) else [res]
   flat = []
