@@ -9,6 +9,12 @@ import numpy as np
 from lce_flax import linear_cross_entropy
 from tests.reference_np import linear_cross_entropy_np, rel_err
 
+# Small configs of the kernel backends, written once: several tiles, splits and chunks on the tests' small problems,
+# every loop ending ragged. TRITON_SMALL: PallasTritonConfig / TritonConfig; MOSAIC_SMALL: PallasMosaicConfig's
+# lean design (replace vocab_chunk with None for its fast designs).
+TRITON_SMALL = dict(block_t=16, block_v=32, block_k=16, num_splits=3, vocab_chunk=64)
+MOSAIC_SMALL = dict(block_t=64, block_v=64, num_splits=3, num_stages=2, vocab_chunk=128)
+
 OPTIONS = {
     "plain": {},
     "smoothing": dict(label_smoothing=0.1),

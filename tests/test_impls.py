@@ -16,10 +16,16 @@ import jax.numpy as jnp
 import pytest
 
 import lce_flax
-from tests._checks import OPTIONS, check_bad_and_ignored_labels, check_impl, check_lse_cotangent
+from tests._checks import (
+  MOSAIC_SMALL,
+  OPTIONS,
+  TRITON_SMALL,
+  check_bad_and_ignored_labels,
+  check_impl,
+  check_lse_cotangent,
+)
 
-_TRITON_SMALL = dict(block_t=16, block_v=32, block_k=16, num_splits=3, vocab_chunk=64)
-_MOSAIC_SMALL = dict(block_t=64, block_v=64, num_splits=3, num_stages=2, warp_specialized=False)
+_MOSAIC_SMALL = dict(MOSAIC_SMALL, warp_specialized=False, vocab_chunk=None)  # one warpgroup on a GPU too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +47,12 @@ VARIANTS = {
     "xla": Variant("xla", None),
     "chunked:fast": Variant("chunked", "fast", lce_flax.ChunkedConfig(token_chunk=8)),
     "chunked:lean": Variant("chunked", "lean", lce_flax.ChunkedConfig(vocab_chunk=64)),
-    "pallas_triton:lean": Variant("pallas_triton", "lean", lce_flax.PallasTritonConfig(**_TRITON_SMALL)),
+    "pallas_triton:lean": Variant("pallas_triton", "lean", lce_flax.PallasTritonConfig(**TRITON_SMALL)),
     "pallas_triton:low_memory": Variant(
         "pallas_triton", "lean",
-        lce_flax.PallasTritonConfig(**_TRITON_SMALL, low_memory=True, token_block=32, dx_chunk=64)),
+        lce_flax.PallasTritonConfig(**TRITON_SMALL, low_memory=True, token_block=32, dx_chunk=64)),
     "pallas_mosaic:lean": Variant("pallas_mosaic", "lean",
-                                  lce_flax.PallasMosaicConfig(**_MOSAIC_SMALL, vocab_chunk=128),
+                                  lce_flax.PallasMosaicConfig(**dict(_MOSAIC_SMALL, vocab_chunk=128)),
                                   True, (("h", 128), ("batch_shape", (101,)))),
     "pallas_mosaic:fast_logits": Variant("pallas_mosaic", "fast",
                                          lce_flax.PallasMosaicConfig(**_MOSAIC_SMALL, fast_design="logits"),
@@ -55,7 +61,7 @@ VARIANTS = {
                                          lce_flax.PallasMosaicConfig(**_MOSAIC_SMALL, fast_design="tokens",
                                                                      token_chunk=64),
                                          True, (("h", 128), ("batch_shape", (101,)))),
-    "triton:lean": Variant("triton", "lean", lce_flax.TritonConfig(**_TRITON_SMALL), gpu_only=True),
+    "triton:lean": Variant("triton", "lean", lce_flax.TritonConfig(**TRITON_SMALL), gpu_only=True),
 }
 
 # (options, w_layout, reduction, bias, where, batch_shape or None)

@@ -19,12 +19,12 @@ import pytest
 from lce_flax import _device, _math, linear_cross_entropy
 from lce_flax._impl import base, chunked, common, pallas_mosaic
 from lce_flax._impl.pallas_mosaic import Config, epilogue, kernels_ws, op
-from tests._checks import OPTIONS, check_impl, make_inputs
+from tests._checks import MOSAIC_SMALL, OPTIONS, check_impl, make_inputs
 from tests.reference_np import linear_cross_entropy_np, rel_err
 
 # B=101 = 64 + 37 rows; V=301: 5 vocabulary tiles of 64 (the last a clamped window), 3 forward splits, backward
 # chunks of 128 (2 full + a clamped tail); H=128: two pipeline steps of 64.
-SMALL = Config(block_t=64, block_v=64, num_splits=3, vocab_chunk=128, num_stages=2)
+SMALL = Config(**MOSAIC_SMALL)
 on_sm90 = (_device.compute_capability() or (0, 0)) >= (9, 0)
 
 

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from lce_flax import linear_cross_entropy
 from lce_flax.sharding import DEFAULT_RULES, make_mesh, sharded_linear_cross_entropy
-from tests._checks import OPTIONS, chunk_kw
+from tests._checks import MOSAIC_SMALL, OPTIONS, chunk_kw, tolerances
 from tests.reference_np import linear_cross_entropy_np, rel_err
 
 # (data, fsdp, tensor)
@@ -274,9 +274,9 @@ from lce_flax import _partition  # noqa: E402
 AB, AH, AV = 16, 64, 136  # tiny: interpret-mode kernels are slow
 
 
-def _mosaic_small():  # the small tiles of tests/test_pallas_mosaic.py
+def _mosaic_small():
   from lce_flax._impl.pallas_mosaic import Config
-  return Config(block_t=64, block_v=64, num_splits=3, vocab_chunk=128, num_stages=2)
+  return Config(**MOSAIC_SMALL)
 
 
 def _mesh(shape, axis_type=AxisType.Auto):
@@ -322,6 +322,15 @@ def _auto_compare(mesh_shape, tok, wspec, *, axis_type=AxisType.Auto, impl="chun
   for name, s, r in zip(("dx", "dw", "dbias"), g1, g0):
     assert s.shape == r.shape and s.dtype == r.dtype, name
     assert rel_err(s, r) <= tol, (name, rel_err(s, r))
+  # and the implementation itself against the float64 oracle (on the inputs rounded to their dtype)
+  up = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32))
+  ref = linear_cross_entropy_np(up(x), up(w), np.asarray(y), bias=up(b), reduction=reduction,
+                                where=np.asarray(wh) if where else None, w_layout=w_layout,
+                                cotangent=np.asarray(cot) if reduction == "none" else None, **(options or {}))
+  loss_tol, grad_tol = tolerances(dtype)
+  assert rel_err(a1.token_loss, ref["token_loss"]) <= loss_tol and rel_err(a1.lse, ref["lse"]) <= loss_tol
+  for name, s in zip(("dx", "dw", "dbias"), g1):
+    assert rel_err(s, ref[name]) <= grad_tol, (name, rel_err(s, ref[name]))
   return lowered
 
 

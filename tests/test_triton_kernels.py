@@ -20,14 +20,14 @@ from lce_flax._impl import base, chunked, common
 from lce_flax._impl import triton as triton_backend
 from lce_flax._impl.pallas_triton import op as pallas_triton_op
 from lce_flax._impl.triton import Config, kernels, op
-from tests._checks import OPTIONS, check_impl, check_llama3_8b
+from tests._checks import OPTIONS, TRITON_SMALL, check_impl, check_llama3_8b
 
 on_gpu = jax.default_backend() == "gpu"
 
 
 # 16-token, 32-column, 16-deep tiles; 3 forward splits; backward chunks of 64 columns: at B=37, H=24, V=301 every
 # loop runs several times and ends on a ragged tile (as in test_pallas_triton).
-SMALL = Config(block_t=16, block_v=32, block_k=16, num_splits=3, vocab_chunk=64)
+SMALL = Config(**TRITON_SMALL)
 
 
 # ------------------------------------------------------------------------------------------------ CPU: error path

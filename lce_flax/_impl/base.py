@@ -92,7 +92,6 @@ class Entry:
   """One implementation: its module and what it needs to run."""
 
   backend: Backend
-  public_config: str | None  # the name ``lce_flax`` exports its Config under
   kernels: bool = False  # runs Pallas / Triton kernels: ``interpret`` applies, a GPU or interpret mode is needed
   min_cc: tuple[int, int] | None = None  # the compute capability its kernels need (compiled, not interpreted)
   needs: str = ""  # what the kernels are, in words, for the error that says why they cannot run
@@ -106,14 +105,11 @@ class Entry:
 
 
 REGISTRY: dict[str, Entry] = {
-    "xla": Entry(reference, None, autodiff=True),
-    "chunked": Entry(chunked, "ChunkedConfig", vocab_parallel_fast=True),
-    "pallas_triton": Entry(pallas_triton, "PallasTritonConfig", kernels=True, min_cc=(8, 0),
-                           needs="Pallas kernels lowered through Triton"),
-    "triton": Entry(triton, "TritonConfig", kernels=True, min_cc=(8, 0), needs="raw Triton kernels",
-                    interpretable=False),
-    "pallas_mosaic": Entry(pallas_mosaic, "PallasMosaicConfig", kernels=True, min_cc=(9, 0),
-                           needs="WGMMA (Hopper) kernels"),
+    "xla": Entry(reference, autodiff=True),
+    "chunked": Entry(chunked, vocab_parallel_fast=True),
+    "pallas_triton": Entry(pallas_triton, kernels=True, min_cc=(8, 0), needs="Pallas kernels lowered through Triton"),
+    "triton": Entry(triton, kernels=True, min_cc=(8, 0), needs="raw Triton kernels", interpretable=False),
+    "pallas_mosaic": Entry(pallas_mosaic, kernels=True, min_cc=(9, 0), needs="WGMMA (Hopper) kernels"),
 }
 # What ``impl="auto"`` tries, fastest first; each needs its ``min_cc`` (chunked, last, runs anywhere).
 AUTO_ORDER = ("pallas_mosaic", "pallas_triton", "chunked")

@@ -209,8 +209,6 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
       raise ValueError(f"token_chunk={chunk} (tokens per chunk of the 'tokens' fast design) must be a multiple of "
                        f"block_t={bt}")
     return dataclasses.replace(tiles, token_chunk=chunk, fast_design=design)
-  if mode != "lean":
-    raise ValueError(f"mode={mode!r} is not one of ('fast', 'lean')")
   chunk = c.vocab_chunk or min(max(pow2_floor(DZ_CHUNK_BYTES // (2 * tokens)), bv), 16384)
   if chunk % bv:
     raise ValueError(f"vocab_chunk={chunk} must be a positive multiple of block_v={bv}")
