@@ -6,6 +6,11 @@ import functools
 
 import jax
 
+# The compute capabilities the kernels are written for, named once: the registry of lce_flax._impl.base says which
+# backend needs which, and a plan that tunes for Hopper asks :func:`at_least`.
+AMPERE = (8, 0)  # SM80: the Triton-tiled kernels (pallas_triton, triton)
+HOPPER = (9, 0)  # SM90: WGMMA and TMA (pallas_mosaic); 228 KB of shared memory per SM
+
 
 @functools.cache
 def platform() -> str:
@@ -23,6 +28,12 @@ def compute_capability() -> tuple[int, int] | None:
     return None
   major, minor = str(cc).split(".")
   return int(major), int(minor)
+
+
+def at_least(cc: tuple[int, int]) -> bool:
+  """Whether the default device is an NVIDIA GPU of compute capability ``cc`` or newer."""
+  have = compute_capability()
+  return have is not None and have >= cc
 
 
 def default_interpret() -> bool:

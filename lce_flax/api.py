@@ -24,7 +24,6 @@ from lce_flax.options import LossOptions, resolve
 __all__ = ["IMPLEMENTATIONS", "Aux", "available_implementations", "explain", "linear_cross_entropy"]
 
 IMPLEMENTATIONS: tuple[str, ...] = tuple(base.REGISTRY)  # the names ``impl=`` takes besides "auto"
-KERNEL_IMPLS = tuple(n for n, e in base.REGISTRY.items() if e.kernels)  # the ones ``interpret`` applies to
 
 
 def _explicit_axes(a) -> tuple[str, ...]:
@@ -88,8 +87,8 @@ def _routing(x, w, labels, bias, where, opts: LossOptions, route: base.Route | N
     axes = sorted({a for ax in typed.values() for a in ax})
     return "explicit", (f"the inputs are typed as sharded over Explicit mesh axes {axes}: the op runs under "
                         "shard_map (lce_flax.sharding), each device runs it on its shard (the design shown is the "
-                        "whole problem's; x, labels split over their first dim; w's V split: the vocab-parallel head, explain(vocab_shards=...); w's H "
-                        "split: gathered once per call)",)
+                        "whole problem's; x, labels split over their first dim; w's V split: the vocab-parallel "
+                        "head, explain(vocab_shards=...); w's H split: gathered once per call)",)
   auto = _partition.auto_mesh_active()
   kernels = _kernels_on_many_devices(route, num_tokens)
   if not (auto or kernels):

@@ -107,9 +107,10 @@ class Entry:
 REGISTRY: dict[str, Entry] = {
     "xla": Entry(reference, autodiff=True),
     "chunked": Entry(chunked, vocab_parallel_fast=True),
-    "pallas_triton": Entry(pallas_triton, kernels=True, min_cc=(8, 0), needs="Pallas kernels lowered through Triton"),
-    "triton": Entry(triton, kernels=True, min_cc=(8, 0), needs="raw Triton kernels", interpretable=False),
-    "pallas_mosaic": Entry(pallas_mosaic, kernels=True, min_cc=(9, 0), needs="WGMMA (Hopper) kernels"),
+    "pallas_triton": Entry(pallas_triton, kernels=True, min_cc=_device.AMPERE,
+                           needs="Pallas kernels lowered through Triton"),
+    "triton": Entry(triton, kernels=True, min_cc=_device.AMPERE, needs="raw Triton kernels", interpretable=False),
+    "pallas_mosaic": Entry(pallas_mosaic, kernels=True, min_cc=_device.HOPPER, needs="WGMMA (Hopper) kernels"),
 }
 # What ``impl="auto"`` tries, fastest first; each needs its ``min_cc`` (chunked, last, runs anywhere).
 AUTO_ORDER = ("pallas_mosaic", "pallas_triton", "chunked")
@@ -214,6 +215,7 @@ class Route(NamedTuple):
   name: str
   spec: common.Spec
   design: common.Design
+  dtype: Any  # the dtype x and w are cast to before the matmuls
   fallbacks: tuple[str, ...] = ()
 
   @property
@@ -314,7 +316,7 @@ def dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opt
     design = _with_notes(design, *notes)
     if reasons:
       design = _with_notes(design, "skipped " + "; ".join(reasons), first=True)
-    return Route(name, spec, design, tuple(fallbacks))
+    return Route(name, spec, design, jnp.dtype(dtype), tuple(fallbacks))
   raise ValueError(f"impl={opts.impl!r} cannot run here ({'; '.join(reasons)}); implementations that can run "
                    f"{jnp.dtype(dtype).name} inputs: {available_implementations(dtype, platform)}")
 
@@ -435,9 +437,8 @@ def per_device(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux
   for fallback in route.fallbacks:
     warn_once(("fallback", fallback), f"{fallback} (lce_flax.explain(...) reports every decision)")
   entry, spec, design = route.entry, route.spec, route.design
-  dtype = compute_dtype(x.dtype, w.dtype, opts, _device.platform())
-  x2 = x.reshape(-1, x.shape[-1]).astype(dtype)
-  w = w.astype(dtype)
+  x2 = x.reshape(-1, x.shape[-1]).astype(route.dtype)
+  w = w.astype(route.dtype)
   axes = tuple(vocab_axes)
   if design.mode == "fast":
     weights = counted.astype(F32)

@@ -195,8 +195,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, dtype, config: ConfigFields |
   chunk = c.vocab_chunk or min(max(pow2_floor(dz_bytes // (itemsize * tokens)), 256), 16384)
   chunk = cdiv(chunk, bv) * bv  # whole tiles per chunk; the last chunk of V is ragged instead
   warps = c.num_warps or (8 if bt * bv >= 128 * 256 else 4)
-  cc = _device.compute_capability()
-  stages = c.num_stages or (4 if small and cc is not None and cc >= (9, 0) else 3)
+  stages = c.num_stages or (4 if small and _device.at_least(_device.HOPPER) else 3)
   # XLA's matmul + add measured faster than the in-place dx kernel at all four anchor shapes (H100: llama3-8b
   # 58.8 vs 63.9 ms fwd+bwd), at 90 MB more temp memory there (286 vs 196 MB); the low-memory path needs the kernel.
   low = bool(c.low_memory)
