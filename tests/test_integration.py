@@ -232,8 +232,9 @@ def test_gemma_embedder_params_and_bound_modules():
   for params, kw in (({"input_embedding": table}, {}), ({"input_embedding": table}, {"attr": "input_embedding"}),
                      ({"input_embedding": table, "mm_input_projection": jnp.zeros((5, H))},
                       {"attr": "input_embedding"})):
-    lf, gf = jax.value_and_grad(lambda t, x: head_loss({**params, "input_embedding": t}, x, labels, where=where,
-                                                       **kw), argnums=(0, 1))(table, x)
+    fused = lambda t, x, params=params, kw=kw: head_loss({**params, "input_embedding": t}, x, labels, where=where,
+                                                         **kw)
+    lf, gf = jax.value_and_grad(fused, argnums=(0, 1))(table, x)
     assert rel(lf, lr) <= TOL
     assert_trees_close(gf, gr)
 

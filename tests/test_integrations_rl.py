@@ -95,3 +95,14 @@ def test_refusals():
     rl.token_logprobs(w, x, y, w_layout="hv", label_smoothing=0.1)
   with pytest.raises(ValueError, match="does not end in the head's H=16"):
     rl.token_entropy(w, jnp.ones((3, H + 1)), w_layout="hv")
+
+
+def test_importing_lce_flax_imports_no_client():
+  """``import lce_flax`` and ``lce_flax.integrations`` (and its rl module) leave tunix and kauldron unimported."""
+  import subprocess
+  import sys
+
+  code = ("import sys, lce_flax, lce_flax.integrations, lce_flax.integrations.rl, lce_flax.adapters; "
+          "print(sorted(m for m in ('tunix', 'kauldron', 'gemma') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]", out.stdout + out.stderr

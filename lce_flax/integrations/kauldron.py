@@ -30,8 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from kauldron import kd
-from kauldron import kontext
+from kauldron import kd, kontext
 
 from lce_flax import adapters
 from lce_flax.options import LossOptions
