@@ -223,19 +223,21 @@ HONOURS = {("chunked", "token_chunks"): "token_chunk", ("chunked", "recompute"):
 SHAPES = {"llama3": LLAMA, "gpt2": dict(x=S((16384, 768), jnp.bfloat16), w=S((768, 50304), jnp.bfloat16))}
 
 
+@pytest.mark.parametrize("shards", [1, 2])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("mode", [None, "fast", "lean"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("option", list(CHUNK_OPTIONS))
 @pytest.mark.parametrize("device", list(DEVICES))
-def test_auto_honours_every_chunk_option(fake_gpu, device, option, dtype, mode, reduction, shape):
-  """Every option × design pairing that auto can reach: the design picked honours the chunk option set (its
-  resolved config carries that chunk), or the error names the option and what rules it out."""
+def test_auto_honours_every_chunk_option(fake_gpu, device, option, dtype, mode, reduction, shape, shards):
+  """Every option × design pairing that auto can reach (one device, or w's vocabulary split over two): the design
+  picked honours the chunk option set (its resolved config carries that chunk), or the error names the option and
+  what rules it out."""
   if DEVICES[device] is not None:
     fake_gpu(DEVICES[device])
   x, w = (S(a.shape, jnp.dtype(dtype)) for a in SHAPES[shape].values())
-  kw = dict(CHUNK_OPTIONS[option], mode=mode, reduction=reduction)
+  kw = dict(CHUNK_OPTIONS[option], mode=mode, reduction=reduction, vocab_shards=shards)
   if mode == "fast" and reduction == "none":  # no design at all, whatever the chunk
     with pytest.raises(ValueError, match="reduction='none' needs per-token cotangents"):
       explain(x, w, **kw)
@@ -254,8 +256,10 @@ def test_auto_honours_every_chunk_option(fake_gpu, device, option, dtype, mode, 
     return
   assert HONOURS.get((d.impl, d.name)) == option, (d.impl, d.name, d.notes)
   assert getattr(d.config, option) == 256
-  if device == "sm90" and dtype == "bfloat16" and option == "token_chunk":
+  if device == "sm90" and dtype == "bfloat16" and option == "token_chunk" and shards == 1:
     assert (d.impl, d.name) == ("pallas_mosaic", "tokens")  # the 'logits' design would refuse it
+  if device == "sm90" and dtype == "bfloat16" and option == "vocab_chunk":
+    assert (d.impl, d.name) == ("pallas_mosaic", "recompute")  # on each device's columns too
 
 
 def test_auto_skips_a_design_that_refuses_the_chunk_and_says_why(fake_gpu):
