@@ -1,8 +1,9 @@
 """lce_flax.integrations.tunix against google-tunix's own code on tiny models (tunix is part of the ``dev`` extra).
 
-Qwen3 (untied and tied, float32 and bfloat16 compute) and Gemma 2 (tied, final-logit soft-cap 30 scaled down to
-the tiny model): the fused ``loss_fn`` and its gradient with respect to every parameter against tunix's own
-default SFT loss; the RL per-token log-probs against tunix's ``compute_per_token_logps`` at a temperature.
+Qwen3 (untied and tied, float32 and bfloat16 compute), Gemma 2 (tied, a final-logit soft-cap scaled down to the
+tiny model) and Llama 3.2 (tied, no hidden-states flag): the fused ``loss_fn`` and its gradient with respect to
+every parameter against tunix's own default SFT loss; the RL per-token log-probs (values and the gradient of a
+GRPO-style objective) against tunix's ``compute_per_token_logps`` at temperatures 1 and 0.7.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from flax import nnx
 # pytest worker rely on flax's default: it is restored here, and turned off only while a tunix model is built.
 _EAGER = flax.config.flax_always_shard_variable
 from tunix.models.gemma import model as gemma_lib  # noqa: E402
+from tunix.models.llama3 import model as llama3_lib  # noqa: E402
 from tunix.models.qwen3 import model as qwen3_lib  # noqa: E402
 from tunix.rl import common as rl_common  # noqa: E402
 from tunix.sft import peft_trainer  # noqa: E402
@@ -36,6 +38,14 @@ def qwen3(tied: bool, dtype) -> nnx.Module:
                                  dtype=dtype, param_dtype=jnp.float32)
   with nnx.use_eager_sharding(False):
     return qwen3_lib.Qwen3(config, rngs=nnx.Rngs(params=0))
+
+
+def llama32_tied() -> nnx.Module:
+  """Llama 3.2-style (``weight_tying``); its forward has no hidden-states flag: the final norm is captured."""
+  config = llama3_lib.ModelConfig(num_layers=1, vocab_size=V, embed_dim=D, hidden_dim=32, num_heads=2, head_dim=8,
+                                  num_kv_heads=1, rope_theta=10_000, norm_eps=1e-6, weight_tying=True)
+  with nnx.use_eager_sharding(False):
+    return llama3_lib.Llama3(config, rngs=nnx.Rngs(params=0))
 
 
 def gemma2(softcap: float) -> nnx.Module:
@@ -57,9 +67,10 @@ MODELS = {
     "qwen3_tied_f32": lambda: qwen3(True, jnp.float32),
     "qwen3_untied_bf16": lambda: qwen3(False, jnp.bfloat16),
     "gemma2_softcap": lambda: gemma2(2.0),
+    "llama32_tied_f32": llama32_tied,
 }
 # the untied float32 Qwen3 is checked exactly by the log-probs test (values and gradients) instead
-LOSS_CASES = ["qwen3_tied_f32", "qwen3_untied_bf16", "gemma2_softcap"]
+LOSS_CASES = ["qwen3_tied_f32", "qwen3_untied_bf16", "gemma2_softcap", "llama32_tied_f32"]
 
 
 def batch(seed: int):

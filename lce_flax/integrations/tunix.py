@@ -10,7 +10,7 @@ attention_mask, images=None``) and computes the same number: the mean next-token
 ``input_mask[:, 1:]``. It reads from the model, as the model's own forward does:
 
 - the hidden states: the model's ``output_hidden_states=True`` sow (``all_hidden_states``), or, for a model
-  without that flag, the output of its ``final_norm`` (under ``jit`` the unused logits are dead code);
+  without that flag (Llama 3), the output of its ``final_norm``; under ``jit`` the unused logits are dead code;
 - the head: ``model.lm_head`` (tunix's ``Einsum``, its ``w`` and ``einsum_str`` give the layout), or, when tied
   (``config.use_tied_embedding``, or no ``lm_head``), ``model.embedder.input_embedding`` [V, D];
 - the compute dtype: the head's ``dtype`` (``Einsum.dtype``, ``Embedder.dtype``; none: promotion, as the head);
@@ -39,11 +39,12 @@ from lce_flax.options import LossOptions
 def head_of(model: nnx.Module) -> tuple[Any, str | None]:
   """``(head, attr)``: the module the model's logits come from and the name of its table.
 
-  ``model.lm_head`` unless the model ties its head to the embedding (``config.use_tied_embedding``, or no
-  ``lm_head`` at all), then ``(model.embedder, "input_embedding")``.
+  ``model.lm_head`` unless the model ties its head to the embedding (``config.use_tied_embedding`` (Qwen),
+  ``config.weight_tying`` (Llama 3.2), or no ``lm_head`` at all), then ``(model.embedder, "input_embedding")``.
   """
   config = getattr(model, "config", None)
-  tied = bool(getattr(config, "use_tied_embedding", False)) or getattr(model, "lm_head", None) is None
+  tied = (bool(getattr(config, "use_tied_embedding", False)) or bool(getattr(config, "weight_tying", False))
+          or getattr(model, "lm_head", None) is None)
   if not tied:
     return model.lm_head, None
   embedder = getattr(model, "embedder", None)
@@ -72,13 +73,14 @@ def hidden_states(model: nnx.Module, input_tokens: jax.Array, positions: jax.Arr
                   **kwargs: Any) -> jax.Array:
   """``[B, L, D]``: the input of the model's head (its final norm's output), for these tokens.
 
-  Runs the model with ``output_hidden_states=True`` and pops its ``all_hidden_states`` sow; a model without that
-  flag is run under ``nnx.capture`` of its ``final_norm``'s output. The model also computes its logits, which
-  ``jit`` drops as dead code (tunix's train steps are jitted); run eagerly, they are formed.
+  Runs the model with ``output_hidden_states=True`` under ``nnx.capture`` and takes its ``all_hidden_states`` sow
+  (the model is left unchanged); a model without that flag is run capturing its ``final_norm``'s output. The
+  model also computes its logits, which ``jit`` drops as dead code (tunix's train steps are jitted); run eagerly,
+  they are formed.
   """
   if _accepts(model.__call__, "output_hidden_states"):
-    model(input_tokens, positions, None, attention_mask, output_hidden_states=True, **kwargs)
-    sown = nnx.pop(model, nnx.Intermediate)
+    _, sown = nnx.capture(model, nnx.Intermediate)(input_tokens, positions, None, attention_mask,
+                                                   output_hidden_states=True, **kwargs)
     return sown["all_hidden_states"].get_value()[-1]
   if getattr(model, "final_norm", None) is None:
     raise TypeError(f"{type(model).__name__} has no output_hidden_states flag and no final_norm to capture")
