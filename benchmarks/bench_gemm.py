@@ -19,6 +19,10 @@ time is counted, their FLOPs are not). Then the products with their loss work:
 ``--sweep`` also times a grid of configs per product and writes the fastest into the package's tuning table
 (``lce_flax/_impl/pallas_mosaic/gemm_tuning.json``, under this device's kind) and into the output folder.
 One JSON line per measurement on stdout; everything into ``--out`` (``results.json``).
+``--schedules`` times the GEMM's two schedules (:attr:`GemmConfig.schedule`: ``cooperative``, the table's row,
+against ``pingpong``) on the forward with and without its loss work, beside XLA's bare GEMM, in alternation; it
+starts with a small correctness check of the ping-pong variants, writes a copy of the tuning table with the
+faster schedule per role and shape, and stops starting work once BUDGET_S (default 200 s) is spent.
 Env: SHAPES (comma list), BUDGET_S (stop starting new work after this many seconds).
 """
 
@@ -158,9 +162,11 @@ def main():
   ap.add_argument("--no-fused", action="store_true")
   ap.add_argument("--final", action="store_true", help="no sweep: the table's configs against XLA and the example, "
                   "every contender of a product (and its loss-work variants) timed in alternation")
+  ap.add_argument("--schedules", action="store_true", help="the cooperative and ping-pong schedules of fwd, "
+                  "fwd_stats, fwd_store (and XLA's bare GEMM) in alternation; ends itself within BUDGET_S (200 s)")
   ap.add_argument("--rounds", type=int, default=5)
   args = ap.parse_args()
-  budget = float(os.environ.get("BUDGET_S", "1e9"))
+  budget = float(os.environ.get("BUDGET_S", "200" if args.schedules else "1e9"))
   shapes = os.environ.get("SHAPES", ",".join(SHAPES)).split(",")
   os.makedirs(args.out, exist_ok=True)
   dev = jax.devices()[0]
@@ -168,10 +174,13 @@ def main():
   import jaxlib
   meta = dict(kind="meta", device=kind, jax=jax.__version__, jaxlib=jaxlib.__version__,
               date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              sweep=args.sweep,
+              sweep=args.sweep, mode="schedules" if args.schedules else ("final" if args.final else "sweep/plain"),
               timing=("median of 10 wall-clock runs around block_until_ready after 2 warm-ups; summary rows: "
                       "median of 3 such medians taken in alternation between the compared kernels"))
   emit(**meta)
+  if args.schedules:
+    schedules(args, kind, meta, budget)
+    return
   table_rows: dict[str, list] = {}
 
   def save():
@@ -419,6 +428,214 @@ def fused(shape, x, w, dz, flops, best_bare, top, table_rows):
     emit(kind="fused", shape=shape, variant=name, cfg=cfg.short(), ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
          vs_best_bare=round(ms / base_ms, 3) if base_ms else None, **extra)
     del out
+
+
+# ------------------------------------------------------------------------------------------------ --schedules
+
+
+class Watchdog:
+  """Ends the process (after writing what was measured) if one step runs past its limit: a kernel that never
+  finishes (a barrier protocol gone wrong) must not hold the run until an outer timeout, with nothing written."""
+
+  def __init__(self, on_timeout):
+    self.on_timeout, self.timer = on_timeout, None
+
+  def arm(self, label, seconds):
+    import threading  # noqa: PLC0415
+    self.disarm()
+    self.timer = threading.Timer(seconds, self._fire, (label, seconds))
+    self.timer.daemon = True
+    self.timer.start()
+
+  def disarm(self):
+    if self.timer is not None:
+      self.timer.cancel()
+      self.timer = None
+
+  def _fire(self, label, seconds):
+    emit(kind="error", where=label, error=f"timeout: no result after {seconds} s (a hung kernel?); run ended")
+    self.on_timeout()
+    os._exit(3)
+
+
+SMOKE = (1900, 4160, 1088)  # an odd count of 128x128 tiles (15 x 33), a few pairs of them per CTA, 17 K steps
+
+
+def _role_fn(role, cfg, opts):
+  """x·w (``fwd``), with the statistics epilogue (``fwd_stats``), with statistics and stored bf16 logits
+  (``fwd_store``), or xᵀ·dz + C in float32 (``dw_acc``)."""
+  if role == "dw_acc":
+    return jax.jit(lambda a, b, c: G.gemm(a, b, transpose_a=True, epilogue=G.AddTo(c), config=cfg))
+  if role == "fwd":
+    return jax.jit(lambda a, b, lab: G.gemm(a, b, config=cfg))
+  if role == "fwd_stats":
+    return jax.jit(lambda a, b, lab: G.gemm(a, b, epilogue=G.RowStats(lab, opts), config=cfg))
+  return jax.jit(lambda a, b, lab: G.gemm(a, b, epilogue=(G.RowStats(lab, opts), G.Store()), config=cfg))
+
+
+def _xla_f32_plus_c(a, b, c):
+  return c + jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _lse(st, b):
+  rs = G.merge_row_stats(st, b)
+  return rs.m + jnp.log(rs.s)
+
+
+def schedules(args, kind, meta, budget):
+  """The lean forward (``fwd_stats``), the forward with stored logits (``fwd_store``), the bare ``fwd`` and the
+  token-chunked dw (``dw_acc``, xᵀ·dz + C) with the cooperative schedule (the table's row) and the ping-pong
+  schedule, plus XLA's bare GEMM and XLA's float32 xᵀ·dz + C, all of one shape timed in alternation. Writes
+  ``results.json`` and ``gemm_tuning.json`` (the package's table with each of these roles' rows at the measured
+  shapes set to its faster schedule)."""
+  out = {"meta": meta, "rows": ROWS}
+
+  def save():
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+      json.dump(out, f, indent=1)
+
+  dog = Watchdog(save)
+  shapes = os.environ.get("SHAPES", "llama3-8b,gpt2-small,qwen3-8b,gemma2-2b").split(",")
+  opts = G.StatsOptions()
+  pp_ok = True
+  # a small call of every ping-pong variant first, against the cooperative one: a wrong or hanging schedule shows
+  # up here, in seconds, and its variants are left out of the timings
+  try:
+    dog.arm("pingpong smoke test", 120)
+    m, n, k = SMOKE
+    kk = jax.random.split(jax.random.key(2), 3)
+    a = jax.random.normal(kk[0], (m, k), jnp.bfloat16)
+    b = (0.05 * jax.random.normal(kk[1], (k, n), jnp.float32)).astype(jnp.bfloat16)
+    y = jax.random.randint(kk[2], (m,), 0, n, jnp.int32)
+    ref = jnp.dot(a, b, preferred_element_type=jnp.float32)
+    pp = tuning.PINGPONG
+    z = G.gemm(a, b, epilogue=G.Store(jnp.float32), config=pp)
+    st, z16 = G.gemm(a, b, epilogue=(G.RowStats(y, opts), G.Store()), config=tuning.fit_role("fwd_store", pp))
+    st_c = G.gemm(a, b, epilogue=G.RowStats(y, opts), config=tuning.DEFAULT)
+    st_p = G.gemm(a, b, epilogue=G.RowStats(y, opts), config=pp)
+    errs = dict(store_f32_rel_err=rel_err(z, ref), store_bf16_rel_err=rel_err(z16, ref),
+                lse_diff_store=float(jnp.abs(_lse(st, m) - _lse(st_c, m)).max()),
+                lse_diff_stats=float(jnp.abs(_lse(st_p, m) - _lse(st_c, m)).max()))
+    dog.disarm()
+    pp_ok = errs["store_f32_rel_err"] < 1e-5 and errs["store_bf16_rel_err"] < 1e-2 and max(
+        errs["lse_diff_store"], errs["lse_diff_stats"]) < 1e-4
+    emit(kind="check", what="pingpong smoke test", shape=[m, n, k], ok=pp_ok, **errs)
+  except Exception as e:  # noqa: BLE001
+    dog.disarm()
+    pp_ok = False
+    emit(kind="error", where="pingpong smoke test", error=f"{type(e).__name__}: {e}"[:400])
+  save()
+
+  raw = {}
+  if os.path.exists(tuning.TABLE_PATH):
+    with open(tuning.TABLE_PATH) as f:
+      raw = json.load(f)
+  dev_key = next((kk for kk in raw.get("devices", {}) if kk.lower() == kind.lower()), kind)
+  table = raw.setdefault("devices", {}).setdefault(dev_key, {})
+  for shape in shapes:
+    if budget_left(budget) < 45:
+      emit(kind="stop", shape=shape, why="past BUDGET_S")
+      break
+    b, h, v = SHAPES[shape]
+    flops = 2 * b * h * v
+    kk = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(kk[0], (b, h), jnp.bfloat16)
+    w = (0.02 * jax.random.normal(kk[1], (h, v), jnp.float32)).astype(jnp.bfloat16)
+    y = jax.random.randint(kk[2], (b,), 0, v, jnp.int32)
+    dz = (1e-3 * jax.random.normal(kk[3], (b, v), jnp.float32)).astype(jnp.bfloat16)
+    c = jnp.ones((h, v), jnp.float32)
+    mnks = {"fwd": (b, v, h), "fwd_stats": (b, v, h), "fwd_store": (b, v, h), "dw_acc": (h, v, b)}
+    role_args = {"fwd": (x, w, y), "fwd_stats": (x, w, y), "fwd_store": (x, w, y), "dw_acc": (x, dz, c)}
+    pp = tuning.PINGPONG
+    cands = {  # name -> (role, config)
+        f"{role}/coop": (role, tuning.select_config(role, *mnks[role], kind)) for role in mnks}
+    if pp_ok:
+      cands.update({
+          "fwd/pp": ("fwd", dataclasses.replace(pp, epi_n=64)), "fwd/pp-epi32": ("fwd", pp),
+          "fwd_stats/pp": ("fwd_stats", pp), "fwd_stats/pp-n8": ("fwd_stats", dataclasses.replace(pp, order_width=8)),
+          "fwd_store/pp": ("fwd_store", tuning.fit_role("fwd_store", pp)),
+          "dw_acc/pp": ("dw_acc", tuning.fit_role("dw_acc", pp)),
+      })
+    fns = {"xla": (jax.jit(lambda a, b_, lab: jnp.dot(a, b_)), (x, w, y)),
+           "xla_dw_f32_plus_c": (jax.jit(_xla_f32_plus_c), (x, dz, c))}
+    results = {}
+    for name, (role, cfg) in cands.items():
+      if budget_left(budget) < 25:
+        emit(kind="stop", shape=shape, variant=name, why="past BUDGET_S")
+        break
+      try:  # compiles and runs once; a config that fails is a row with its error, the run goes on
+        dog.arm(f"{shape} {name}", 90)
+        f = _role_fn(role, cfg, opts)
+        results[name] = jax.block_until_ready(f(*role_args[role]))
+        dog.disarm()
+        fns[name] = (f, role_args[role])
+        emit(kind="built", shape=shape, variant=name, cfg=cfg.short())
+      except Exception as e:  # noqa: BLE001
+        dog.disarm()
+        emit(kind="error", shape=shape, variant=name, cfg=cfg.short(), error=f"{type(e).__name__}: {e}"[:400])
+    # correctness of each variant against the cooperative one of its role (and the bare ones against XLA)
+    try:
+      ref = fns["xla"][0](x, w, y)
+      for name, res in results.items():
+        role = cands[name][0]
+        base = results.get(f"{role}/coop")
+        if role == "fwd":
+          emit(kind="check", shape=shape, variant=name, rel_err_vs_xla=rel_err(res, ref))
+        elif role == "dw_acc" and base is not None and name != f"{role}/coop":
+          emit(kind="check", shape=shape, variant=name, rel_err_vs_coop=rel_err(res - c, base - c))
+        elif base is not None and name != f"{role}/coop":
+          st, st0 = (res[0], base[0]) if role == "fwd_store" else (res, base)
+          row = dict(lse_max_abs_diff_vs_coop=float(jnp.abs(_lse(st, b) - _lse(st0, b)).max()))
+          if role == "fwd_store":
+            row["logits_rel_err_vs_coop"] = rel_err(res[1], base[1])
+          emit(kind="check", shape=shape, variant=name, **row)
+      del ref
+    except Exception as e:  # noqa: BLE001
+      emit(kind="error", shape=shape, where="checks", error=f"{type(e).__name__}: {e}"[:400])
+    del results
+    t = {}
+    try:
+      dog.arm(f"{shape} timing", 150)
+      t = interleaved(fns, args.rounds)
+      dog.disarm()
+    except Exception as e:  # noqa: BLE001
+      dog.disarm()
+      emit(kind="error", shape=shape, where="timing", error=f"{type(e).__name__}: {e}"[:400])
+    if t:
+      bare = min(t[k] for k in t if k == "xla" or k.startswith("fwd/"))
+      row = dict(kind="schedules", shape=shape, ms={k: round(val, 3) for k, val in t.items()},
+                 tflops={k: round(flops / val / 1e9, 1) for k, val in t.items()}, best_bare_fwd_ms=round(bare, 3),
+                 vs_best_bare_fwd={k: round(val / bare, 3) for k, val in t.items() if not k.startswith("dw_acc")
+                                   and k != "xla_dw_f32_plus_c"},
+                 cfg={name: cfg.short() for name, (_, cfg) in cands.items() if name in t})
+      if "xla_dw_f32_plus_c" in t:
+        row["dw_acc_vs_xla_f32_plus_c"] = {k: round(t["xla_dw_f32_plus_c"] / val, 3) for k, val in t.items()
+                                           if k.startswith("dw_acc/")}
+      for role in mnks:
+        mine = {k: v_ for k, v_ in t.items() if k.startswith(role + "/")}
+        if not mine:
+          continue
+        best = min(mine, key=mine.get)
+        coop = f"{role}/coop"
+        if coop in mine and mine[coop] <= 1.01 * mine[best]:
+          best = coop  # a schedule change for less than 1% is noise on this machine: the table keeps its row
+        row[f"{role}_best"] = best
+        if coop in mine and len(mine) > 1:
+          row[f"{role}_pp_speedup"] = round(mine[coop] / min(v_ for k, v_ in mine.items() if k != coop), 3)
+        bkt = list(tuning.bucket(*mnks[role]))
+        rows = [r for r in table.get(role, []) if r.get("bucket") != bkt]
+        rows.append({"bucket": bkt, "shape": list(mnks[role]), "config": dataclasses.asdict(cands[best][1]),
+                     "ms": round(mine[best], 3)})
+        table[role] = rows
+      emit(**row)
+    save()
+    del x, w, y, dz, c, fns
+  raw.update(source="benchmarks/bench_gemm.py --schedules (rows of fwd, fwd_stats, fwd_store, dw_acc at the "
+                    "measured shapes); the other rows as they were", date=meta["date"], jax=meta["jax"])
+  with open(os.path.join(args.out, "gemm_tuning.json"), "w") as f:
+    json.dump(raw, f, indent=1)
+  emit(kind="done", seconds=round(time.time() - T0, 1))
+  save()
 
 
 if __name__ == "__main__":

@@ -72,7 +72,9 @@ def test_twin_one_subtile_per_tile():
   rng = np.random.default_rng(4)
   a, b, ref = _operands(rng, LAYOUTS["x.w"])
   cfg = dataclasses.replace(TWIN, epi_m=64, epi_n=128)
-  assert _rel(G.gemm(a, b, epilogue=G.Store(jnp.float32), config=cfg, interpret=True), ref) < 1e-5
+  # (the twin ignores the schedule: a ping-pong config runs the same twin)
+  pp = dataclasses.replace(cfg, schedule="pingpong")
+  assert _rel(G.gemm(a, b, epilogue=G.Store(jnp.float32), config=pp, interpret=True), ref) < 1e-5
   c = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
   out = G.gemm(a, b, epilogue=G.AddTo(c), config=cfg, interpret=True)
   assert _rel(out, ref + np.asarray(c, np.float64)) < 1e-5
@@ -150,6 +152,10 @@ def test_refusals():
     G.gemm(jnp.zeros((64, 128), BF), jnp.zeros((192, 64), BF), interpret=True)
   with pytest.raises(ValueError, match="multiple of 64"):
     dataclasses.replace(G.GemmConfig(), tile_n=96).validate()
+  with pytest.raises(ValueError, match="without clusters"):
+    dataclasses.replace(tuning.PINGPONG, cluster="n").validate()
+  with pytest.raises(ValueError, match="schedule"):
+    dataclasses.replace(G.GemmConfig(), schedule="stream-k").validate()
 
 
 # ------------------------------------------------------------------------------------------------ CUDA lowering
@@ -162,10 +168,17 @@ def _lower(f, *args):
 SDS = jax.ShapeDtypeStruct
 
 
+def _f32_stats(cfg):
+  """``cfg`` with few enough stages for statistics + float32 stored sub-tiles (the ping-pong schedule's two
+  operand rings leave room for 2)."""
+  return dataclasses.replace(cfg, stages=2 if cfg.schedule == "pingpong" else 3)
+
+
 @pytest.mark.parametrize("cfg", [G.GemmConfig(), G.GemmConfig(wg_split="m", cluster="n"),
-                                 G.GemmConfig(cluster="m", order_minor="m", order_width=8)], ids=lambda c: c.short())
+                                 G.GemmConfig(cluster="m", order_minor="m", order_width=8), tuning.PINGPONG],
+                         ids=lambda c: c.short())
 def test_gpu_kernel_lowers_for_cuda(cfg):
-  """The warp-specialised kernel, every role, through the whole Pallas → Mosaic GPU lowering on CPU."""
+  """The GPU kernel (either schedule), every role, through the whole Pallas → Mosaic GPU lowering on CPU."""
   m, n, k = 1000, 2112, 576
   y = SDS((m,), jnp.int32)
   vec = SDS((m,), jnp.float32)
@@ -179,8 +192,8 @@ def test_gpu_kernel_lowers_for_cuda(cfg):
                                                 config=cfg), m).s, SDS((m, k), BF), SDS((k, n), BF), y),
       (lambda a, b, y: G.gemm(a, b, epilogue=(G.RowStats(y), G.Store()), config=tuning.fit_role("fwd_store", cfg)),
        SDS((m, k), BF), SDS((k, n), BF), y),
-      (lambda a, b, y: G.gemm(a, b, epilogue=(G.RowStats(y), G.Store(jnp.float32)),
-                              config=dataclasses.replace(cfg, stages=3)), SDS((m, k), BF), SDS((k, n), BF), y),
+      (lambda a, b, y: G.gemm(a, b, epilogue=(G.RowStats(y), G.Store(jnp.float32)), config=_f32_stats(cfg)),
+       SDS((m, k), BF), SDS((k, n), BF), y),
       (lambda z, w, l, c, a, y: G.gemm(z, w, transpose_b=True, prologue=G.DzFromLogits(l, c, a, y),
                                        config=tuning.fit_role("dx_prologue", cfg)),
        SDS((m, n), BF), SDS((k, n), BF), vec, vec, vec, y),
@@ -223,7 +236,8 @@ def test_select_config():
 # ------------------------------------------------------------------------------------------------ on a Hopper GPU
 
 
-GPU_CFGS = [None, G.GemmConfig(wg_split="m", cluster="n"), G.GemmConfig(cluster="m", order_minor="m")]
+GPU_CFGS = [None, G.GemmConfig(wg_split="m", cluster="n"), G.GemmConfig(cluster="m", order_minor="m"),
+            tuning.PINGPONG]
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
@@ -241,16 +255,17 @@ def test_gpu_products(name, cfg):
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
-def test_gpu_hooks():
+@pytest.mark.parametrize("base", [tuning.DEFAULT, tuning.PINGPONG], ids=lambda c: c.schedule)
+def test_gpu_hooks(base):
   rng = np.random.default_rng(8)
   m, n, k = 1000, 2112, 576
   a, b, ref = _operands(rng, LAYOUTS["x.w"], m, n, k)
   labels = jnp.asarray(rng.integers(0, n, m), jnp.int32)
   opts = G.StatsOptions(30.0, True)
   st, z = G.gemm(a, b, epilogue=(G.RowStats(labels, opts), G.Store(jnp.float32)),
-                 config=dataclasses.replace(tuning.DEFAULT, stages=3))  # float32 sub-tiles: one stage fewer
+                 config=_f32_stats(base))  # float32 sub-tiles: fewer stages
   st16, z16 = G.gemm(a, b, epilogue=(G.RowStats(labels, opts), G.Store()),
-                     config=tuning.fit_role("fwd_store", tuning.DEFAULT))
+                     config=tuning.fit_role("fwd_store", base))
   np.testing.assert_array_equal(np.asarray(st16), np.asarray(st))
   assert _rel(z16, ref) < 1e-2
   assert _rel(z, ref) < 1e-5
@@ -263,7 +278,7 @@ def test_gpu_hooks():
   # +C
   a2, b2, ref2 = _operands(rng, LAYOUTS["xT.dz"], 1088, n, 1000)
   c = jnp.asarray(rng.standard_normal((1088, n)), jnp.float32)
-  out = G.gemm(a2, b2, transpose_a=True, epilogue=G.AddTo(c))
+  out = G.gemm(a2, b2, transpose_a=True, epilogue=G.AddTo(c), config=tuning.fit_role("dw_acc", base))
   assert _rel(out, ref2 + np.asarray(c, np.float64)) < 1e-5
   # prologue
   zl = _rand(rng, (m, n))
@@ -271,6 +286,26 @@ def test_gpu_hooks():
   lse = jnp.asarray(rng.uniform(2, 4, m), jnp.float32)
   coef = jnp.asarray(rng.uniform(0.5, 1.5, m), jnp.float32)
   out = G.gemm(zl, w, transpose_b=True, prologue=G.DzFromLogits(lse, coef, coef, labels), epilogue=G.Store(jnp.float32),
-               config=dataclasses.replace(tuning.DEFAULT, stages=3))
+               config=dataclasses.replace(base, stages=3))
   dz = _dz_ref(_f64(zl), _f64(lse), _f64(coef), _f64(coef), np.asarray(labels))
   assert _rel(out, dz @ _f64(w).T) < 1e-2
+
+
+@pytest.mark.gpu(min_cc=(9, 0))
+@pytest.mark.parametrize("m,n,k", [(1900, 4160, 1088), (300, 4160, 64), (128, 128, 512)])
+def test_gpu_pingpong_turns(m, n, k):
+  """The ping-pong schedule where its turn-taking has corners: an odd count of tiles (the last pair's second
+  warpgroup has none), several pairs per CTA, a K loop shorter than the stages (one step), CTAs with no tile."""
+  rng = np.random.default_rng(9)
+  a, b, ref = _operands(rng, LAYOUTS["x.w"], m, n, k)
+  labels = jnp.asarray(rng.integers(0, n, m), jnp.int32)
+  pp, coop = _f32_stats(tuning.PINGPONG), _f32_stats(tuning.DEFAULT)
+  st, z = G.gemm(a, b, epilogue=(G.RowStats(labels), G.Store(jnp.float32)), config=pp)
+  st_c, z_c = G.gemm(a, b, epilogue=(G.RowStats(labels), G.Store(jnp.float32)), config=coop)
+  assert _rel(z, ref) < 1e-5
+  np.testing.assert_allclose(np.asarray(z), np.asarray(z_c), rtol=1e-6, atol=1e-5)  # the same tiles and K order
+  rs, rs_c = G.merge_row_stats(st, m), G.merge_row_stats(st_c, m)
+  for x, y in zip(rs, rs_c):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
+  a2, b2, ref2 = _operands(rng, LAYOUTS["dz.wT"], m, n, k)
+  assert _rel(G.gemm(a2, b2, transpose_b=True, config=tuning.PINGPONG), ref2) < 1e-2

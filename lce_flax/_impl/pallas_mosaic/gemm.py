@@ -13,8 +13,17 @@ in a planar-snake order (:func:`plgpu.planar_snake`: neighbouring CTAs share row
 are in L2). A CTA tile is two warpgroup tiles of ``tile_m × tile_n`` side by side (``wg_split``): two compute
 warpgroups each own one float32 WGMMA accumulator, a third warpgroup only issues the TMA copies of the K steps
 (``plgpu.emit_pipeline_warp_specialized``, ``stages`` deep). With ``cluster`` set, the two CTAs of a cluster
-share the operand tile they have in common through TMA multicast. While one warpgroup runs its epilogue, the
-other's WGMMAs keep the tensor cores busy.
+share the operand tile they have in common through TMA multicast. That is the ``cooperative`` schedule
+(:attr:`GemmConfig.schedule`): both warpgroups finish a CTA tile's K loop together and run their epilogues at the
+same time, so the tensor cores idle during the epilogue.
+
+The ``pingpong`` schedule (:func:`_body_pingpong`) hides the epilogue instead: two compute warpgroups, no TMA
+warpgroup, each warpgroup with an output tile (``tile_m × tile_n``) and a ``stages``-deep K pipeline of its own,
+and a pair of turn barriers that lets one warpgroup at a time issue its tile's WGMMAs. Warpgroup 1 starts half a
+period behind, so one warpgroup's epilogue (statistics, stores) runs while the other's MMAs keep the tensor cores
+busy (the technique of CUTLASS's "ping-pong" kernels and FlashAttention-3's warpgroup scheduling). It takes no
+clusters; its SMEM holds two rings of slots, so 3 stages of 128×128×64 (192 KB) at most, with ``epi_n = 32``
+for the larger epilogues.
 
 **Ragged shapes.** M, N and K need not be multiples of any tile: TMA fills the out-of-bounds part of a loaded
 tile with zeros (so a ragged K adds nothing) and clips the out-of-bounds part of a stored one. No operand is
@@ -36,8 +45,9 @@ with a clear error: hand such a w in as [V, H], which only needs H to be a multi
 **Interpret mode (CPU).** Mosaic GPU's interpreter runs neither collective warpgroup axes (``run_scoped`` with
 ``collective_axes``) nor WGMMA. ``interpret=True`` therefore runs a twin of the same kernel: the same persistent
 tile loop, TMA pipeline over K, block specs (transposes, out-of-bounds fills), prologue and epilogue parts, with
-one warpgroup tile per CTA tile and ``lax.dot_general`` on the SMEM tiles in place of the WGMMA. The GPU path is
-checked on CPU by lowering it for CUDA (layouts, shared-memory budget).
+one warpgroup tile per CTA tile and ``lax.dot_general`` on the SMEM tiles in place of the WGMMA. The twin ignores
+``schedule`` (and ``cluster``, ``wg_split``): both schedules compute the same tiles, so its numerics stand for
+both. The GPU path of either schedule is checked on CPU by lowering it for CUDA (layouts, shared-memory budget).
 """
 
 from __future__ import annotations
@@ -67,6 +77,9 @@ class GemmConfig:
   ``tile_m × tile_n`` is one compute warpgroup's accumulator; the CTA tile doubles it along ``wg_split``
   ("m" or "n"), a cluster of two CTAs doubles that along ``cluster`` ("m", "n" or None). ``order_minor`` /
   ``order_width`` set the planar-snake tile order; ``epi_m × epi_n`` is the sub-tile of the stored output.
+  ``schedule``: ``"cooperative"`` (both warpgroups on one CTA tile, fed by a TMA warpgroup) or ``"pingpong"``
+  (each warpgroup on a tile of its own, taking turns on the tensor cores; ``wg_split`` is then unused and
+  ``cluster`` must be None). The interpret twin ignores it.
   """
 
   tile_m: int = 128
@@ -79,8 +92,13 @@ class GemmConfig:
   order_width: int = 16
   epi_m: int = 64
   epi_n: int = 64
+  schedule: str = "cooperative"
 
   def cta_tile(self) -> tuple[int, int]:
+    """The output block a CTA's warpgroups work on at once: two warpgroup tiles side by side (cooperative), or
+    one warpgroup tile (ping-pong: each warpgroup has a tile of its own)."""
+    if self.schedule == "pingpong":
+      return (self.tile_m, self.tile_n)
     return (self.tile_m * (2 if self.wg_split == "m" else 1), self.tile_n * (2 if self.wg_split == "n" else 1))
 
   def cluster_size(self) -> int:
@@ -91,6 +109,9 @@ class GemmConfig:
     return (cm * (2 if self.cluster == "m" else 1), cn * (2 if self.cluster == "n" else 1))
 
   def short(self) -> str:
+    if self.schedule == "pingpong":
+      return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} pingpong "
+              f"order={self.order_minor}{self.order_width} epi={self.epi_m}x{self.epi_n}")
     return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} wg={self.wg_split} cl={self.cluster} "
             f"order={self.order_minor}{self.order_width}")
 
@@ -105,6 +126,10 @@ class GemmConfig:
                        "multiple of 64 (the WGMMA register layout) and columns a multiple of 32")
     if self.stages < 2:
       raise ValueError("GemmConfig.stages must be >= 2")
+    if self.schedule not in ("cooperative", "pingpong"):
+      raise ValueError(f"GemmConfig.schedule={self.schedule!r}: 'cooperative' or 'pingpong'")
+    if self.schedule == "pingpong" and self.cluster is not None:
+      raise ValueError("GemmConfig: the ping-pong schedule runs without clusters (cluster=None)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,6 +544,114 @@ def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologu
                 collective_axes="wg")
 
 
+def _body_pingpong(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out):
+  """The GPU kernel, ping-pong schedule: 2 compute warpgroups, each with an output tile and a K pipeline of its
+  own, taking turns on the tensor cores.
+
+  The warpgroup tiles of the planar-snake order are dealt out in pairs: pair ``p`` goes to CTA ``p mod #SMs``,
+  its tiles ``2p`` and ``2p + 1`` to warpgroups 0 and 1. Each warpgroup issues the TMA copies of its own tile's
+  K steps into its own ``stages``-deep ring of SMEM slots (the copies of its next tile start as soon as its MMAs
+  are issued, so they land during its epilogue). A pair of turn barriers orders the K loops: warpgroup ``g``
+  waits for its turn, issues all WGMMAs of its tile, hands the turn to the other warpgroup and only then waits
+  for its MMAs and runs its epilogue, so one warpgroup's epilogue runs while the other's WGMMAs keep the tensor
+  cores busy. Warpgroup 1 starts with the turn handed over, i.e. half a tile-period behind warpgroup 0."""
+  ins = _split(refs[:sum(n_in)], n_in)
+  outs = _split(refs[sum(n_in):], n_out)
+  pro_ins, part_ins = ins[0], ins[1:]
+  tm, tn, tk, depth = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages
+  steps = cdiv(prob.k, tk)
+  depth = min(depth, steps)
+  a_shape, a_minor = ((tk, tm), tm) if prob.transpose_a else ((tm, tk), tk)
+  b_shape, b_minor = ((tn, tk), tk) if prob.transpose_b else ((tk, tn), tn)
+  a_type = plgpu.SMEM((2, depth, *a_shape), prob.dtype, transforms=_transforms(prob.dtype, a_minor))
+  b_type = plgpu.SMEM((2, depth, *b_shape), prob.dtype, transforms=_transforms(prob.dtype, b_minor))
+  full_type = plgpu.Barrier(num_arrivals=2, num_barriers=2 * depth)  # a slot's A and B copies have landed
+  turn_type = plgpu.Barrier(num_arrivals=1, num_barriers=2)  # warpgroup g may issue its K loop's WGMMAs
+  smem_types = [p.smem(prob, cfg) for p in parts]
+  pro_smem_types = prologue.smem(prob, cfg) if prologue is not None else ()
+  tiles = cdiv(prob.m, tm) * cdiv(prob.n, tn)
+  pairs = cdiv(tiles, 2)
+
+  def scope(a_buf, b_buf, full, turn, pro_smem, *part_smem):
+    g = lax.axis_index("wg")
+    nsm = lax.axis_size("sm")
+
+    def tile_at(pair):
+      lin = 2 * pair + g
+      row0, col0 = _tile_origin(lin, prob, cfg, tm, tn)
+      return lin < tiles, Tile(g, row0, col0, col0 // tn, cfg, prob)
+
+    def load(t: Tile, step, slot):
+      ks = pl.ds(step * tk, tk)
+      a_src = a_ref.at[ks, t.rows] if prob.transpose_a else a_ref.at[t.rows, ks]
+      b_src = b_ref.at[t.cols, ks] if prob.transpose_b else b_ref.at[ks, t.cols]
+      bar = full.at[g * depth + slot]
+      plgpu.copy_gmem_to_smem(a_src, a_buf.at[g, slot], bar)
+      plgpu.copy_gmem_to_smem(b_src, b_buf.at[g, slot], bar)
+
+    def load_first(pair):
+      valid, t = tile_at(pair)
+
+      @pl.when(jnp.logical_and(pair < pairs, valid))
+      def _():
+        for s in range(depth):
+          load(t, s, s)
+
+    load_first(lax.axis_index("sm"))
+
+    @pl.when(g == 1)
+    def _():
+      plgpu.barrier_arrive(turn.at[0])  # warpgroup 0 has the first turn
+
+    @plgpu.nd_loop((pairs,), collective_axes="sm")
+    def _pair(info):
+      (pair,) = info.index
+      valid, t = tile_at(pair)
+
+      @pl.when(valid)
+      def _():
+        for p, pi, ps in zip(parts, part_ins, part_smem):
+          p.prefetch(t, pi, ps)
+        if prologue is not None:
+          prologue.fetch(t, pro_ins, pro_smem)
+
+        def acc_scope(acc_ref):
+          plgpu.barrier_wait(turn.at[g])
+
+          @pl.loop(0, steps)
+          def _k(step):
+            slot = lax.rem(step, depth)
+            plgpu.barrier_wait(full.at[g * depth + slot])
+            a = a_buf.at[g, slot].T if prob.transpose_a else a_buf.at[g, slot]
+            b = b_buf.at[g, slot].T if prob.transpose_b else b_buf.at[g, slot]
+            if prologue is not None:
+              a = prologue.form(a[...].astype(F32), step * tk, t, pro_smem).astype(prob.dtype)
+              plgpu.wgmma(acc_ref, a, b)
+              plgpu.wgmma_wait(0)  # the slot is read: refill it
+              refill, rslot = step + depth, slot
+            else:
+              plgpu.wgmma(acc_ref, a, b)
+              plgpu.wgmma_wait(1)  # the previous step's WGMMA has read its slot: refill that one
+              refill, rslot = step - 1 + depth, lax.rem(step + depth - 1, depth)
+
+            @pl.when(jnp.logical_and(refill >= depth, refill < steps))
+            def _():
+              load(t, refill, rslot)
+
+          plgpu.barrier_arrive(turn.at[1 - g])  # all WGMMAs issued: the other warpgroup's turn
+          plgpu.wgmma_wait(0)  # (the last WGMMA still reads a slot the next tile's copies overwrite)
+          load_first(pair + nsm)  # the next tile's first K steps land during this epilogue
+          z = acc_ref[...]
+          for p, pi, po, ps in zip(parts, part_ins, outs, part_smem):
+            p.apply(z, t, pi, po, ps)
+
+        pl.run_scoped(acc_scope, plgpu.ACC((tm, tn), F32))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # no SMEM is released while a copy still reads it
+
+  pl.run_scoped(scope, a_type, b_type, full_type, turn_type, pro_smem_types, *smem_types, collective_axes="wg")
+
+
 def _body_twin(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out, n_smem):
   """The interpret twin: one warpgroup tile per CTA tile, the same loop, pipeline, hooks; a dot for the MMA."""
   ins = _split(refs[:sum(n_in)], n_in)
@@ -573,6 +706,8 @@ def smem_bytes(prob: Problem, cfg: GemmConfig, parts, prologue=None) -> int:
   """An estimate of the GPU kernel's shared memory: the pipeline's stages plus the hooks' buffers."""
   cta_m, cta_n = cfg.cta_tile()
   stage = (cta_m + cta_n) * cfg.tile_k * jnp.dtype(prob.dtype).itemsize
+  if cfg.schedule == "pingpong":  # a ring of slots per warpgroup
+    stage *= 2
   allocs = [x for p in parts for x in p.smem(prob, cfg)] + list(prologue.smem(prob, cfg) if prologue else ())
   return cfg.stages * (stage + 16) + sum(_alloc_bytes(x) for x in allocs) + 2048
 
@@ -637,8 +772,10 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
                         interpret=plgpu.InterpretGPUParams())
   else:
     cs = config.cluster_size()
-    kern = plgpu.kernel(functools.partial(_body_ws, **hooks), out_type=out_type, grid=(_device.num_sms() // cs,),
-                        grid_names=("sm",), cluster=(cs,), cluster_names=("cluster",), num_threads=3,
+    pingpong = config.schedule == "pingpong"
+    body = _body_pingpong if pingpong else _body_ws
+    kern = plgpu.kernel(functools.partial(body, **hooks), out_type=out_type, grid=(_device.num_sms() // cs,),
+                        grid_names=("sm",), cluster=(cs,), cluster_names=("cluster",), num_threads=2 if pingpong else 3,
                         thread_name="wg",
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                                              approx_math=approx_math))

@@ -28,6 +28,10 @@ TABLE_PATH = os.path.join(os.path.dirname(__file__), "gemm_tuning.json")
 # side by side along N, no cluster, snake of width 16 (issue 27's measurements).
 DEFAULT = GemmConfig()
 
+# the ping-pong schedule's shape of config (each warpgroup a 128x128 tile and 3 stages of its own: 192 KB of SMEM
+# for the operands, so half-width epilogue sub-tiles); a table row selects it with "schedule": "pingpong"
+PINGPONG = GemmConfig(stages=3, epi_n=32, schedule="pingpong")
+
 
 def bucket(m: int, n: int, k: int) -> tuple[int, int, int]:
   return tuple(1 << max(0, round(math.log2(max(d, 1)))) for d in (m, n, k))
@@ -60,11 +64,12 @@ BASE_ROLE = {"fwd_stats": "fwd", "fwd_store": "fwd", "dx_prologue": "dx", "dw_ac
 def fit_role(role: str, cfg: GemmConfig) -> GemmConfig:
   """A bare product's config made to fit the extra SMEM of ``role``'s hooks (227 KB in all): the stored bf16
   tiles next to the statistics or the prologue's vectors take half-width sub-tiles; a float32 ``+C`` output one
-  stage fewer."""
+  stage fewer (and, under the ping-pong schedule, whose operand rings already take 192 KB, half-width sub-tiles)."""
   if role in ("fwd_store", "dx_prologue"):
     return dataclasses.replace(cfg, epi_n=min(cfg.epi_n, 32))
   if role == "dw_acc":
-    return dataclasses.replace(cfg, stages=min(cfg.stages, 3))
+    cfg = dataclasses.replace(cfg, stages=min(cfg.stages, 3))
+    return dataclasses.replace(cfg, epi_n=min(cfg.epi_n, 32)) if cfg.schedule == "pingpong" else cfg
   return cfg
 
 
