@@ -7,8 +7,9 @@ below it (the backends of ``lce_flax/_impl/``) holds plans and kernels only. Dat
 
 * :class:`Backend` is what a backend module provides (a module satisfies it structurally: the backends import
   nothing from here); :class:`FastBackend` adds the fast design's forward and backward.
-* :data:`REGISTRY`: every implementation, with what it needs (compute capability, kernels), in one table; the
-  compute-capability thresholds live there and nowhere else.
+* :data:`REGISTRY`: every implementation, with what it needs (the compute capability of its kernels, named in
+  :mod:`lce_flax._device`; interpret mode; a fast design on a vocabulary shard), in one table.
+* :func:`check_arguments`: the op's arguments checked once, with errors that name what they got.
 * :func:`dispatch`: the backend and design that run for a problem and the options; every fallback is decided and
   written into ``Design.notes`` here, and warned about once.
 * :func:`lean`: the recompute ``custom_vjp`` (8·B·H·V FLOPs, O(B) residuals), written once for every backend;
