@@ -19,10 +19,11 @@ time is counted, their FLOPs are not). Then the products with their loss work:
 ``--sweep`` also times a grid of configs per product and writes the fastest into the package's tuning table
 (``lce_flax/_impl/pallas_mosaic/gemm_tuning.json``, under this device's kind) and into the output folder.
 One JSON line per measurement on stdout; everything into ``--out`` (``results.json``).
-``--schedules`` times the GEMM's two schedules (:attr:`GemmConfig.schedule`: ``cooperative``, the table's row,
-against ``pingpong``) on the forward with and without its loss work, beside XLA's bare GEMM, in alternation; it
-starts with a small correctness check of the ping-pong variants, writes a copy of the tuning table with the
-faster schedule per role and shape, and stops starting work once BUDGET_S (default 200 s) is spent.
+``--schedules`` times the GEMM's schedules (:attr:`GemmConfig.schedule`: ``cooperative``, the table's row, against
+``pingpong`` and ``pingpong_ws``) on the forward with and without its loss work and on the token-chunked dw
+(``dw_acc``), beside XLA's bare GEMM (and float32 xᵀ·dz + C), in alternation; it starts with a small correctness
+check of each ping-pong schedule, writes a copy of the tuning table with the faster schedule per role and shape,
+and stops starting work once BUDGET_S (default 200 s) is spent.
 Env: SHAPES (comma list), BUDGET_S (stop starting new work after this many seconds).
 """
 
@@ -473,6 +474,34 @@ def _role_fn(role, cfg, opts):
   return jax.jit(lambda a, b, lab: G.gemm(a, b, epilogue=(G.RowStats(lab, opts), G.Store()), config=cfg))
 
 
+def _smoke(cfg, dog, opts) -> bool:
+  """``cfg``'s schedule on a small problem (see :data:`SMOKE`) against XLA and the cooperative schedule."""
+  try:
+    dog.arm(f"{cfg.schedule} smoke test", 120)
+    m, n, k = SMOKE
+    kk = jax.random.split(jax.random.key(2), 3)
+    a = jax.random.normal(kk[0], (m, k), jnp.bfloat16)
+    b = (0.05 * jax.random.normal(kk[1], (k, n), jnp.float32)).astype(jnp.bfloat16)
+    y = jax.random.randint(kk[2], (m,), 0, n, jnp.int32)
+    ref = jnp.dot(a, b, preferred_element_type=jnp.float32)
+    z = G.gemm(a, b, epilogue=G.Store(jnp.float32), config=cfg)
+    st, z16 = G.gemm(a, b, epilogue=(G.RowStats(y, opts), G.Store()), config=tuning.fit_role("fwd_store", cfg))
+    st_c = G.gemm(a, b, epilogue=G.RowStats(y, opts), config=tuning.DEFAULT)
+    st_p = G.gemm(a, b, epilogue=G.RowStats(y, opts), config=cfg)
+    errs = dict(store_f32_rel_err=rel_err(z, ref), store_bf16_rel_err=rel_err(z16, ref),
+                lse_diff_store=float(jnp.abs(_lse(st, m) - _lse(st_c, m)).max()),
+                lse_diff_stats=float(jnp.abs(_lse(st_p, m) - _lse(st_c, m)).max()))
+    dog.disarm()
+    ok = errs["store_f32_rel_err"] < 1e-5 and errs["store_bf16_rel_err"] < 1e-2 and max(
+        errs["lse_diff_store"], errs["lse_diff_stats"]) < 1e-4
+    emit(kind="check", what=f"{cfg.schedule} smoke test", cfg=cfg.short(), shape=[m, n, k], ok=ok, **errs)
+    return ok
+  except Exception as e:  # noqa: BLE001
+    dog.disarm()
+    emit(kind="error", where=f"{cfg.schedule} smoke test", error=f"{type(e).__name__}: {e}"[:400])
+    return False
+
+
 def _xla_f32_plus_c(a, b, c):
   return c + jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -497,33 +526,10 @@ def schedules(args, kind, meta, budget):
   dog = Watchdog(save)
   shapes = os.environ.get("SHAPES", "llama3-8b,gpt2-small,qwen3-8b,gemma2-2b").split(",")
   opts = G.StatsOptions()
-  pp_ok = True
-  # a small call of every ping-pong variant first, against the cooperative one: a wrong or hanging schedule shows
-  # up here, in seconds, and its variants are left out of the timings
-  try:
-    dog.arm("pingpong smoke test", 120)
-    m, n, k = SMOKE
-    kk = jax.random.split(jax.random.key(2), 3)
-    a = jax.random.normal(kk[0], (m, k), jnp.bfloat16)
-    b = (0.05 * jax.random.normal(kk[1], (k, n), jnp.float32)).astype(jnp.bfloat16)
-    y = jax.random.randint(kk[2], (m,), 0, n, jnp.int32)
-    ref = jnp.dot(a, b, preferred_element_type=jnp.float32)
-    pp = tuning.PINGPONG
-    z = G.gemm(a, b, epilogue=G.Store(jnp.float32), config=pp)
-    st, z16 = G.gemm(a, b, epilogue=(G.RowStats(y, opts), G.Store()), config=tuning.fit_role("fwd_store", pp))
-    st_c = G.gemm(a, b, epilogue=G.RowStats(y, opts), config=tuning.DEFAULT)
-    st_p = G.gemm(a, b, epilogue=G.RowStats(y, opts), config=pp)
-    errs = dict(store_f32_rel_err=rel_err(z, ref), store_bf16_rel_err=rel_err(z16, ref),
-                lse_diff_store=float(jnp.abs(_lse(st, m) - _lse(st_c, m)).max()),
-                lse_diff_stats=float(jnp.abs(_lse(st_p, m) - _lse(st_c, m)).max()))
-    dog.disarm()
-    pp_ok = errs["store_f32_rel_err"] < 1e-5 and errs["store_bf16_rel_err"] < 1e-2 and max(
-        errs["lse_diff_store"], errs["lse_diff_stats"]) < 1e-4
-    emit(kind="check", what="pingpong smoke test", shape=[m, n, k], ok=pp_ok, **errs)
-  except Exception as e:  # noqa: BLE001
-    dog.disarm()
-    pp_ok = False
-    emit(kind="error", where="pingpong smoke test", error=f"{type(e).__name__}: {e}"[:400])
+  # a small call of each ping-pong schedule first, against the cooperative one: a wrong or hanging schedule shows up
+  # here, in seconds, and its variants are left out of the timings
+  pp_ok = _smoke(tuning.PINGPONG, dog, opts)
+  ws_ok = _smoke(tuning.PINGPONG_WS, dog, opts)
   save()
 
   raw = {}
@@ -546,15 +552,21 @@ def schedules(args, kind, meta, budget):
     c = jnp.ones((h, v), jnp.float32)
     mnks = {"fwd": (b, v, h), "fwd_stats": (b, v, h), "fwd_store": (b, v, h), "dw_acc": (h, v, b)}
     role_args = {"fwd": (x, w, y), "fwd_stats": (x, w, y), "fwd_store": (x, w, y), "dw_acc": (x, dz, c)}
-    pp = tuning.PINGPONG
+    pp, ws = tuning.PINGPONG, tuning.PINGPONG_WS
     cands = {  # name -> (role, config)
         f"{role}/coop": (role, tuning.select_config(role, *mnks[role], kind)) for role in mnks}
     if pp_ok:
       cands.update({
-          "fwd/pp": ("fwd", dataclasses.replace(pp, epi_n=64)), "fwd/pp-epi32": ("fwd", pp),
-          "fwd_stats/pp": ("fwd_stats", pp), "fwd_stats/pp-n8": ("fwd_stats", dataclasses.replace(pp, order_width=8)),
+          "fwd/pp": ("fwd", dataclasses.replace(pp, epi_n=64)), "fwd_stats/pp": ("fwd_stats", pp),
           "fwd_store/pp": ("fwd_store", tuning.fit_role("fwd_store", pp)),
           "dw_acc/pp": ("dw_acc", tuning.fit_role("dw_acc", pp)),
+      })
+    if ws_ok:
+      cands.update({
+          "fwd/ws": ("fwd", dataclasses.replace(ws, epi_n=64)),
+          "fwd_stats/ws": ("fwd_stats", ws), "fwd_stats/ws-n8": ("fwd_stats", dataclasses.replace(ws, order_width=8)),
+          "fwd_store/ws": ("fwd_store", tuning.fit_role("fwd_store", ws)),
+          "dw_acc/ws": ("dw_acc", tuning.fit_role("dw_acc", ws)),
       })
     fns = {"xla": (jax.jit(lambda a, b_, lab: jnp.dot(a, b_)), (x, w, y)),
            "xla_dw_f32_plus_c": (jax.jit(_xla_f32_plus_c), (x, dz, c))}

@@ -170,12 +170,13 @@ SDS = jax.ShapeDtypeStruct
 
 def _f32_stats(cfg):
   """``cfg`` with few enough stages for statistics + float32 stored sub-tiles (the ping-pong schedule's two
-  operand rings leave room for 2)."""
-  return dataclasses.replace(cfg, stages=2 if cfg.schedule == "pingpong" else 3)
+  operand rings leave room for 2 slots each, the shared ring of ``pingpong_ws`` for 4)."""
+  return dataclasses.replace(cfg, stages={"pingpong": 2, "pingpong_ws": 4}.get(cfg.schedule, 3))
 
 
 @pytest.mark.parametrize("cfg", [G.GemmConfig(), G.GemmConfig(wg_split="m", cluster="n"),
-                                 G.GemmConfig(cluster="m", order_minor="m", order_width=8), tuning.PINGPONG],
+                                 G.GemmConfig(cluster="m", order_minor="m", order_width=8), tuning.PINGPONG,
+                                 tuning.PINGPONG_WS],
                          ids=lambda c: c.short())
 def test_gpu_kernel_lowers_for_cuda(cfg):
   """The GPU kernel (either schedule), every role, through the whole Pallas → Mosaic GPU lowering on CPU."""
@@ -237,7 +238,7 @@ def test_select_config():
 
 
 GPU_CFGS = [None, G.GemmConfig(wg_split="m", cluster="n"), G.GemmConfig(cluster="m", order_minor="m"),
-            tuning.PINGPONG]
+            tuning.PINGPONG, tuning.PINGPONG_WS]
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
@@ -248,14 +249,15 @@ def test_gpu_products(name, cfg):
   ta, tb = LAYOUTS[name]
   m, n, k = (1088, 2112, 1000) if ta else (1000, 2112, 576)
   a, b, ref = _operands(rng, (ta, tb), m, n, k)
-  cfg32 = cfg and dataclasses.replace(cfg, stages=3)  # a float32 output's SMEM leaves room for 3 stages
+  cfg32 = cfg and dataclasses.replace(cfg, stages=min(cfg.stages, 3 if cfg.schedule != "pingpong_ws" else 5))
+  # (a float32 output's SMEM leaves room for 3 stages, 2 x 3 in ping-pong, 5 in a shared ping-pong ring)
   out = G.gemm(a, b, transpose_a=ta, transpose_b=tb, epilogue=G.Store(jnp.float32), config=cfg32)
   assert _rel(out, ref) < 1e-5
   assert _rel(G.gemm(a, b, transpose_a=ta, transpose_b=tb, config=cfg), ref) < 1e-2
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
-@pytest.mark.parametrize("base", [tuning.DEFAULT, tuning.PINGPONG], ids=lambda c: c.schedule)
+@pytest.mark.parametrize("base", [tuning.DEFAULT, tuning.PINGPONG, tuning.PINGPONG_WS], ids=lambda c: c.schedule)
 def test_gpu_hooks(base):
   rng = np.random.default_rng(8)
   m, n, k = 1000, 2112, 576
@@ -286,20 +288,22 @@ def test_gpu_hooks(base):
   lse = jnp.asarray(rng.uniform(2, 4, m), jnp.float32)
   coef = jnp.asarray(rng.uniform(0.5, 1.5, m), jnp.float32)
   out = G.gemm(zl, w, transpose_b=True, prologue=G.DzFromLogits(lse, coef, coef, labels), epilogue=G.Store(jnp.float32),
-               config=dataclasses.replace(base, stages=3))
+               config=_f32_stats(base))
   dz = _dz_ref(_f64(zl), _f64(lse), _f64(coef), _f64(coef), np.asarray(labels))
   assert _rel(out, dz @ _f64(w).T) < 1e-2
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
-@pytest.mark.parametrize("m,n,k", [(1900, 4160, 1088), (300, 4160, 64), (128, 128, 512)])
-def test_gpu_pingpong_turns(m, n, k):
-  """The ping-pong schedule where its turn-taking has corners: an odd count of tiles (the last pair's second
-  warpgroup has none), several pairs per CTA, a K loop shorter than the stages (one step), CTAs with no tile."""
+@pytest.mark.parametrize("schedule", [tuning.PINGPONG, tuning.PINGPONG_WS], ids=lambda c: c.schedule)
+@pytest.mark.parametrize("m,n,k", [(1900, 4160, 1088), (300, 4160, 64), (128, 128, 512), (1024, 4096, 768)])
+def test_gpu_pingpong_turns(m, n, k, schedule):
+  """The ping-pong schedules where their turn-taking has corners: an odd count of tiles (the last pair's second
+  warpgroup has none), several pairs per CTA, a K loop shorter than the stages (one step), CTAs with no tile, a
+  K loop that is a multiple of the shared ring (12 steps, 6 slots) and one that is not (17 steps)."""
   rng = np.random.default_rng(9)
   a, b, ref = _operands(rng, LAYOUTS["x.w"], m, n, k)
   labels = jnp.asarray(rng.integers(0, n, m), jnp.int32)
-  pp, coop = _f32_stats(tuning.PINGPONG), _f32_stats(tuning.DEFAULT)
+  pp, coop = _f32_stats(schedule), _f32_stats(tuning.DEFAULT)
   st, z = G.gemm(a, b, epilogue=(G.RowStats(labels), G.Store(jnp.float32)), config=pp)
   st_c, z_c = G.gemm(a, b, epilogue=(G.RowStats(labels), G.Store(jnp.float32)), config=coop)
   assert _rel(z, ref) < 1e-5
@@ -308,4 +312,4 @@ def test_gpu_pingpong_turns(m, n, k):
   for x, y in zip(rs, rs_c):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
   a2, b2, ref2 = _operands(rng, LAYOUTS["dz.wT"], m, n, k)
-  assert _rel(G.gemm(a2, b2, transpose_b=True, config=tuning.PINGPONG), ref2) < 1e-2
+  assert _rel(G.gemm(a2, b2, transpose_b=True, config=schedule), ref2) < 1e-2

@@ -23,7 +23,9 @@ and a pair of turn barriers that lets one warpgroup at a time issue its tile's W
 period behind, so one warpgroup's epilogue (statistics, stores) runs while the other's MMAs keep the tensor cores
 busy (the technique of CUTLASS's "ping-pong" kernels and FlashAttention-3's warpgroup scheduling). It takes no
 clusters; its SMEM holds two rings of slots, so 3 stages of 128×128×64 (192 KB) at most, with ``epi_n = 32``
-for the larger epilogues.
+for the larger epilogues. ``pingpong_ws`` (:func:`_body_pingpong_ws`) takes the same turns but is fed by a TMA
+warpgroup through one ring shared by both compute warpgroups, filled in the order the turns consume it: 6 slots
+of 128×128×64, so the copies run 5 K steps ahead (2 in ``pingpong``, whose warpgroups copy for themselves).
 
 **Ragged shapes.** M, N and K need not be multiples of any tile: TMA fills the out-of-bounds part of a loaded
 tile with zeros (so a ragged K adds nothing) and clips the out-of-bounds part of a stored one. No operand is
@@ -70,6 +72,9 @@ _SUPPORTED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MINOR = 64  # elements of a 128-byte swizzle row (16-bit operands)
 
 
+SCHEDULES = ("cooperative", "pingpong", "pingpong_ws")
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
   """Static tiling of one GEMM call.
@@ -77,9 +82,10 @@ class GemmConfig:
   ``tile_m × tile_n`` is one compute warpgroup's accumulator; the CTA tile doubles it along ``wg_split``
   ("m" or "n"), a cluster of two CTAs doubles that along ``cluster`` ("m", "n" or None). ``order_minor`` /
   ``order_width`` set the planar-snake tile order; ``epi_m × epi_n`` is the sub-tile of the stored output.
-  ``schedule``: ``"cooperative"`` (both warpgroups on one CTA tile, fed by a TMA warpgroup) or ``"pingpong"``
-  (each warpgroup on a tile of its own, taking turns on the tensor cores; ``wg_split`` is then unused and
-  ``cluster`` must be None). The interpret twin ignores it.
+  ``schedule``: ``"cooperative"`` (both warpgroups on one CTA tile, fed by a TMA warpgroup), ``"pingpong"``
+  (each warpgroup on a tile of its own, with its own ring of ``stages`` slots, taking turns on the tensor cores)
+  or ``"pingpong_ws"`` (the same turns, one ring of ``stages`` slots filled by a TMA warpgroup); under both
+  ping-pong schedules ``wg_split`` is unused and ``cluster`` must be None. The interpret twin ignores it.
   """
 
   tile_m: int = 128
@@ -97,7 +103,7 @@ class GemmConfig:
   def cta_tile(self) -> tuple[int, int]:
     """The output block a CTA's warpgroups work on at once: two warpgroup tiles side by side (cooperative), or
     one warpgroup tile (ping-pong: each warpgroup has a tile of its own)."""
-    if self.schedule == "pingpong":
+    if self.schedule != "cooperative":
       return (self.tile_m, self.tile_n)
     return (self.tile_m * (2 if self.wg_split == "m" else 1), self.tile_n * (2 if self.wg_split == "n" else 1))
 
@@ -109,8 +115,8 @@ class GemmConfig:
     return (cm * (2 if self.cluster == "m" else 1), cn * (2 if self.cluster == "n" else 1))
 
   def short(self) -> str:
-    if self.schedule == "pingpong":
-      return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} pingpong "
+    if self.schedule != "cooperative":
+      return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} {self.schedule} "
               f"order={self.order_minor}{self.order_width} epi={self.epi_m}x{self.epi_n}")
     return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} wg={self.wg_split} cl={self.cluster} "
             f"order={self.order_minor}{self.order_width}")
@@ -126,9 +132,9 @@ class GemmConfig:
                        "multiple of 64 (the WGMMA register layout) and columns a multiple of 32")
     if self.stages < 2:
       raise ValueError("GemmConfig.stages must be >= 2")
-    if self.schedule not in ("cooperative", "pingpong"):
-      raise ValueError(f"GemmConfig.schedule={self.schedule!r}: 'cooperative' or 'pingpong'")
-    if self.schedule == "pingpong" and self.cluster is not None:
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"GemmConfig.schedule={self.schedule!r}: one of {SCHEDULES}")
+    if self.schedule != "cooperative" and self.cluster is not None:
       raise ValueError("GemmConfig: the ping-pong schedule runs without clusters (cluster=None)")
 
 
@@ -652,6 +658,134 @@ def _body_pingpong(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, p
   pl.run_scoped(scope, a_type, b_type, full_type, turn_type, pro_smem_types, *smem_types, collective_axes="wg")
 
 
+def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out):
+  """The GPU kernel, ping-pong schedule fed by a TMA warpgroup (``schedule="pingpong_ws"``): the two compute
+  warpgroups take turns on the tensor cores as in :func:`_body_pingpong`, but their K steps come through one ring of
+  ``stages`` slots shared by both, filled by a third warpgroup in the order the turns consume them (a warpgroup's
+  tile, then the other's next one), so the copies run up to ``stages - 1`` K steps ahead across tile boundaries.
+
+  Barriers: ``full[g, slot]`` (a slot's A and B copies for warpgroup ``g`` have landed; one set per warpgroup, so
+  each barrier is waited for only by the warpgroup it is meant for), ``empty[slot]`` (its WGMMA has read the slot;
+  waited for only by the TMA warpgroup), ``turn[g]`` as in :func:`_body_pingpong`."""
+  ins = _split(refs[:sum(n_in)], n_in)
+  outs = _split(refs[sum(n_in):], n_out)
+  pro_ins, part_ins = ins[0], ins[1:]
+  tm, tn, tk, depth = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages
+  steps = cdiv(prob.k, tk)
+  a_shape, a_minor = ((tk, tm), tm) if prob.transpose_a else ((tm, tk), tk)
+  b_shape, b_minor = ((tn, tk), tk) if prob.transpose_b else ((tk, tn), tn)
+  a_type = plgpu.SMEM((depth, *a_shape), prob.dtype, transforms=_transforms(prob.dtype, a_minor))
+  b_type = plgpu.SMEM((depth, *b_shape), prob.dtype, transforms=_transforms(prob.dtype, b_minor))
+  full_type = plgpu.Barrier(num_arrivals=2, num_barriers=2 * depth)
+  empty_type = plgpu.Barrier(num_arrivals=1, num_barriers=depth)
+  turn_type = plgpu.Barrier(num_arrivals=1, num_barriers=2)
+  smem_types = [p.smem(prob, cfg) for p in parts]
+  pro_smem_types = prologue.smem(prob, cfg) if prologue is not None else ()
+  tiles = cdiv(prob.m, tm) * cdiv(prob.n, tn)
+  pairs = cdiv(tiles, 2)
+  memory_registers = 40
+  compute_registers = min(240, (512 - memory_registers) // 2 // 8 * 8)
+
+  def scope(a_buf, b_buf, full, empty, turn, pro_smem, *part_smem):
+    wg = lax.axis_index("wg")
+
+    def tile_of(pair, g):
+      lin = 2 * pair + g
+      row0, col0 = _tile_origin(lin, prob, cfg, tm, tn)
+      return lin < tiles, Tile(g, row0, col0, col0 // tn, cfg, prob)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(memory_registers, action="decrease")
+
+      def fill(pair, local, g):
+        """The K steps of warpgroup ``g``'s tile of ``pair`` into the ring, from ring position ``first``."""
+        valid, t = tile_of(pair, g)
+        first = (2 * local + g) * steps
+
+        @pl.when(valid)
+        def _():
+          @pl.loop(0, steps)
+          def _k(step):
+            pos = first + step
+            slot = lax.rem(pos, depth)
+
+            @pl.when(pos >= depth)
+            def _():
+              plgpu.barrier_wait(empty.at[slot])  # the WGMMA that read this slot's last use is done
+
+            ks = pl.ds(step * tk, tk)
+            a_src = a_ref.at[ks, t.rows] if prob.transpose_a else a_ref.at[t.rows, ks]
+            b_src = b_ref.at[t.cols, ks] if prob.transpose_b else b_ref.at[ks, t.cols]
+            plgpu.copy_gmem_to_smem(a_src, a_buf.at[slot], full.at[g * depth + slot])
+            plgpu.copy_gmem_to_smem(b_src, b_buf.at[slot], full.at[g * depth + slot])
+
+      @plgpu.nd_loop((pairs,), collective_axes="sm")
+      def _pair(info):
+        (pair,) = info.index
+        for g in range(2):  # in the order the turns consume them
+          fill(pair, info.local_index, g)
+
+    @pl.when(wg < 2)
+    def _consumers():
+      plgpu.set_max_registers(compute_registers, action="increase")
+      g = wg
+
+      @pl.when(g == 1)
+      def _():
+        plgpu.barrier_arrive(turn.at[0])  # warpgroup 0 has the first turn
+
+      @plgpu.nd_loop((pairs,), collective_axes="sm")
+      def _pair(info):
+        (pair,) = info.index
+        valid, t = tile_of(pair, g)
+        first = (2 * info.local_index + g) * steps
+
+        @pl.when(valid)
+        def _():
+          for p, pi, ps in zip(parts, part_ins, part_smem):
+            p.prefetch(t, pi, ps)
+          if prologue is not None:
+            prologue.fetch(t, pro_ins, pro_smem)
+
+          def acc_scope(acc_ref):
+            plgpu.barrier_wait(turn.at[g])
+
+            @pl.loop(0, steps)
+            def _k(step):
+              slot = lax.rem(first + step, depth)
+              plgpu.barrier_wait(full.at[g * depth + slot])
+              a = a_buf.at[slot].T if prob.transpose_a else a_buf.at[slot]
+              b = b_buf.at[slot].T if prob.transpose_b else b_buf.at[slot]
+              if prologue is not None:
+                a = prologue.form(a[...].astype(F32), step * tk, t, pro_smem).astype(prob.dtype)
+                plgpu.wgmma(acc_ref, a, b)
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(empty.at[slot])
+              else:
+                plgpu.wgmma(acc_ref, a, b)
+                plgpu.wgmma_wait(1)  # the previous step's WGMMA is done: its slot is free
+
+                @pl.when(step > 0)
+                def _():
+                  plgpu.barrier_arrive(empty.at[lax.rem(first + step + depth - 1, depth)])
+
+            plgpu.barrier_arrive(turn.at[1 - g])  # all WGMMAs issued: the other warpgroup's turn
+            plgpu.wgmma_wait(0)
+            if prologue is None:
+              plgpu.barrier_arrive(empty.at[lax.rem(first + steps - 1, depth)])
+            z = acc_ref[...]
+            for p, pi, po, ps in zip(parts, part_ins, outs, part_smem):
+              p.apply(z, t, pi, po, ps)
+
+          pl.run_scoped(acc_scope, plgpu.ACC((tm, tn), F32))
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # no SMEM is released while a copy still reads it
+
+  pl.run_scoped(scope, a_type, b_type, full_type, empty_type, turn_type, pro_smem_types, *smem_types,
+                collective_axes="wg")
+
+
 def _body_twin(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out, n_smem):
   """The interpret twin: one warpgroup tile per CTA tile, the same loop, pipeline, hooks; a dot for the MMA."""
   ins = _split(refs[:sum(n_in)], n_in)
@@ -772,10 +906,10 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
                         interpret=plgpu.InterpretGPUParams())
   else:
     cs = config.cluster_size()
-    pingpong = config.schedule == "pingpong"
-    body = _body_pingpong if pingpong else _body_ws
+    body = {"cooperative": _body_ws, "pingpong": _body_pingpong, "pingpong_ws": _body_pingpong_ws}[config.schedule]
     kern = plgpu.kernel(functools.partial(body, **hooks), out_type=out_type, grid=(_device.num_sms() // cs,),
-                        grid_names=("sm",), cluster=(cs,), cluster_names=("cluster",), num_threads=2 if pingpong else 3,
+                        grid_names=("sm",), cluster=(cs,), cluster_names=("cluster",),
+                        num_threads=2 if config.schedule == "pingpong" else 3,
                         thread_name="wg",
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                                              approx_math=approx_math))

@@ -9,7 +9,9 @@ Roles: the bare products ``fwd`` (x·w), ``dx`` (dz·wᵀ), ``dw`` (xᵀ·dz, bf
 prologue), ``dw_acc`` (xᵀ·dz + C in float32); ``plain`` for anything else. Shape bucket: ``(M, N, K)`` rounded
 to powers of two; the row nearest in log-distance serves a shape. A role with loss work and no row of its own
 takes its bare product's row (:func:`fit_role` makes it fit the hooks' SMEM), then (``plain`` too) the nearest row
-of any bare product of the device, then :data:`DEFAULT`.
+of any bare product of the device, then :data:`DEFAULT`. A row's config names its schedule (``"schedule"``:
+``cooperative`` when absent, ``pingpong`` or ``pingpong_ws``; ``benchmarks/bench_gemm.py --schedules`` writes rows
+for the faster one).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ DEFAULT = GemmConfig()
 # the ping-pong schedule's shape of config (each warpgroup a 128x128 tile and 3 stages of its own: 192 KB of SMEM
 # for the operands, so half-width epilogue sub-tiles); a table row selects it with "schedule": "pingpong"
 PINGPONG = GemmConfig(stages=3, epi_n=32, schedule="pingpong")
+# the same turns fed by a TMA warpgroup through one ring shared by both compute warpgroups: 6 slots (192 KB)
+PINGPONG_WS = GemmConfig(stages=6, epi_n=32, schedule="pingpong_ws")
 
 
 def bucket(m: int, n: int, k: int) -> tuple[int, int, int]:
@@ -64,12 +68,15 @@ BASE_ROLE = {"fwd_stats": "fwd", "fwd_store": "fwd", "dx_prologue": "dx", "dw_ac
 def fit_role(role: str, cfg: GemmConfig) -> GemmConfig:
   """A bare product's config made to fit the extra SMEM of ``role``'s hooks (227 KB in all): the stored bf16
   tiles next to the statistics or the prologue's vectors take half-width sub-tiles; a float32 ``+C`` output one
-  stage fewer (and, under the ping-pong schedule, whose operand rings already take 192 KB, half-width sub-tiles)."""
+  stage fewer (and, under the ping-pong schedules, whose operand rings already take 192 KB, half-width sub-tiles)."""
   if role in ("fwd_store", "dx_prologue"):
     return dataclasses.replace(cfg, epi_n=min(cfg.epi_n, 32))
   if role == "dw_acc":
-    cfg = dataclasses.replace(cfg, stages=min(cfg.stages, 3))
-    return dataclasses.replace(cfg, epi_n=min(cfg.epi_n, 32)) if cfg.schedule == "pingpong" else cfg
+    if cfg.schedule == "cooperative":
+      return dataclasses.replace(cfg, stages=min(cfg.stages, 3))
+    # ping-pong: 2 x 3 slots of its own per warpgroup, or one shared ring of 5
+    stages = min(cfg.stages, 3 if cfg.schedule == "pingpong" else 5)
+    return dataclasses.replace(cfg, stages=stages, epi_n=min(cfg.epi_n, 32))
   return cfg
 
 
