@@ -451,16 +451,16 @@ def _linen_reference(params, tokens, labels):
 LINEN_RECIPES = {
     # 1. a flag (cleanest): the model returns the head's input; the head is never called.
     "flag": lambda p, t, y: head_loss(p["head"], LinenLM().apply({"params": p}, t, return_hidden=True), y,
-                                      chunk_size=CHUNK),
+                                      token_chunk=CHUNK),
     # 2. sow: the model runs whole (the head is traced; jit removes its unused logits).
     "sow": lambda p, t, y: head_loss(
         p["head"], LinenLM().apply({"params": p}, t, mutable=["intermediates"])[1]["intermediates"]["hidden"][0], y,
-        chunk_size=CHUNK),
+        token_chunk=CHUNK),
     # 3. a model you cannot edit: capture the final norm's output (the head's input); jit removes the logits.
     "capture": lambda p, t, y: head_loss(
         p["head"], LinenLM().apply({"params": p}, t, capture_intermediates=lambda m, _: m.name == "final_norm",
                                    mutable=["intermediates"])[1]["intermediates"]["final_norm"]["__call__"][0], y,
-        chunk_size=CHUNK),
+        token_chunk=CHUNK),
 }
 
 
@@ -541,7 +541,7 @@ def test_nnx_hidden_state_recipes(recipe):
   tokens, labels = _tokens(2)
 
   def fused(m):
-    return head_loss(m.head, hidden(m, tokens), labels, chunk_size=CHUNK)
+    return head_loss(m.head, hidden(m, tokens), labels, token_chunk=CHUNK)
 
   def reference(m):
     return reference_ce(logits(m, tokens), labels)

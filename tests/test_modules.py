@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import lce_flax.linen as lce_linen
 import lce_flax.nnx as lce_nnx
 from lce_flax import Aux, LossOptions
+from tests._checks import chunk_kw
 from tests.reference_np import linear_cross_entropy_np, rel_err
 
 VOCAB, EMBED, SEQ, BATCH, HEADS, LAYERS = 97, 32, 12, 3, 4, 2
@@ -29,9 +30,10 @@ VOCAB, EMBED, SEQ, BATCH, HEADS, LAYERS = 97, 32, 12, 3, 4, 2
 CHUNK = 16
 
 
-def chunk(impl):
-  """The chunk option where the implementation has a chunk loop (``xla`` has none, and refuses one)."""
-  return {"chunk_size": CHUNK} if impl == "chunked" else {}
+def chunk(impl, mode=None):
+  """The chunk option of the design ``mode`` picks where the implementation has a chunk loop (``xla`` has none,
+  and refuses one): tokens per chunk for the fast design, vocabulary columns for the lean one."""
+  return chunk_kw(CHUNK, mode) if impl == "chunked" else {}
 
 
 def make_batch(seed: int = 0, ignore_frac: float = 0.25):
@@ -122,11 +124,11 @@ class LinenLM(nn.Module):
       return optax_loss(nn.Dense(VOCAB, use_bias=self.use_bias, name="head")(x), labels)
     if self.head == "fused":
       head = lce_linen.LMHead(VOCAB, use_bias=self.use_bias, name="head",
-                              options=LossOptions(impl=self.impl, mode=self.mode, **chunk(self.impl)))
+                              options=LossOptions(impl=self.impl, mode=self.mode, **chunk(self.impl, self.mode)))
       return head(x, labels)
     if self.head == "attend":
       return optax_loss(embed.attend(x), labels)
-    return lce_linen.TiedLMHead(options=LossOptions(impl=self.impl, mode=self.mode, **chunk(self.impl)))(
+    return lce_linen.TiedLMHead(options=LossOptions(impl=self.impl, mode=self.mode, **chunk(self.impl, self.mode)))(
         embed, x, labels)
 
 
@@ -206,7 +208,7 @@ def test_linen_head_sharded_by_logical_rules():
   """Parameters placed by their logical names on an (Auto) mesh: same loss, gradients sharded like the params."""
   mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   rules = (("embed", None), ("vocab", "model"))
-  head = lce_linen.LMHead(96, use_bias=True, options=LossOptions(impl="chunked", chunk_size=CHUNK),
+  head = lce_linen.LMHead(96, use_bias=True, options=LossOptions(impl="chunked", token_chunk=CHUNK),
                           bias_init=nn.initializers.normal(1.0))
   x = jax.random.normal(jax.random.key(0), (4, 6, EMBED))
   labels = jnp.asarray(np.random.default_rng(0).integers(-1, 96, (4, 6)), jnp.int32)
@@ -301,14 +303,16 @@ def _head_problem(seed, use_bias, batch_shape=(3, 11), h=EMBED, v=VOCAB):
   x = jnp.asarray(rng.standard_normal((*batch_shape, h)), jnp.float32)
   labels = rng.integers(0, v, batch_shape)
   labels = jnp.asarray(np.where(rng.random(batch_shape) < 0.2, -100, labels), jnp.int32)
-  head = lce_linen.LMHead(v, use_bias=use_bias, options=LossOptions(impl="chunked", chunk_size=CHUNK),
+  head = lce_linen.LMHead(v, use_bias=use_bias, options=LossOptions(impl="chunked", token_chunk=CHUNK),
                           bias_init=nn.initializers.normal(0.5))
   params = nn.meta.unbox(head.init(jax.random.key(seed), x, labels))["params"]
   return head, params, x, labels
 
 
 @pytest.mark.parametrize("options", [dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=5.0),
-                                     dict(reduction="sum"), dict(reduction="none", mode="lean")])
+                                     dict(reduction="sum"),
+                                     # the lean design loops over vocabulary columns: the head's token_chunk goes
+                                     dict(reduction="none", mode="lean", token_chunk=None, vocab_chunk=CHUNK)])
 def test_linen_head_options_against_oracle(options):
   head, params, x, labels = _head_problem(3, use_bias=True)
   where = jnp.asarray(np.random.default_rng(4).random(labels.shape) < 0.8)
@@ -322,7 +326,8 @@ def test_linen_head_options_against_oracle(options):
     return out, *vjp(jnp.asarray(cot, out.dtype) * jnp.ones_like(out))
 
   want = linear_cross_entropy_np(x, params["kernel"], labels, bias=params["bias"], where=where,
-                                 cotangent=cot, **{k: v for k, v in options.items() if k != "mode"})
+                                 cotangent=cot, **{k: v for k, v in options.items()
+                                                    if k not in ("mode", "token_chunk", "vocab_chunk")})
   for h, kw in ((as_fields, {}), (head, options)):
     loss, dp, dx = run(h, params, x, kw)
     assert rel_err(loss, want["loss"]) < 1e-5
@@ -472,9 +477,9 @@ class NNXLM(nnx.Module):
       self.head = nnx.Linear(EMBED, VOCAB, use_bias=use_bias, rngs=rngs)
     elif head == "fused":
       self.head = lce_nnx.LMHead(EMBED, VOCAB, use_bias=use_bias, rngs=rngs,
-                                 options=LossOptions(impl=impl, mode=mode, **chunk(impl)))
+                                 options=LossOptions(impl=impl, mode=mode, **chunk(impl, mode)))
     elif head == "tied":
-      self.head = lce_nnx.TiedLMHead(options=LossOptions(impl=impl, mode=mode, **chunk(impl)))
+      self.head = lce_nnx.TiedLMHead(options=LossOptions(impl=impl, mode=mode, **chunk(impl, mode)))
 
   def __call__(self, tokens, labels):
     x = self.embed(tokens) + self.pos[...]
