@@ -165,6 +165,8 @@ def main():
                   "every contender of a product (and its loss-work variants) timed in alternation")
   ap.add_argument("--schedules", action="store_true", help="the cooperative and ping-pong schedules of fwd, "
                   "fwd_stats, fwd_store (and XLA's bare GEMM) in alternation; ends itself within BUDGET_S (200 s)")
+  ap.add_argument("--smoke-only", choices=("pingpong", "pingpong_ws"), help="(--schedules runs this in a child "
+                  "process) the small correctness check of one ping-pong schedule, as JSON lines")
   ap.add_argument("--rounds", type=int, default=5)
   args = ap.parse_args()
   budget = float(os.environ.get("BUDGET_S", "200" if args.schedules else "1e9"))
@@ -179,6 +181,10 @@ def main():
               timing=("median of 10 wall-clock runs around block_until_ready after 2 warm-ups; summary rows: "
                       "median of 3 such medians taken in alternation between the compared kernels"))
   emit(**meta)
+  if args.smoke_only:
+    _smoke({"pingpong": tuning.PINGPONG, "pingpong_ws": tuning.PINGPONG_WS}[args.smoke_only], Watchdog(lambda: None),
+           G.StatsOptions())
+    return
   if args.schedules:
     schedules(args, kind, meta, budget)
     return
@@ -454,12 +460,12 @@ class Watchdog:
       self.timer = None
 
   def _fire(self, label, seconds):
-    emit(kind="error", where=label, error=f"timeout: no result after {seconds} s (a hung kernel?); run ended")
+    emit(kind="error", where=label, error=f"timeout: no result after {seconds} s (a hung kernel?); process ended")
     self.on_timeout()
     os._exit(3)
 
 
-SMOKE = (1900, 4160, 1088)  # an odd count of 128x128 tiles (15 x 33), a few pairs of them per CTA, 17 K steps
+SMOKE = (1896, 4160, 1088)  # an odd count of 128x128 tiles (15 x 33), a few pairs of them per CTA, 17 K steps
 
 
 def _role_fn(role, cfg, opts):
@@ -477,7 +483,7 @@ def _role_fn(role, cfg, opts):
 def _smoke(cfg, dog, opts) -> bool:
   """``cfg``'s schedule on a small problem (see :data:`SMOKE`) against XLA and the cooperative schedule."""
   try:
-    dog.arm(f"{cfg.schedule} smoke test", 120)
+    dog.arm(f"{cfg.schedule} smoke test", 75)
     m, n, k = SMOKE
     kk = jax.random.split(jax.random.key(2), 3)
     a = jax.random.normal(kk[0], (m, k), jnp.bfloat16)
@@ -500,6 +506,33 @@ def _smoke(cfg, dog, opts) -> bool:
     dog.disarm()
     emit(kind="error", where=f"{cfg.schedule} smoke test", error=f"{type(e).__name__}: {e}"[:400])
     return False
+
+
+def _smoke_in_child(schedule, out_dir, timeout=90) -> bool:
+  """Runs ``--smoke-only schedule`` in a child process (killed after ``timeout`` s: a hung kernel ends with it,
+  not with this process); its rows join this run's; returns whether the schedule passed."""
+  import subprocess  # noqa: PLC0415
+  cmd = [sys.executable, os.path.abspath(__file__), "--smoke-only", schedule, "--out", out_dir]
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  try:
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    text, note = res.stdout, f"exit code {res.returncode}"
+    if res.returncode:
+      note += ": " + res.stderr[-300:]
+  except subprocess.TimeoutExpired as e:
+    text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    note = f"killed after {timeout} s (a hung kernel?)"
+  passed = False
+  for line in text.splitlines():
+    try:
+      r = json.loads(line)
+    except ValueError:
+      continue
+    if r.get("kind") in ("check", "error") and "smoke test" in str(r.get("what", r.get("where", ""))):
+      ROWS.append(dict(r, child=True))
+      passed = passed or (r["kind"] == "check" and bool(r["ok"]))
+  emit(kind="smoke", schedule=schedule, passed=passed, child=note)
+  return passed
 
 
 def _xla_f32_plus_c(a, b, c):
@@ -526,10 +559,10 @@ def schedules(args, kind, meta, budget):
   dog = Watchdog(save)
   shapes = os.environ.get("SHAPES", "llama3-8b,gpt2-small,qwen3-8b,gemma2-2b").split(",")
   opts = G.StatsOptions()
-  # a small call of each ping-pong schedule first, against the cooperative one: a wrong or hanging schedule shows up
-  # here, in seconds, and its variants are left out of the timings
-  pp_ok = _smoke(tuning.PINGPONG, dog, opts)
-  ws_ok = _smoke(tuning.PINGPONG_WS, dog, opts)
+  # a small call of each ping-pong schedule first, against the cooperative one, in a child process: a wrong or
+  # hanging schedule shows up there, in seconds, and its variants are left out of the timings here
+  pp_ok = _smoke_in_child("pingpong", args.out)
+  ws_ok = _smoke_in_child("pingpong_ws", args.out)
   save()
 
   raw = {}
