@@ -575,106 +575,109 @@ def schedules(args, kind, meta, budget):
     if budget_left(budget) < 45:
       emit(kind="stop", shape=shape, why="past BUDGET_S")
       break
-    b, h, v = SHAPES[shape]
-    flops = 2 * b * h * v
-    kk = jax.random.split(jax.random.key(0), 4)
-    x = jax.random.normal(kk[0], (b, h), jnp.bfloat16)
-    w = (0.02 * jax.random.normal(kk[1], (h, v), jnp.float32)).astype(jnp.bfloat16)
-    y = jax.random.randint(kk[2], (b,), 0, v, jnp.int32)
-    dz = (1e-3 * jax.random.normal(kk[3], (b, v), jnp.float32)).astype(jnp.bfloat16)
-    c = jnp.ones((h, v), jnp.float32)
-    mnks = {"fwd": (b, v, h), "fwd_stats": (b, v, h), "fwd_store": (b, v, h), "dw_acc": (h, v, b)}
-    role_args = {"fwd": (x, w, y), "fwd_stats": (x, w, y), "fwd_store": (x, w, y), "dw_acc": (x, dz, c)}
-    pp, ws = tuning.PINGPONG, tuning.PINGPONG_WS
-    cands = {  # name -> (role, config)
-        f"{role}/coop": (role, tuning.select_config(role, *mnks[role], kind)) for role in mnks}
-    if pp_ok:
-      cands.update({
-          "fwd/pp": ("fwd", dataclasses.replace(pp, epi_n=64)), "fwd_stats/pp": ("fwd_stats", pp),
-          "fwd_store/pp": ("fwd_store", tuning.fit_role("fwd_store", pp)),
-          "dw_acc/pp": ("dw_acc", tuning.fit_role("dw_acc", pp)),
-      })
-    if ws_ok:
-      cands.update({
-          "fwd/ws": ("fwd", dataclasses.replace(ws, epi_n=64)),
-          "fwd_stats/ws": ("fwd_stats", ws), "fwd_stats/ws-n8": ("fwd_stats", dataclasses.replace(ws, order_width=8)),
-          "fwd_store/ws": ("fwd_store", tuning.fit_role("fwd_store", ws)),
-          "dw_acc/ws": ("dw_acc", tuning.fit_role("dw_acc", ws)),
-      })
-    fns = {"xla": (jax.jit(lambda a, b_, lab: jnp.dot(a, b_)), (x, w, y)),
-           "xla_dw_f32_plus_c": (jax.jit(_xla_f32_plus_c), (x, dz, c))}
-    results = {}
-    for name, (role, cfg) in cands.items():
-      if budget_left(budget) < 25:
-        emit(kind="stop", shape=shape, variant=name, why="past BUDGET_S")
-        break
-      try:  # compiles and runs once; a config that fails is a row with its error, the run goes on
-        dog.arm(f"{shape} {name}", 90)
-        f = _role_fn(role, cfg, opts)
-        results[name] = jax.block_until_ready(f(*role_args[role]))
+    try:  # whatever goes wrong at one shape is a row, and the next shape runs
+      b, h, v = SHAPES[shape]
+      flops = 2 * b * h * v
+      kk = jax.random.split(jax.random.key(0), 4)
+      x = jax.random.normal(kk[0], (b, h), jnp.bfloat16)
+      w = (0.02 * jax.random.normal(kk[1], (h, v), jnp.float32)).astype(jnp.bfloat16)
+      y = jax.random.randint(kk[2], (b,), 0, v, jnp.int32)
+      dz = (1e-3 * jax.random.normal(kk[3], (b, v), jnp.float32)).astype(jnp.bfloat16)
+      c = jnp.ones((h, v), jnp.float32)
+      mnks = {"fwd": (b, v, h), "fwd_stats": (b, v, h), "fwd_store": (b, v, h), "dw_acc": (h, v, b)}
+      role_args = {"fwd": (x, w, y), "fwd_stats": (x, w, y), "fwd_store": (x, w, y), "dw_acc": (x, dz, c)}
+      pp, ws = tuning.PINGPONG, tuning.PINGPONG_WS
+      cands = {  # name -> (role, config)
+          f"{role}/coop": (role, tuning.select_config(role, *mnks[role], kind)) for role in mnks}
+      if pp_ok:
+        cands.update({
+            "fwd/pp": ("fwd", dataclasses.replace(pp, epi_n=64)), "fwd_stats/pp": ("fwd_stats", pp),
+            "fwd_store/pp": ("fwd_store", tuning.fit_role("fwd_store", pp)),
+            "dw_acc/pp": ("dw_acc", tuning.fit_role("dw_acc", pp)),
+        })
+      if ws_ok:
+        cands.update({
+            "fwd/ws": ("fwd", dataclasses.replace(ws, epi_n=64)),
+            "fwd_stats/ws": ("fwd_stats", ws), "fwd_stats/ws-n8": ("fwd_stats", dataclasses.replace(ws, order_width=8)),
+            "fwd_store/ws": ("fwd_store", tuning.fit_role("fwd_store", ws)),
+            "dw_acc/ws": ("dw_acc", tuning.fit_role("dw_acc", ws)),
+        })
+      fns = {"xla": (jax.jit(lambda a, b_, lab: jnp.dot(a, b_)), (x, w, y)),
+             "xla_dw_f32_plus_c": (jax.jit(_xla_f32_plus_c), (x, dz, c))}
+      results = {}
+      for name, (role, cfg) in cands.items():
+        if budget_left(budget) < 25:
+          emit(kind="stop", shape=shape, variant=name, why="past BUDGET_S")
+          break
+        try:  # compiles and runs once; a config that fails is a row with its error, the run goes on
+          dog.arm(f"{shape} {name}", 90)
+          f = _role_fn(role, cfg, opts)
+          results[name] = jax.block_until_ready(f(*role_args[role]))
+          dog.disarm()
+          fns[name] = (f, role_args[role])
+          emit(kind="built", shape=shape, variant=name, cfg=cfg.short())
+        except Exception as e:  # noqa: BLE001
+          dog.disarm()
+          emit(kind="error", shape=shape, variant=name, cfg=cfg.short(), error=f"{type(e).__name__}: {e}"[:400])
+      # correctness of each variant against the cooperative one of its role (and the bare ones against XLA)
+      try:
+        ref = fns["xla"][0](x, w, y)
+        for name, res in results.items():
+          role = cands[name][0]
+          base = results.get(f"{role}/coop")
+          if role == "fwd":
+            emit(kind="check", shape=shape, variant=name, rel_err_vs_xla=rel_err(res, ref))
+          elif role == "dw_acc" and base is not None and name != f"{role}/coop":
+            emit(kind="check", shape=shape, variant=name, rel_err_vs_coop=rel_err(res - c, base - c))
+          elif base is not None and name != f"{role}/coop":
+            st, st0 = (res[0], base[0]) if role == "fwd_store" else (res, base)
+            row = dict(lse_max_abs_diff_vs_coop=float(jnp.abs(_lse(st, b) - _lse(st0, b)).max()))
+            if role == "fwd_store":
+              row["logits_rel_err_vs_coop"] = rel_err(res[1], base[1])
+            emit(kind="check", shape=shape, variant=name, **row)
+        del ref
+      except Exception as e:  # noqa: BLE001
+        emit(kind="error", shape=shape, where="checks", error=f"{type(e).__name__}: {e}"[:400])
+      del results
+      t = {}
+      try:
+        dog.arm(f"{shape} timing", 150)
+        t = interleaved(fns, args.rounds)
         dog.disarm()
-        fns[name] = (f, role_args[role])
-        emit(kind="built", shape=shape, variant=name, cfg=cfg.short())
       except Exception as e:  # noqa: BLE001
         dog.disarm()
-        emit(kind="error", shape=shape, variant=name, cfg=cfg.short(), error=f"{type(e).__name__}: {e}"[:400])
-    # correctness of each variant against the cooperative one of its role (and the bare ones against XLA)
-    try:
-      ref = fns["xla"][0](x, w, y)
-      for name, res in results.items():
-        role = cands[name][0]
-        base = results.get(f"{role}/coop")
-        if role == "fwd":
-          emit(kind="check", shape=shape, variant=name, rel_err_vs_xla=rel_err(res, ref))
-        elif role == "dw_acc" and base is not None and name != f"{role}/coop":
-          emit(kind="check", shape=shape, variant=name, rel_err_vs_coop=rel_err(res - c, base - c))
-        elif base is not None and name != f"{role}/coop":
-          st, st0 = (res[0], base[0]) if role == "fwd_store" else (res, base)
-          row = dict(lse_max_abs_diff_vs_coop=float(jnp.abs(_lse(st, b) - _lse(st0, b)).max()))
-          if role == "fwd_store":
-            row["logits_rel_err_vs_coop"] = rel_err(res[1], base[1])
-          emit(kind="check", shape=shape, variant=name, **row)
-      del ref
+        emit(kind="error", shape=shape, where="timing", error=f"{type(e).__name__}: {e}"[:400])
+      if t:
+        bare = min(t[k] for k in t if k == "xla" or k.startswith("fwd/"))
+        row = dict(kind="schedules", shape=shape, ms={k: round(val, 3) for k, val in t.items()},
+                   tflops={k: round(flops / val / 1e9, 1) for k, val in t.items()}, best_bare_fwd_ms=round(bare, 3),
+                   vs_best_bare_fwd={k: round(val / bare, 3) for k, val in t.items() if not k.startswith("dw_acc")
+                                     and k != "xla_dw_f32_plus_c"},
+                   cfg={name: cfg.short() for name, (_, cfg) in cands.items() if name in t})
+        if "xla_dw_f32_plus_c" in t:
+          row["dw_acc_vs_xla_f32_plus_c"] = {k: round(t["xla_dw_f32_plus_c"] / val, 3) for k, val in t.items()
+                                             if k.startswith("dw_acc/")}
+        for role in mnks:
+          mine = {k: v_ for k, v_ in t.items() if k.startswith(role + "/")}
+          if not mine:
+            continue
+          best = min(mine, key=mine.get)
+          coop = f"{role}/coop"
+          if coop in mine and mine[coop] <= 1.01 * mine[best]:
+            best = coop  # a schedule change for less than 1% is noise on this machine: the table keeps its row
+          row[f"{role}_best"] = best
+          if coop in mine and len(mine) > 1:
+            row[f"{role}_pp_speedup"] = round(mine[coop] / min(v_ for k, v_ in mine.items() if k != coop), 3)
+          bkt = list(tuning.bucket(*mnks[role]))
+          rows = [r for r in table.get(role, []) if r.get("bucket") != bkt]
+          rows.append({"bucket": bkt, "shape": list(mnks[role]), "config": dataclasses.asdict(cands[best][1]),
+                       "ms": round(mine[best], 3)})
+          table[role] = rows
+        emit(**row)
+      del x, w, y, dz, c, fns
     except Exception as e:  # noqa: BLE001
-      emit(kind="error", shape=shape, where="checks", error=f"{type(e).__name__}: {e}"[:400])
-    del results
-    t = {}
-    try:
-      dog.arm(f"{shape} timing", 150)
-      t = interleaved(fns, args.rounds)
-      dog.disarm()
-    except Exception as e:  # noqa: BLE001
-      dog.disarm()
-      emit(kind="error", shape=shape, where="timing", error=f"{type(e).__name__}: {e}"[:400])
-    if t:
-      bare = min(t[k] for k in t if k == "xla" or k.startswith("fwd/"))
-      row = dict(kind="schedules", shape=shape, ms={k: round(val, 3) for k, val in t.items()},
-                 tflops={k: round(flops / val / 1e9, 1) for k, val in t.items()}, best_bare_fwd_ms=round(bare, 3),
-                 vs_best_bare_fwd={k: round(val / bare, 3) for k, val in t.items() if not k.startswith("dw_acc")
-                                   and k != "xla_dw_f32_plus_c"},
-                 cfg={name: cfg.short() for name, (_, cfg) in cands.items() if name in t})
-      if "xla_dw_f32_plus_c" in t:
-        row["dw_acc_vs_xla_f32_plus_c"] = {k: round(t["xla_dw_f32_plus_c"] / val, 3) for k, val in t.items()
-                                           if k.startswith("dw_acc/")}
-      for role in mnks:
-        mine = {k: v_ for k, v_ in t.items() if k.startswith(role + "/")}
-        if not mine:
-          continue
-        best = min(mine, key=mine.get)
-        coop = f"{role}/coop"
-        if coop in mine and mine[coop] <= 1.01 * mine[best]:
-          best = coop  # a schedule change for less than 1% is noise on this machine: the table keeps its row
-        row[f"{role}_best"] = best
-        if coop in mine and len(mine) > 1:
-          row[f"{role}_pp_speedup"] = round(mine[coop] / min(v_ for k, v_ in mine.items() if k != coop), 3)
-        bkt = list(tuning.bucket(*mnks[role]))
-        rows = [r for r in table.get(role, []) if r.get("bucket") != bkt]
-        rows.append({"bucket": bkt, "shape": list(mnks[role]), "config": dataclasses.asdict(cands[best][1]),
-                     "ms": round(mine[best], 3)})
-        table[role] = rows
-      emit(**row)
+      emit(kind="error", shape=shape, error=f"{type(e).__name__}: {e}"[:400])
     save()
-    del x, w, y, dz, c, fns
   raw.update(source="benchmarks/bench_gemm.py --schedules (rows of fwd, fwd_stats, fwd_store, dw_acc at the "
                     "measured shapes); the other rows as they were", date=meta["date"], jax=meta["jax"])
   with open(os.path.join(args.out, "gemm_tuning.json"), "w") as f:

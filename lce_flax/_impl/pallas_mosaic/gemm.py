@@ -19,13 +19,14 @@ same time, so the tensor cores idle during the epilogue.
 
 The ``pingpong`` schedule (:func:`_body_pingpong`) hides the epilogue instead: two compute warpgroups, no TMA
 warpgroup, each warpgroup with an output tile (``tile_m × tile_n``) and a ``stages``-deep K pipeline of its own,
-and a pair of turn barriers that lets one warpgroup at a time issue its tile's WGMMAs. Warpgroup 1 starts half a
-period behind, so one warpgroup's epilogue (statistics, stores) runs while the other's MMAs keep the tensor cores
-busy (the technique of CUTLASS's "ping-pong" kernels and FlashAttention-3's warpgroup scheduling). It takes no
-clusters; its SMEM holds two rings of slots, so 3 stages of 128×128×64 (192 KB) at most, with ``epi_n = 32``
-for the larger epilogues. ``pingpong_ws`` (:func:`_body_pingpong_ws`) takes the same turns but is fed by a TMA
-warpgroup through one ring shared by both compute warpgroups, filled in the order the turns consume it: 6 slots
-of 128×128×64, so the copies run 5 K steps ahead (2 in ``pingpong``, whose warpgroups copy for themselves).
+and a pair of turn barriers that lets one warpgroup at a time issue its tile's WGMMAs. Warpgroup 1 starts its
+first K loop when warpgroup 0's is issued, and the two alternate from then on, so one warpgroup's epilogue
+(statistics, stores) runs while the other's MMAs keep the tensor cores busy (the technique of CUTLASS's
+"ping-pong" kernels and FlashAttention-3's warpgroup scheduling). It takes no clusters; its SMEM holds two rings
+of slots, so 3 stages of 128×128×64 (192 KB) at most, with ``epi_n = 32`` for the larger epilogues.
+``pingpong_ws`` (:func:`_body_pingpong_ws`) takes the same turns but is fed by a TMA warpgroup through one ring
+shared by both compute warpgroups, filled in the order the turns consume it: 6 slots of 128×128×64, so the copies
+run 5 K steps ahead (2 in ``pingpong``, whose warpgroups copy for themselves).
 
 **Ragged shapes.** M, N and K need not be multiples of any tile: TMA fills the out-of-bounds part of a loaded
 tile with zeros (so a ragged K adds nothing) and clips the out-of-bounds part of a stored one. No operand is
@@ -554,13 +555,13 @@ def _body_pingpong(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, p
   """The GPU kernel, ping-pong schedule: 2 compute warpgroups, each with an output tile and a K pipeline of its
   own, taking turns on the tensor cores.
 
-  The warpgroup tiles of the planar-snake order are dealt out in pairs: pair ``p`` goes to CTA ``p mod #SMs``,
-  its tiles ``2p`` and ``2p + 1`` to warpgroups 0 and 1. Each warpgroup issues the TMA copies of its own tile's
-  K steps into its own ``stages``-deep ring of SMEM slots (the copies of its next tile start as soon as its MMAs
-  are issued, so they land during its epilogue). A pair of turn barriers orders the K loops: warpgroup ``g``
-  waits for its turn, issues all WGMMAs of its tile, hands the turn to the other warpgroup and only then waits
-  for its MMAs and runs its epilogue, so one warpgroup's epilogue runs while the other's WGMMAs keep the tensor
-  cores busy. Warpgroup 1 starts with the turn handed over, i.e. half a tile-period behind warpgroup 0."""
+  The warpgroup tiles of the planar-snake order are dealt out in pairs: pair ``p`` goes to CTA ``p mod #SMs``, its
+  tiles ``2p`` and ``2p + 1`` to warpgroups 0 and 1. Each warpgroup issues the TMA copies of its own tile's K steps
+  into its own ``stages``-deep ring of SMEM slots (the copies of its next tile's first steps start as soon as its
+  MMAs are done, so they land during its epilogue). A pair of turn barriers orders the K loops: warpgroup ``g``
+  waits for its turn, issues all WGMMAs of its tile, hands the turn to the other warpgroup and only then waits for
+  its MMAs and runs its epilogue, so one warpgroup's epilogue runs while the other's WGMMAs keep the tensor cores
+  busy. Warpgroup 0 has the first turn (warpgroup 1 hands it over at the start)."""
   ins = _split(refs[:sum(n_in)], n_in)
   outs = _split(refs[sum(n_in):], n_out)
   pro_ins, part_ins = ins[0], ins[1:]
