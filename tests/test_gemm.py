@@ -2,9 +2,10 @@
 
 On CPU: the kernel's interpret twin (same persistent tile loop, TMA pipeline, block specs, prologue and epilogue
 parts; a dot in place of the WGMMA, one warpgroup tile per CTA tile; the warp-specialised structure itself does
-not run under Mosaic GPU's interpreter) at ragged sizes for every role, and the warp-specialised GPU kernel
-lowered for CUDA (layouts, shared-memory budget) for every role and config shape. On a Hopper GPU
-(``@pytest.mark.gpu``): the real kernel, every role, ragged sizes, against the same float64 references.
+not run under Mosaic GPU's interpreter) at ragged sizes for every role, and the GPU kernel lowered for CUDA
+(layouts, shared-memory budget) for every role, config shape and schedule (cooperative, pingpong, pingpong_ws).
+On a Hopper GPU (``@pytest.mark.gpu``): the real kernel, every role, ragged sizes, against the same float64
+references; the ping-pong schedules also where their turn-taking has corners, against the cooperative one.
 """
 
 import dataclasses
@@ -179,7 +180,7 @@ def _f32_stats(cfg):
                                  tuning.PINGPONG_WS],
                          ids=lambda c: c.short())
 def test_gpu_kernel_lowers_for_cuda(cfg):
-  """The GPU kernel (either schedule), every role, through the whole Pallas → Mosaic GPU lowering on CPU."""
+  """The GPU kernel (every schedule), every role, through the whole Pallas → Mosaic GPU lowering on CPU."""
   m, n, k = 1000, 2112, 576
   y = SDS((m,), jnp.int32)
   vec = SDS((m,), jnp.float32)
