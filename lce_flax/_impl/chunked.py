@@ -95,14 +95,6 @@ def supported(spec: common.Spec, platform: str, dtype=None) -> None:
   del spec, platform
 
 
-def _window(i, c: int, vocab: int):
-  """Chunk i covers columns [i·c, i·c + c) ∩ [0, V); its window is clamped to end at V."""
-  nominal = i * c
-  start = jnp.minimum(nominal, vocab - c)
-  cols = start + jnp.arange(c, dtype=jnp.int32)
-  return start, cols, cols >= nominal
-
-
 def _chunk_logits(x, w, bias, start, c, spec):
   z = common.logits(x, common.slice_vocab(w, start, c, spec.w_layout), spec.w_layout)
   if bias is not None:
@@ -122,7 +114,7 @@ def vocab_stats(x, w, bias, labels, spec, c: int) -> _math.RowStats:
   n = -(-v // c)
 
   def body(i, st):
-    start, cols, valid = _window(i, c, v)
+    start, cols, valid = common.vocab_window(i, c, v)
     zc = _math.softcap(_chunk_logits(x, w, bias, start, c, spec), opts.logit_softcap)
     return _math.merge_stats(st, _math.tile_stats(zc, cols, labels, valid, opts))
 
@@ -141,7 +133,7 @@ def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int):
 
   def body(i, carry):
     dx, dw, db = carry
-    start, cols, valid = _window(i, c, v)
+    start, cols, valid = common.vocab_window(i, c, v)
     z = _chunk_logits(x, w, bias, start, c, spec)
     dz = _math.dlogits(z, lse, labels, cols, valid, g_loss, g_lse, opts)
     dzm = dz.astype(common.mxu_dtype(x))

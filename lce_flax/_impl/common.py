@@ -99,6 +99,15 @@ def slice_vocab(w, start, size: int, w_layout: str):
   return lax.dynamic_slice_in_dim(w, start, size, axis=axis)
 
 
+def vocab_window(i, c: int, vocab: int):
+  """Chunk ``i`` of ``c`` columns covers [i·c, i·c + c) ∩ [0, V); its window is clamped to end at V, so it is
+  (start, its columns, which of them are not in an earlier chunk)."""
+  nominal = i * c
+  start = jnp.minimum(nominal, vocab - c)
+  cols = start + jnp.arange(c, dtype=jnp.int32)
+  return start, cols, cols >= nominal
+
+
 def logits(x, w, w_layout: str):
   """``x @ w`` (or ``x @ w.T`` for [V, H]) accumulated in float32: [B, v]."""
   contract = 0 if w_layout == "hv" else 1

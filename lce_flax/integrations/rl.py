@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from lce_flax import adapters, api
+from lce_flax import _math, adapters, api
+from lce_flax._impl import common
 from lce_flax.options import LossOptions, for_head
 
 DEFAULT_VOCAB_CHUNK = 2048
@@ -132,23 +133,17 @@ def token_entropy(head: Any, x: jax.Array, *, temperature: float = 1.0, logit_so
   xf = x.reshape(-1, hidden)
   xf, w = nn.dtypes.promote_dtype(xf, w, dtype=dtype)
   n_chunks = -(-vocab // chunk)
-  axis = 1 if layout == "hv" else 0
   inv_t = 1.0 / temperature
 
   @jax.checkpoint
   def body(carry, i):
     m, s, t = carry
-    start = jnp.minimum(i * chunk, vocab - chunk)  # the last chunk is shifted back to stay in bounds ...
-    cols = start + jnp.arange(chunk)
-    fresh = cols >= i * chunk  # ... and its columns already counted are masked out
-    wc = jax.lax.dynamic_slice_in_dim(w, start, chunk, axis=axis)
-    dims = (((1,), (0,)), ((), ())) if layout == "hv" else (((1,), (1,)), ((), ()))
-    z = jax.lax.dot_general(xf, wc, dims, preferred_element_type=jnp.float32)
+    # the last chunk's window is clamped to end at V; its columns already counted are masked out
+    start, _, fresh = common.vocab_window(i, chunk, vocab)
+    z = common.logits(xf, common.slice_vocab(w, start, chunk, layout), layout)
     if bias is not None:
       z = z + jax.lax.dynamic_slice_in_dim(bias, start, chunk).astype(jnp.float32)
-    if logit_softcap is not None:
-      z = logit_softcap * jnp.tanh(z / logit_softcap)
-    z = z * inv_t
+    z = _math.softcap(z, logit_softcap) * inv_t
     z_max = jnp.max(jnp.where(fresh, z, -jnp.inf), axis=-1)
     m_new = jnp.maximum(m, z_max)
     e = jnp.where(fresh, jnp.exp(z - m_new[:, None]), 0.0)
