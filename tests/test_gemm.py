@@ -121,6 +121,37 @@ def test_twin_row_stats(cap):
   assert _rel(z, ref) < 1e-5
 
 
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_twin_row_stats_shifted_store_and_bias(cap):
+  """``RowStats(store=True, bias=...)``: the statistics of ``z + bias`` and each tile's capped logits shifted by the
+  tile's row max (the fast forward), tiles of ``tile_n`` columns, N rounded up to whole tiles."""
+  rng = np.random.default_rng(12)
+  a, b, ref = _operands(rng, LAYOUTS["x.w"])
+  bias = jnp.asarray(rng.standard_normal(N), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, N, M), jnp.int32).at[5].set(-1)
+  opts = G.StatsOptions(cap, False)
+  st, zs = G.gemm(a, b, epilogue=G.RowStats(labels, opts, store=True, bias=bias), config=TWIN, interpret=True)
+  assert zs.shape == (M, 384) and zs.dtype == BF  # N = 320 → 3 tiles of 128
+  z = ref + np.asarray(bias, np.float64)[None, :]
+  rs = G.merge_row_stats(st, M)
+  lse_ref, tgt_ref, _ = _stats_ref(z, np.asarray(labels), cap, N)
+  np.testing.assert_allclose(np.asarray(rs.m, np.float64) + np.log(np.asarray(rs.s, np.float64)), lse_ref,
+                             rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(rs.target), tgt_ref, rtol=1e-5, atol=1e-4)
+  zc = cap * np.tanh(z / cap) if cap else z
+  tile_max = np.asarray(st[0, :, :M], np.float64).T  # [M, tiles]
+  for j in range(3):
+    cols = slice(128 * j, min(128 * (j + 1), N))
+    np.testing.assert_allclose(tile_max[:, j], zc[:, cols].max(1), rtol=1e-5, atol=1e-4)
+    shifted = zc[:, cols] - tile_max[:, j:j + 1]
+    assert np.abs(_f64(zs[:, cols]) - shifted).max() <= 2**-8 * np.abs(shifted).max() + 1e-6
+  # the shifted values of the entries near the max are nearly exact (bf16 rounding relative to |zc - max|)
+  near = np.abs(zc[:, :128] - tile_max[:, :1]) < 0.5
+  assert np.abs(_f64(zs[:, :128]) - (zc[:, :128] - tile_max[:, :1]))[near].max() < 2**-9
+  with pytest.raises(ValueError, match="bias"):
+    G.gemm(a, b, epilogue=G.RowStats(labels, opts, bias=bias[:10]), config=TWIN, interpret=True)
+
+
 def _dz_ref(z, lse, coef, a, labels):
   d = np.exp(z - lse[:, None]) * coef[:, None]
   d[np.arange(len(labels)), labels] -= a
@@ -196,6 +227,9 @@ def test_gpu_kernel_lowers_for_cuda(cfg):
        SDS((m, k), BF), SDS((k, n), BF), y),
       (lambda a, b, y: G.gemm(a, b, epilogue=(G.RowStats(y), G.Store(jnp.float32)), config=_f32_stats(cfg)),
        SDS((m, k), BF), SDS((k, n), BF), y),
+      (lambda a, b, y, bias: G.gemm(a, b, epilogue=G.RowStats(y, G.StatsOptions(30.0), store=True, bias=bias),
+                                    config=tuning.fit_role("fwd_store", cfg)),
+       SDS((m, k), BF), SDS((k, n), BF), y, SDS((n,), jnp.float32)),
       (lambda z, w, l, c, a, y: G.gemm(z, w, transpose_b=True, prologue=G.DzFromLogits(l, c, a, y),
                                        config=tuning.fit_role("dx_prologue", cfg)),
        SDS((m, n), BF), SDS((k, n), BF), vec, vec, vec, y),

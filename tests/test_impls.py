@@ -61,6 +61,16 @@ VARIANTS = {
                                          lce_flax.PallasMosaicConfig(**_MOSAIC_SMALL, fast_design="tokens",
                                                                      token_chunk=64),
                                          True, (("h", 128), ("batch_shape", (101,)))),
+    # V a multiple of 128: the forward on the persistent GEMM (gemm.py), the products on it (or on XLA)
+    "pallas_mosaic:fast_logits_gemm": Variant("pallas_mosaic", "fast",
+                                              lce_flax.PallasMosaicConfig(**_MOSAIC_SMALL, fast_design="logits",
+                                                                          gemm=True),
+                                              True, (("h", 128), ("v", 384), ("batch_shape", (101,)))),
+    "pallas_mosaic:fast_tokens_gemm": Variant("pallas_mosaic", "fast",
+                                              lce_flax.PallasMosaicConfig(**_MOSAIC_SMALL, fast_design="tokens",
+                                                                          token_chunk=64, gemm=True,
+                                                                          products="xla"),
+                                              True, (("h", 192), ("v", 256), ("batch_shape", (101,)))),
     "triton:lean": Variant("triton", "lean", lce_flax.TritonConfig(**TRITON_SMALL), gpu_only=True),
 }
 

@@ -10,6 +10,7 @@ tests run the compiled kernels (``pytest -m gpu`` on an SM90 machine).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +138,77 @@ def test_fast_token_chunks(opt, w_layout, bias, chunk):
   """The "tokens" fast design: chunks of stored logits, dx rows per chunk, dw accumulated in float32."""
   cfg = dataclasses.replace(SMALL, fast_design="tokens", vocab_chunk=None, token_chunk=chunk)
   check(mode="fast", config=cfg, w_layout=w_layout, bias=bias, options=OPTIONS[opt], where=True, seed=40 + chunk)
+
+
+GEMM_FAST = dataclasses.replace(FAST, gemm=True)
+
+
+@pytest.mark.parametrize("w_layout,products", [("hv", "gemm"), ("vh", "xla")])
+def test_fast_gemm_forward_peaky_logits(w_layout, products):
+  """The fast forward on the persistent GEMM (V a multiple of its 128-column tile): peaky logits (std ≈ 11), the
+  stored tiles shifted by their row max; the products on the GEMM or on XLA."""
+  (x, w, y, _), (xn, wn, yn, _) = make_inputs(33, (101,), 128, 384, jnp.bfloat16, w_layout=w_layout, wscale=1.0)
+  cfg = dataclasses.replace(GEMM_FAST, products=products)
+  f = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="fast", reduction="sum",
+                                        w_layout=w_layout, config=cfg)
+  loss, (dx, dw) = jax.value_and_grad(f, (0, 1))(x, w)
+  ref = linear_cross_entropy_np(xn, wn, yn, reduction="sum", w_layout=w_layout)
+  assert rel_err(loss, ref["loss"]) < 2e-5
+  assert rel_err(dx, ref["dx"]) < 1e-2 and rel_err(dw, ref["dw"]) < 1e-2
+
+
+def test_fast_gemm_routing_is_explained_and_refused_where_it_cannot_run():
+  from lce_flax import explain
+
+  sds = jax.ShapeDtypeStruct
+  y = sds((1000,), jnp.int32)
+  d = explain(sds((1000, 512), jnp.bfloat16), sds((512, 2048), jnp.bfloat16), y, impl="pallas_mosaic", mode="fast",
+              interpret=True)
+  assert d.config.gemm is not None and d.config.products == "gemm"
+  assert any("persistent GEMM" in n for n in d.notes) and any("gemm[dx]" in n and "gemm[dw]" in n for n in d.notes)
+  # V not a multiple of the GEMM's tile: the warp-specialised forward and XLA's products, said in explain()
+  d = explain(sds((1000, 512), jnp.bfloat16), sds((512, 2000), jnp.bfloat16), y, impl="pallas_mosaic", mode="fast",
+              interpret=True)
+  assert d.config.gemm is None and d.config.products == "xla"
+  assert any("kernels_ws.py" in n and "V a multiple of its 128-column tile" in n for n in d.notes)
+  with pytest.raises(ValueError, match="gemm=True: H×V = 512×2000"):
+    explain(sds((1000, 512), jnp.bfloat16), sds((512, 2000), jnp.bfloat16), y, impl="pallas_mosaic", mode="fast",
+            interpret=True, config=Config(gemm=True))
+  with pytest.raises(ValueError, match="products='cublas'"):
+    explain(sds((1000, 512), jnp.bfloat16), sds((512, 2048), jnp.bfloat16), y, impl="pallas_mosaic", mode="fast",
+            interpret=True, config=Config(products="cublas"))
+
+
+@pytest.mark.parametrize("design,w_layout,bias", [("logits", "hv", True), ("logits", "vh", False),
+                                                  ("tokens", "vh", True)])
+def test_fast_gemm_path_lowers_for_cuda(design, w_layout, bias, monkeypatch):
+  """The fast op's GPU path (persistent GEMM forward, GEMM products) lowered for CUDA on CPU. The dz pass is a
+  Pallas Triton kernel, which lowers only with a GPU present: here a stand-in of its shapes takes its place (the
+  GPU tests run it)."""
+  from lce_flax._impl.pallas_mosaic import fast
+
+  def dz_stand_in(zb, mt, lse, yp, coef, a, c, d, p, opts):
+    return zb * 2, (jnp.zeros((d.vp,), jnp.float32) if d.has_bias else None)
+
+  monkeypatch.setattr(fast, "_dz_pass", dz_stand_in)
+  b, h, v = 1000, 512, 2048
+  sds = jax.ShapeDtypeStruct
+  opts = _math.LossSpec(vocab_size=v, label_smoothing=0.1, logit_softcap=30.0)
+  spec = common.Spec(opts, w_layout, interpret=False)
+  cfg = Config(fast_design=design, token_chunk=256 if design == "tokens" else None, gemm=True, products="gemm")
+  plan = pallas_mosaic.design(b, h, spec, jnp.bfloat16, "fast", cfg).config
+  assert plan.warp_specialized and plan.gemm is not None
+
+  def f(x, w, bias, y):
+    primals = base.Primals(x.shape, w.shape, None if bias is None else bias.dtype)
+    return base.fast(x, w, bias, y, jnp.ones((b,), jnp.float32), spec, pallas_mosaic, plan, (), primals)[0]
+
+  args = (sds((b, h), jnp.bfloat16), sds((h, v) if w_layout == "hv" else (v, h), jnp.bfloat16),
+          sds((v,), jnp.float32) if bias else None, sds((b,), jnp.int32))
+  text = jax.jit(jax.grad(f, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  # the forward and dx on the GEMM, and dw in the "logits" design: one Mosaic GPU call each
+  calls = re.findall(r"stablehlo.custom_call @mosaic_gpu\w*", text)
+  assert len(calls) == (3 if design == "logits" else 2), calls
 
 
 def test_fast_design_choice_and_errors():

@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as pltriton
 from lce_flax import _math
 from lce_flax._impl import common
 from lce_flax._impl.common import F32, cdiv
-from lce_flax._impl.pallas_mosaic import epilogue, kernels, op
+from lce_flax._impl.pallas_mosaic import epilogue, gemm, kernels, op
 
 
 def _dz_pass_body(zb_ref, mt_ref, lse_ref, y_ref, coef_ref, a_ref, c_ref, o_ref, db_ref, *, opts, v: int):
@@ -72,11 +72,36 @@ def _dz_pass(zb, mt, lse, yp, coef, a, c, d: kernels.Dims, p: op.Plan, opts):
 
 def _stored_dz(xp, wp, bp, yp, wts, d: kernels.Dims, p: op.Plan, opts):
   """Forward kernel with stores + the dz pass over rows ``xp``: (TokenOut, dz [rows, vp] in x's dtype, dbias)."""
-  st, (zb, mt) = op.run_forward(xp, wp, bp, yp, d, p, opts)
-  out = _math.finalize(st, yp, opts)
+  if p.gemm is not None:  # the forward on the GEMM of :mod:`.gemm`, its statistics epilogue storing the tiles
+    cfg = p.gemm
+    st, zb = gemm.gemm(xp, wp, transpose_b=d.w_layout == "vh", config=cfg, interpret=d.interpret,
+                       epilogue=gemm.RowStats(yp, opts, store=True, bias=bp))
+    nvt = zb.shape[1] // cfg.tile_n
+    stats = gemm.merge_row_stats(st, d.b)
+    mt = st[0, :nvt, :d.b]
+    d = dataclasses.replace(d, vp=zb.shape[1])
+    p = dataclasses.replace(p, block_v=cfg.tile_n)
+  else:
+    stats, (zb, mt) = op.run_forward(xp, wp, bp, yp, d, p, opts)
+  out = _math.finalize(stats, yp, opts)
   coef, a, c = epilogue.row_coefficients(out.lse, yp, wts, jnp.zeros_like(wts), opts)
   dz, db = _dz_pass(zb, mt, out.lse, yp, coef, a, c, d, p, opts)
   return out, dz, db
+
+
+def _grad_x(dz, wp, layout: str, p: op.Plan, interpret: bool):
+  """``dz · wᵀ`` ([B, H], float32): the GEMM of :mod:`.gemm` or XLA's (``Plan.products``)."""
+  if p.products == "gemm":
+    return gemm.gemm(dz, wp, transpose_b=layout == "hv", epilogue=gemm.Store(F32), role="dx", interpret=interpret)
+  return common.grad_x(dz, wp, layout)
+
+
+def _grad_w(x, dz, layout: str, p: op.Plan, interpret: bool, out_dtype):
+  """``xᵀ · dz`` ([H, V]; ``dzᵀ · x`` [V, H] for a [V, H] w) in ``out_dtype``: the GEMM of :mod:`.gemm` or XLA's."""
+  if p.products == "gemm":
+    a, b = (x, dz) if layout == "hv" else (dz, x)
+    return gemm.gemm(a, b, transpose_a=True, epilogue=gemm.Store(out_dtype), role="dw", interpret=interpret)
+  return common.grad_w(x, dz, layout, out_dtype=out_dtype)
 
 
 def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
@@ -101,8 +126,10 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
       dw, db = carry
       xc, yc, wc = rows
       out, dz, dbc = _stored_dz(xc, wp, bp, yc, wc, dc, p, opts)
+      # (XLA's float32 product added into dw: cuBLAS accumulates into the carried buffer in place)
       dw = dw + common.grad_w(xc, dz, spec.w_layout)
-      return (dw, None if db is None else db + dbc), (common.grad_x(dz, wp, spec.w_layout, out_dtype=xp.dtype), out)
+      dx = _grad_x(dz, wp, spec.w_layout, p, spec.interpret).astype(xp.dtype)
+      return (dw, None if db is None else db + dbc), (dx, out)
 
     init = (jnp.zeros(wp.shape, F32), None if bp is None else jnp.zeros(bp.shape, F32))
     (dw, db), (dx, out) = lax.scan(body, init, (xs, ys, ws))
@@ -126,7 +153,6 @@ def fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan, axe
 def fast_backward(residuals, g_total, spec: common.Spec, p: op.Plan, primals):
   """(dx, dw, dbias) for the scalar cotangent ``g_total``: the "logits" design's two matmuls now, or the "tokens"
   design's gradients (formed in the forward) scaled."""
-  del p
   dz, xp, wp, dx, dw, db = residuals
   gt = g_total.astype(F32)
   (b, h), v, bias_dtype = primals.x_shape, spec.opts.vocab_size, primals.bias_dtype  # (a whole vocabulary)
@@ -134,8 +160,8 @@ def fast_backward(residuals, g_total, spec: common.Spec, p: op.Plan, primals):
   if dz is not None:  # "logits": the two matmuls now
     # The cotangent enters dw through x (exact when it is 1, as for a loss): the matmul writes dw in its final
     # dtype, with no H×V float32 product.
-    dw = common.grad_w(scale(xp, xp.dtype), dz, spec.w_layout, out_dtype=wp.dtype)
-    dx = scale(common.grad_x(dz, wp, spec.w_layout), xp.dtype)
+    dw = _grad_w(scale(xp, xp.dtype), dz, spec.w_layout, p, spec.interpret, wp.dtype)
+    dx = scale(_grad_x(dz, wp, spec.w_layout, p, spec.interpret), xp.dtype)
   else:  # "tokens": formed in the forward (x and w share the kernels' dtype)
     dx, dw = scale(dx, dx.dtype), scale(dw, dx.dtype)
   dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]

@@ -240,15 +240,23 @@ class Store(Part):
 
   def apply(self, z, t, ins, outs, smem):
     (out,), (buf,) = outs, smem
-    subs = list(_subtiles(t.cfg))
-    for q, (ms, ns) in enumerate(subs):
-      slot = q % 2
-      # the copy that last read this slot is done (with an odd count, the previous tile's last copy used slot 0)
-      plgpu.wait_smem_to_gmem(0 if (q == 0 and len(subs) % 2) else 1, wait_read_only=True)
-      buf[t.g, slot] = z[ms, ns].astype(buf.dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(buf.at[t.g, slot], out.at[pl.ds(t.row0 + ms.start, t.cfg.epi_m),
-                                                         pl.ds(t.col0 + ns.start, t.cfg.epi_n)])
+    _store_subtiles(z, t, out, buf)
+
+
+def _store_subtiles(z, t: Tile, out, buf):
+  """Writes the tile ``z`` to ``out`` at the tile's place: each ``epi_m × epi_n`` sub-tile registers → one of two
+  SMEM slots of ``buf`` [nwg, 2, epi_m, epi_n] → TMA (clipped at the array's edges). A slot is rewritten once the
+  copy that last read it is done: at most one copy (the other slot's) is then still in flight, whatever bulk copies
+  other parts issued before this call."""
+  subs = list(_subtiles(t.cfg))
+  for q, (ms, ns) in enumerate(subs):
+    slot = q % 2
+    # (with an odd count, the previous tile's last copy used slot 0)
+    plgpu.wait_smem_to_gmem(0 if (q == 0 and len(subs) % 2) else 1, wait_read_only=True)
+    buf[t.g, slot] = z[ms, ns].astype(buf.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(buf.at[t.g, slot], out.at[pl.ds(t.row0 + ms.start, t.cfg.epi_m),
+                                                       pl.ds(t.col0 + ns.start, t.cfg.epi_n)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,7 +323,11 @@ def tile_stats(z, cols, valid, labels, opts):
   """Row statistics ``(max, Σexp(zc - max), zc[label], Σzc)`` of a float32 tile over its ``valid`` columns, with
   ``zc`` the soft-capped logits (written for Mosaic registers: per-row values enter through broadcasts; a row
   with no valid column gets max = -inf, Σexp = 0)."""
-  zc = _math.softcap(z, opts.logit_softcap)
+  return _capped_stats(_math.softcap(z, opts.logit_softcap), cols, valid, labels, opts)
+
+
+def _capped_stats(zc, cols, valid, labels, opts):
+  """:func:`tile_stats` of the already capped tile ``zc``."""
   masked = jnp.where(valid, zc, -jnp.inf)
   m = masked.max(axis=1)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
@@ -330,38 +342,73 @@ class RowStats(Part):
   """The loss statistics of each warpgroup tile (the forward's lean epilogue): per row, over the tile's columns
   ``< N`` (the vocabulary), :func:`tile_stats`. Output: float32 [4, column tiles, M_padded];
   :func:`merge_row_stats` turns it into the rows' :class:`lce_flax._math.RowStats`. ``labels`` int32 [M] (column
-  ids; negative: no target); ``opts``: :class:`StatsOptions` or the package's loss spec."""
+  ids; negative: no target); ``opts``: :class:`StatsOptions` or the package's loss spec.
+
+  ``store=True`` (the fast forward) also writes each tile's capped logits shifted by their row max over the tile,
+  ``zc - max``, in the operands' dtype: a second output [M, N rounded up to ``tile_n``] whose tile ``j`` goes with
+  the maxima ``stats[0, j]`` (columns ``≥ N`` hold zeros' logits, to be masked by the reader). Near the row max,
+  where the softmax mass is, the stored values are near 0, so their rounding error is small in absolute terms (see
+  :func:`lce_flax._impl.pallas_mosaic.epilogue.shifted_logits`)."""
 
   labels: Any
   opts: Any = StatsOptions()
+  store: bool = False
+  bias: Any = None  # float32 [N], added to the accumulator before the soft cap
 
   def inputs(self, prob, cfg):
     mp = prob.rows_padded(cfg)
     y = self.labels.astype(jnp.int32)
-    return (jnp.pad(y, (0, mp - prob.m), constant_values=-1),)
+    ins = (jnp.pad(y, (0, mp - prob.m), constant_values=-1),)
+    if self.bias is None:
+      return ins
+    if self.bias.shape != (prob.n,):
+      raise ValueError(f"RowStats: bias must be [{prob.n}] (one per output column), got {self.bias.shape}")
+    return ins + (jnp.pad(self.bias.astype(F32), (0, prob.col_tiles(cfg) * cfg.tile_n - prob.n)),)
 
   def out_types(self, prob, cfg):
-    return (jax.ShapeDtypeStruct((4, prob.col_tiles(cfg), prob.rows_padded(cfg)), F32),)
+    st = jax.ShapeDtypeStruct((4, prob.col_tiles(cfg), prob.rows_padded(cfg)), F32)
+    if not self.store:
+      return (st,)
+    return (st, jax.ShapeDtypeStruct((prob.m, cdiv(prob.n, cfg.tile_n) * cfg.tile_n), prob.dtype))
 
   def smem(self, prob, cfg):
-    return (plgpu.SMEM((prob.nwg, cfg.tile_m), jnp.int32), plgpu.SMEM((prob.nwg, 4, cfg.tile_m), F32),
-            plgpu.Barrier(num_barriers=prob.nwg))
+    # labels, statistics, barriers (labels; bias), the bias tile, the stored tiles' slots
+    has_bias = self.bias is not None
+    own = (plgpu.SMEM((prob.nwg, cfg.tile_m), jnp.int32), plgpu.SMEM((prob.nwg, 4, cfg.tile_m), F32),
+           plgpu.Barrier(num_barriers=prob.nwg * (2 if has_bias else 1)))
+    return (own + ((plgpu.SMEM((prob.nwg, cfg.tile_n), F32),) if has_bias else ())
+            + (Store().smem(prob, cfg) if self.store else ()))
+
+  def _bias_and_buf(self, smem):
+    rest = smem[3:]
+    return (rest[0] if self.bias is not None else None), (rest[-1] if self.store else None)
 
   def prefetch(self, t, ins, smem):
-    (y,), (y_smem, _, bars) = ins, smem
-    plgpu.copy_gmem_to_smem(y.at[t.rows], y_smem.at[t.g], bars.at[t.g])
+    y, bars = ins[0], smem[2]
+    plgpu.copy_gmem_to_smem(y.at[t.rows], smem[0].at[t.g], bars.at[t.g])
+    if self.bias is not None:
+      b_smem, _ = self._bias_and_buf(smem)
+      plgpu.copy_gmem_to_smem(ins[1].at[t.cols], b_smem.at[t.g], bars.at[t.prob.nwg + t.g])
 
   def apply(self, z, t, ins, outs, smem):
-    (st,), (y_smem, st_smem, bars) = outs, smem
+    (st, *stored), (y_smem, st_smem, bars) = outs, smem[:3]
+    b_smem, buf = self._bias_and_buf(smem)
     plgpu.barrier_wait(bars.at[t.g])
+    if self.bias is not None:
+      plgpu.barrier_wait(bars.at[t.prob.nwg + t.g])
+      z = z + lax.broadcast_in_dim(b_smem[t.g], z.shape, [1])
     cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
-    new = tile_stats(z, cols, cols < t.prob.n, y_smem[t.g], self.opts)
+    zc = _math.softcap(z, self.opts.logit_softcap)
+    new = _capped_stats(zc, cols, cols < t.prob.n, y_smem[t.g], self.opts)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's statistics have left st_smem
     for q in range(4):
       st_smem[t.g, q] = new[q]
     plgpu.commit_smem()
     for q in range(4):
       plgpu.copy_smem_to_gmem(st_smem.at[t.g, q], st.at[q, t.col_tile, t.rows])
+    if self.store:
+      m = new[0]
+      _store_subtiles(zc - _rows(jnp.where(m == -jnp.inf, 0.0, m), zc.shape), t, stored[0], buf)
 
 
 def merge_row_stats(stats, m: int) -> _math.RowStats:
@@ -859,6 +906,26 @@ def _check_operand(name, arr, minor_dim_name):
                      "of 8; store it the other way round (e.g. w as [V, H]) or pad it once where it is created")
 
 
+def _parts(epilogue) -> tuple:
+  return (Store(),) if epilogue is None else (tuple(epilogue) if isinstance(epilogue, (tuple, list)) else (epilogue,))
+
+
+def table_config(role: str, m: int, n: int, k: int, dtype, *, epilogue=None, prologue=None,
+                 interpret: bool = False) -> GemmConfig:
+  """The config :func:`gemm` runs when given none: the tuning table's row for ``role`` and this shape on this
+  device (:func:`.tuning.select_config`), with fewer stages until the SMEM estimate of the call's hooks fits.
+  Callers that must know the tiling (e.g. the width of the statistics' column tiles) ask here and pass it on."""
+  from lce_flax._impl.pallas_mosaic import tuning  # noqa: PLC0415  (tuning imports this module)
+  config = tuning.select_config(role, m, n, k, _device_kind())
+  if interpret:
+    config = dataclasses.replace(config, cluster=None)
+  prob = Problem(m, n, k, False, False, jnp.dtype(dtype), interpret, 1 if interpret else 2)
+  parts = _parts(epilogue)
+  while config.stages > 2 and smem_bytes(prob, config, parts, prologue) > SMEM_LIMIT:
+    config = dataclasses.replace(config, stages=config.stages - 1)
+  return config
+
+
 def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue=None, prologue=None,
          config: GemmConfig | None = None, interpret: bool = False, role: str = "plain", approx_math: bool = False):
   """``epilogue(prologue(A) · B)``; see the module docstring. Returns the epilogue parts' outputs (a tuple, or the
@@ -876,18 +943,13 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
     raise ValueError(f"gemm: contraction sizes differ: A gives K={k}, B gives K={k2}")
   if prologue is not None and transpose_a:
     raise NotImplementedError("gemm: a prologue forms A from a non-transposed [M, K] tile")
-  parts = (Store(),) if epilogue is None else (tuple(epilogue) if isinstance(epilogue, (tuple, list)) else (epilogue,))
-  chosen = config is None
-  if chosen:
-    from lce_flax._impl.pallas_mosaic import tuning  # noqa: PLC0415  (tuning imports this module)
-    config = tuning.select_config(role, m, n, k, _device_kind())
+  parts = _parts(epilogue)
+  if config is None:
+    config = table_config(role, m, n, k, a.dtype, epilogue=parts, prologue=prologue, interpret=interpret)
   if interpret:
     config = dataclasses.replace(config, cluster=None)
   config.validate()
   prob = Problem(m, n, k, transpose_a, transpose_b, jnp.dtype(a.dtype), interpret, 1 if interpret else 2)
-  if chosen:  # a table row made to fit this call's hooks: fewer stages until the SMEM estimate fits
-    while config.stages > 2 and smem_bytes(prob, config, parts, prologue) > SMEM_LIMIT:
-      config = dataclasses.replace(config, stages=config.stages - 1)
 
   pro_in = prologue.inputs(prob, config) if prologue is not None else ()
   part_in = [p.inputs(prob, config) for p in parts]

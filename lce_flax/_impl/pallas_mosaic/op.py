@@ -62,13 +62,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from lce_flax import _device, _math
 from lce_flax._impl import common
 from lce_flax._impl.common import F32, cdiv, pow2_floor
-from lce_flax._impl.pallas_mosaic import epilogue, kernels, kernels_ws
+from lce_flax._impl.pallas_mosaic import epilogue, kernels, kernels_ws, tuning
+from lce_flax._impl.pallas_mosaic import gemm as gemm_lib
+from lce_flax._impl.pallas_mosaic.gemm import GemmConfig
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 FAST_DESIGNS = ("logits", "tokens")
@@ -97,6 +100,14 @@ class Config:
     fast_design: the buffer ``mode="fast"`` spends: ``"logits"`` (the B×V shifted logits in the input dtype),
       ``"tokens"`` (a chunk of them and an H×V float32 dw), or None: the smaller of the two
       (:func:`fast_design`). Not read by the lean design.
+    gemm: the fast designs' forward on the persistent GEMM of :mod:`.gemm` (its statistics epilogue storing the
+      shifted tiles; tiling from the tuning table, :mod:`.tuning`) instead of the forward kernel of
+      :mod:`.kernels_ws`; None: yes where it applies (V a multiple of the GEMM's 128-column tile, H of 64, w
+      read in place), else no. Not read by the lean design.
+    products: who forms the fast designs' backward products dx = dz·wᵀ and, in the "logits" design, dw = xᵀ·dz:
+      ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS); None: ``"gemm"`` when the
+      forward runs on it. The "tokens" design adds each chunk's dw into its float32 buffer with XLA's product
+      either way (cuBLAS accumulates into the carried buffer in place).
   """
 
   block_t: int | None = None
@@ -109,6 +120,11 @@ class Config:
   semantics: str | None = None
   warp_specialized: bool | None = None
   fast_design: str | None = None
+  gemm: bool | None = None
+  products: str | None = None
+
+
+PRODUCTS = ("gemm", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +141,8 @@ class Plan:
   vocab_chunk: int | None = None  # lean: vocabulary columns per chunk (None in the fast designs)
   token_chunk: int | None = None  # "tokens": tokens per chunk (None otherwise)
   fast_design: str | None = None  # None: the lean design
+  gemm: GemmConfig | None = None  # fast designs: the forward on the GEMM of .gemm with this tiling (None: kernels_ws)
+  products: str = "xla"  # fast designs: the backward products on "gemm" or "xla"
 
 
 DZ_CHUNK_BYTES = 32 * 2**20
@@ -197,6 +215,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
     splits = min(splits, cdiv(vp, 2 * bv))
   tiles = Plan(bt, bv, bk, stages, splits, sem, ws)
   if mode == "fast":
+    tiles = _with_gemm(tiles, c, tokens, hidden, vocab, interpret)
     # a token chunk asked for picks the design that has a token loop
     design = c.fast_design or ("tokens" if c.token_chunk is not None else fast_design(num_tokens, hidden, vocab))
     if design == "logits":
@@ -217,6 +236,32 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
     chunk = cdiv(chunk, 2 * bv) * 2 * bv  # whole CTA tiles (2 warpgroups × block_v) per chunk
     chunk = min(chunk, (max(vp, 2 * bv) // (2 * bv)) * 2 * bv)
   return dataclasses.replace(tiles, vocab_chunk=chunk)
+
+
+def _with_gemm(tiles: Plan, c: Config, num_tokens: int, hidden: int, vocab: int, interpret: bool) -> Plan:
+  """The fast forward on the GEMM of :mod:`.gemm` when it applies (see :attr:`Config.gemm`), with the tuning
+  table's tiling for this shape; ``products`` resolved."""
+  if c.products not in (None, *PRODUCTS):
+    raise ValueError(f"products={c.products!r} must be one of {PRODUCTS} (or None)")
+  cfg = None
+  if c.gemm is not False:
+    cfg = gemm_lib.table_config("fwd_store", num_tokens, vocab, hidden, jnp.bfloat16, interpret=interpret,
+                                epilogue=gemm_lib.RowStats(None, store=True, bias=jax.ShapeDtypeStruct((vocab,), F32)))
+    why = gemm_refusal(cfg, hidden, vocab)
+    if why is not None:
+      if c.gemm:
+        raise ValueError(f"gemm=True: {why}")
+      cfg = None
+  products = c.products or ("gemm" if cfg is not None else "xla")
+  return dataclasses.replace(tiles, gemm=cfg, products=products)
+
+
+def gemm_refusal(cfg: GemmConfig, hidden: int, vocab: int) -> str | None:
+  """Why the fast forward cannot run on the GEMM of :mod:`.gemm` at this shape (None: it can)."""
+  if vocab % cfg.tile_n or hidden % 64:
+    return (f"H×V = {hidden}×{vocab}: the GEMM forward needs V a multiple of its {cfg.tile_n}-column tile (whole "
+            "stored tiles, no copy of w) and H of 64")
+  return None
 
 
 def check_dtype(dtype) -> None:
@@ -273,6 +318,8 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
   kind = (f"warp-specialised, CTA tiles of {p.block_t}×{2 * p.block_v}" if p.warp_specialized
           else "one warpgroup")
   tiles = f"{p.block_t}×{p.block_v}×{p.block_k} tiles ({kind}), {p.num_splits} vocabulary splits in the forward"
+  if p.gemm is not None:
+    tiles = f"forward on the persistent GEMM ({p.gemm.short()}), dz pass in {p.block_t}×{p.gemm.tile_n} blocks"
   if p.fast_design is None:
     name, chunking = "recompute", f"{tiles}; backward: vocabulary chunks of {p.vocab_chunk} columns"
   elif p.fast_design == "logits":
@@ -286,11 +333,33 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
                  f"gradient) per call; H a multiple of {p.block_k} and V of {_v_multiple(p, spec.w_layout)} (at least "
                  f"{p.block_v * (2 if p.warp_specialized else 1)}) avoid it (with a bias V is padded to 64 columns)")
   if p.fast_design is not None:
+    notes.extend(_gemm_notes(p, num_tokens, hidden, vocab, spec))
     how = "interpreted" if spec.interpret else "compiled by Pallas Triton"
     notes.append(f"the fast design's dz pass is a Pallas Triton kernel inside this backend ({how}): it turns the "
                  "stored logit tiles into dz in place")
   return common.Design("pallas_mosaic", mode, name, p, chunking,
                        memory_bytes(p, num_tokens, hidden, vocab, jnp.dtype(dtype).itemsize), notes=tuple(notes))
+
+
+def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.Spec) -> list[str]:
+  """explain()'s lines on the fast designs' GEMMs: which kernel forms each product, with the tuning table's row."""
+  kind = gemm_lib._device_kind()
+  rows = p.token_chunk or cdiv(max(num_tokens, 1), p.block_t) * p.block_t
+  if p.gemm is not None:
+    fwd = (f"forward: the persistent GEMM (lce_flax/_impl/pallas_mosaic/gemm.py) with the statistics epilogue "
+           f"storing the shifted tiles, {p.gemm.short()} (from {tuning.select_row('fwd_store', rows, vocab, hidden, kind)[1]})")
+  else:
+    why = gemm_refusal(tuning.DEFAULT, hidden, vocab)
+    fwd = "forward: the warp-specialised kernel of kernels_ws.py" + (f" ({why})" if why else " (gemm=False)")
+  if p.products == "gemm":
+    dx = tuning.describe("dx", rows, hidden, vocab, kind)
+    prods = (f"backward products on the GEMM: {dx}" + ("" if p.fast_design == "tokens" else
+             f"; {tuning.describe('dw', hidden, vocab, rows, kind)}"))
+  else:
+    prods = "backward products dx = dz·wᵀ" + ("" if p.fast_design == "tokens" else ", dw = xᵀ·dz") + " by XLA (cuBLAS)"
+  if p.fast_design == "tokens":
+    prods += "; each chunk's dw added into the float32 dw by XLA's product (in place)"
+  return [fwd, prods]
 
 
 def _v_multiple(p: Plan, w_layout: str) -> int:
