@@ -6,7 +6,9 @@ Under ``jit`` with Auto axes (``NamedSharding``-placed inputs, ``in_shardings``,
 ``jax.experimental.custom_partitioning`` function: the partitioner asks :func:`_partition` for a per-device
 lowering once it knows the operands' shardings, and each device runs the ordinary single-device op on its shard.
 :func:`lce_flax.linear_cross_entropy` routes here when a context mesh (``jax.set_mesh``) has an Auto axis of size
-> 1: without one, ``jit`` gives no sign at trace time that the inputs are sharded, and the op runs as on one device.
+> 1, and, in a process with several devices, for what XLA's partitioner cannot split by itself (compiled kernels,
+chunked's loop over token chunks): without a context mesh, ``jit`` gives no sign at trace time that the inputs are
+sharded. ``lce_flax.explain`` says which route a call takes.
 
 Design (one per-shard body, :func:`shard_forward` / :func:`shard_grads` / :func:`shard_backward`, shared with the
 explicit ``shard_map`` form :func:`lce_flax.sharding.sharded_linear_cross_entropy`):
@@ -324,8 +326,12 @@ def _op_bwd(s: Static, run, res, g):
     dx, dw, db = _call("bwd", s, run, x, w, bias, labels, where, dense(g_loss) + dense(g_tok), dense(g_lse))
     return dx, dw, db, None, None
   if not (zero(g_tok) and zero(g_lse)):
+    # a fast design also gets here with no context mesh (a token loop in a process with several devices), where
+    # mode='lean' runs unpartitioned and differentiates the aux outputs as on one device
+    lean = ("; or, with no context mesh and no compiled kernels, mode='lean' (which then runs unpartitioned)"
+            if s.opts.design_mode == "fast" else "")
     raise ValueError(f"reduction={s.opts.reduction!r}: on a mesh only the reduced loss is differentiated here; "
-                     "to differentiate aux.token_loss or aux.lse use reduction='none' (and reduce yourself)")
+                     f"to differentiate aux.token_loss or aux.lse use reduction='none' (and reduce yourself){lean}")
   dx, dw, db, labels, where = res
   if zero(g_loss):
     return jnp.zeros_like(dx), jnp.zeros_like(dw), None if db is None else jnp.zeros_like(db), None, None
@@ -354,7 +360,8 @@ def auto_mesh_active() -> bool:
 def linear_cross_entropy(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux=False,
                          options: LossOptions):
   """The op (validated arguments) as custom-partitioned primitives; :func:`lce_flax.linear_cross_entropy`
-  routes here under an Auto-axis mesh."""
+  routes here under an Auto-axis mesh, and for compiled kernels or a token loop in a process with several
+  devices."""
   batch_shape = labels.shape
   if x.ndim < 2 or labels.size == 0:
     return base.per_device(x, w, labels, bias=bias, where=where, w_layout=w_layout, return_aux=return_aux,

@@ -77,10 +77,23 @@ def explain(x, w, labels=None, *, bias=None, w_layout: str = "hv", vocab_shards:
 # ------------------------------------------------------------------------------------------------ routing
 
 
+# Designs whose loop runs over the tokens. XLA's SPMD partitioner cannot split a loop along the dim it iterates
+# over: on tokens that jit shards with no context mesh it all-gathers them and every device runs every chunk.
+# Measured on 8 simulated CPU devices, tokens split 8 ways (B=32768, H=256, V=8192, value_and_grad): chunked's
+# token_chunks 21.5 s (f32) / 24.9 s (bf16) left to XLA (x gathered to all 32768 tokens on each device) against
+# 2.6 s / 3.7 s custom-partitioned. The lean design (a loop over vocabulary columns) and the xla reference (no
+# loop) are split along the tokens by XLA itself: no gather, the partitioned form's time (3.4 s / 3.4 s lean).
+_TOKEN_LOOPS = frozenset({("chunked", "token_chunks")})
+
+
 def _routing(x, w, labels, bias, where, opts: LossOptions, route: base.Route | None, num_tokens: int
              ) -> tuple[str, tuple[str, ...]]:
   """Where the op runs — ``"explicit"`` (inputs typed as sharded: ``shard_map``), ``"partitioned"``
-  (``custom_partitioning``) or ``"local"`` — and that decision in words, with its cost where it has one."""
+  (``custom_partitioning``) or ``"local"`` — and that decision in words, with its cost where it has one.
+
+  With no context mesh, ``jit`` gives no sign at trace time that its inputs are sharded, so a process with several
+  devices takes the partitioned form for what XLA cannot split by itself (compiled kernels, loops over tokens);
+  what stays local there is said too, and where it is slow on sharded inputs, warned about."""
   typed = {n: _explicit_axes(a) for n, a in (("x", x), ("w", w), ("labels", labels), ("bias", bias),
                                                ("where", where)) if a is not None}
   if any(typed.values()):
@@ -89,13 +102,18 @@ def _routing(x, w, labels, bias, where, opts: LossOptions, route: base.Route | N
                         "shard_map (lce_flax.sharding), each device runs it on its shard (the design shown is the "
                         "whole problem's; x, labels split over their first dim; w's V split: the vocab-parallel "
                         "head, explain(vocab_shards=...); w's H split: gathered once per call)",)
-  auto = _partition.auto_mesh_active()
-  kernels = _kernels_on_many_devices(route, num_tokens)
-  if not (auto or kernels):
-    return "local", ()
-  why = ("the context mesh has Auto axes of size > 1" if auto else
-         f"this process has {jax.device_count()} devices and {route.name!r} runs compiled kernels (a bare kernel "
-         "call on inputs that jit shards would make XLA gather them)")
+  n = jax.device_count()
+  if _partition.auto_mesh_active():
+    why = "the context mesh has Auto axes of size > 1"
+  elif _kernels_on_many_devices(route, num_tokens):
+    why = (f"this process has {n} devices and {route.name!r} runs compiled kernels (a bare kernel call on inputs "
+           "that jit shards would make XLA gather them)")
+  elif _token_loop_on_many_devices(route, num_tokens):
+    why = (f"this process has {n} devices and the {route.design.name!r} design loops over token chunks, which "
+           "XLA cannot split (on inputs that jit shards with no context mesh every device would gather all tokens "
+           "and run every chunk)")
+  else:
+    return "local", _local_notes(route, num_tokens)
   cost = ("reduction='none': the backward re-runs the local forward inside jax.vjp (10·B·H·V FLOPs for a lean "
           "design instead of 8; O(B) residuals)" if opts.reduction == "none" else
           "the gradients are formed in the forward on each shard (the FLOPs of this design) and scaled in the "
@@ -104,10 +122,40 @@ def _routing(x, w, labels, bias, where, opts: LossOptions, route: base.Route | N
                          f"runs it on its shard (the design shown is the whole problem's); {cost}",)
 
 
+def _on_many_devices(route: base.Route | None, num_tokens: int) -> bool:
+  return route is not None and num_tokens > 0 and jax.device_count() > 1
+
+
 def _kernels_on_many_devices(route: base.Route | None, num_tokens: int) -> bool:
   """Whether this call runs compiled kernels (Triton / Mosaic custom calls) in a process with several devices."""
-  return (route is not None and num_tokens > 0 and jax.device_count() > 1 and route.entry.kernels
-          and not route.spec.interpret)
+  return _on_many_devices(route, num_tokens) and route.entry.kernels and not route.spec.interpret
+
+
+def _token_loop_on_many_devices(route: base.Route | None, num_tokens: int) -> bool:
+  """Whether this call runs a design that loops over tokens (``_TOKEN_LOOPS``) in a process with several
+  devices."""
+  return _on_many_devices(route, num_tokens) and (route.name, route.design.name) in _TOKEN_LOOPS
+
+
+def _slow_locally(route: base.Route | None, num_tokens: int) -> bool:
+  """Interpreted kernels in a process with several devices: they stay local (interpret mode is for testing;
+  Mosaic's interpreter cannot run inside a partitioned body), and XLA gathers the inputs jit shards (measured
+  15× slower on 8 CPU devices, B=1024, H=64, V=512)."""
+  return _on_many_devices(route, num_tokens) and route.entry.kernels and route.spec.interpret
+
+
+def _local_notes(route: base.Route | None, num_tokens: int) -> tuple[str, ...]:
+  """What the local op does in a process with several devices (nothing to say on one device)."""
+  if not _on_many_devices(route, num_tokens):
+    return ()
+  n = jax.device_count()
+  if _slow_locally(route, num_tokens):
+    return (f"this process has {n} devices and {route.name!r} runs interpreted kernels, which stay one XLA "
+            "computation: on inputs that jit shards with no context mesh, XLA gathers them and every device "
+            "computes every token (slow; interpret mode is for testing)",)
+  return (f"this process has {n} devices and no context mesh: the op runs as one XLA computation, which jit "
+          f"partitions itself (the {route.design.name!r} design has no loop over tokens: tokens jit shards are "
+          "not gathered; for w split over a mesh, set a context mesh: docs/multi_gpu.md)",)
 
 
 # ------------------------------------------------------------------------------------------------ the op
@@ -177,8 +225,10 @@ def linear_cross_entropy(
   # one dispatch for this call: the routing reads it, and the per-device op runs it
   route = base.route_for(x, w, labels, w_layout, opts) if labels.size else None
   kind, notes = _routing(x, w, labels, bias, where, opts, route, labels.size)
-  if kind == "partitioned":  # Auto mesh axes, or compiled kernels where jit may see sharded inputs with no context
-    if opts.reduction == "none":  # mesh: XLA partitions the op by its custom_partitioning rule
+  if kind == "partitioned":  # Auto mesh axes, or compiled kernels / a token loop where jit may see sharded inputs
+    if opts.reduction == "none":  # with no context mesh: XLA partitions the op by its custom_partitioning rule
       base.warn_once(("partitioned", "none"), notes[0])
     return _partition.linear_cross_entropy(x, w, labels, **kw)
+  if _slow_locally(route, labels.size):
+    base.warn_once(("local", route.name), f"{notes[0]} (lce_flax.explain(...) reports every decision)")
   return base.per_device(x, w, labels, **kw, route=route)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -453,13 +454,19 @@ def test_auto_vocab_parallel_never_gathers_the_head():
   assert "f32[48,1000]" in _auto_hlo((8, 1, 1), "data", P())  # (the check can fail: replicated w is whole)
 
 
-def test_single_device_path_unchanged():
-  """No mesh: the old path exactly (no custom_partitioning, no custom_vjp of _partition)."""
+def test_single_device_path_unchanged(monkeypatch):
+  """No mesh: the old path exactly (no custom_partitioning, no custom_vjp of _partition) for a design XLA splits by
+  itself (lean), and for any design in a process with one device; under an Auto-axis mesh, the partitioned form."""
+  from lce_flax import explain
   x, w, b, y, wh = _auto_inputs(12)
-  jaxpr = str(jax.make_jaxpr(lambda x, w: linear_cross_entropy(x, w, y))(x, w))
-  assert "custom_partitioning" not in jaxpr
+  jaxpr = lambda **kw: str(jax.make_jaxpr(lambda x, w: linear_cross_entropy(x, w, y, **kw))(x, w))
+  assert "custom_partitioning" not in jaxpr(mode="lean")
+  assert "custom_partitioning" in jaxpr()  # this process has 8 devices: the token loop is partitioned
   with jax.set_mesh(_mesh((8, 1, 1))):
-    assert "custom_partitioning" in str(jax.make_jaxpr(lambda x, w: linear_cross_entropy(x, w, y))(x, w))
+    assert "custom_partitioning" in jaxpr() and "custom_partitioning" in jaxpr(mode="lean")
+  monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+  assert "custom_partitioning" not in jaxpr()
+  assert not any("devices" in n or "partition" in n for n in explain(x, w, y).notes)  # one device: nothing to say
 
 
 def _auto_hlo(mesh_shape, tok, wspec, impl="chunked", b=64, h=48, v=1000):
@@ -597,3 +604,118 @@ def test_compiled_kernels_on_sharded_inputs_without_a_context_mesh(monkeypatch):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
   assert "CustomSPMDPartitioning" in step.lower(put(x), w, put(y)).as_text()
   assert "all-gather" not in step.lower(put(x), w, put(y)).compile().as_text()
+
+
+# ---------------------------------------------------- plain jit on sharded inputs, no context mesh (8 devices)
+# jit gives no sign at trace time that its inputs are sharded: the routing decides from the design and the device
+# count. A loop over token chunks (chunked's fast design) is custom-partitioned; XLA left to itself gathers the tokens
+# and every device runs every chunk.
+
+NB, NH, NV = 8 * 13, 48, 300  # 13 tokens per device (ragged against token_chunk=8), a ragged vocabulary
+
+
+def _no_mesh_put(mesh, tok, wspec, x, w, b, y, where):
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  return put(x, P(tok)), put(w, wspec), put(b, P()), put(y, P(tok)), put(where, P(tok))
+
+
+NO_MESH_LAYOUTS = {  # (mesh shape, its axes, token axes, w's spec)
+    "dp": ((8,), ("data",), "data", P()),
+    "fsdp": ((4, 2), ("data", "fsdp"), ("data", "fsdp"), P("fsdp", None)),
+}
+
+
+@pytest.mark.parametrize("layout", list(NO_MESH_LAYOUTS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_no_context_mesh_chunked_matches_the_oracle(layout, dtype):
+  """impl="chunked" under plain jit, tokens (and w's H) placed over a mesh that is not set as context: the loss and
+  the gradients of x, w and bias are the float64 oracle's (ignored labels, a where mask, [8, 13] leading dims), and
+  the call took the partitioned route, as explain() says."""
+  from lce_flax import explain
+  shape, names, tok, wspec = NO_MESH_LAYOUTS[layout]
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+  x, w, b, y, where = _inputs(31, batch_shape=(8, 13), h=NH, v=NV, dtype=dtype)
+  assert int((y == -100).sum()) > 0 and not bool(where.all())
+  kw = dict(impl="chunked", token_chunk=8, z_loss=1e-4, label_smoothing=0.05)
+  f = lambda x, w, b, y, wh: linear_cross_entropy(x, w, y, bias=b, where=wh, **kw)
+  step = jax.jit(jax.value_and_grad(f, (0, 1, 2)))
+  args = _no_mesh_put(mesh, tok, wspec, x, w, b, y, where)
+  assert jax.sharding.get_abstract_mesh().empty
+  loss, grads = step(*args)
+  assert "CustomSPMDPartitioning" in step.lower(*args).as_text()
+  assert any("this process has 8 devices and the 'token_chunks' design loops over token chunks" in n
+             and "custom-partitioned" in n for n in explain(x, w, y, bias=b, **kw).notes)
+  up = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32))
+  ref = linear_cross_entropy_np(up(x), up(w), np.asarray(y), bias=up(b), where=np.asarray(where), z_loss=1e-4,
+                                label_smoothing=0.05)
+  loss_tol, grad_tol = tolerances(dtype)
+  assert loss.dtype == jnp.float32 and rel_err(loss, ref["loss"]) <= loss_tol, (loss, ref["loss"])
+  for name, g, a in zip(("dx", "dw", "dbias"), grads, (x, w, b)):
+    assert g.shape == a.shape and g.dtype == a.dtype, name
+    assert rel_err(g, ref[name]) <= grad_tol, (name, rel_err(g, ref[name]))
+
+
+def _no_mesh_compiled(impl, b, h, v, *, sharded=True, dtype=jnp.float32, **kw):
+  """The compiled value_and_grad step for B tokens split over 8 devices (w replicated), or, ``sharded=False``,
+  for the tokens as they are on one device."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  place = (lambda spec: dict(sharding=NamedSharding(mesh, spec))) if sharded else (lambda spec: {})
+  xs = jax.ShapeDtypeStruct((b, h), dtype, **place(P("data")))
+  ws = jax.ShapeDtypeStruct((h, v), dtype, **place(P()))
+  ys = jax.ShapeDtypeStruct((b,), jnp.int32, **place(P("data")))
+  f = lambda x, w, y: linear_cross_entropy(x, w, y, impl=impl, **kw)
+  return jax.jit(jax.value_and_grad(f, (0, 1))).lower(xs, ws, ys).compile()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_no_context_mesh_chunked_runs_one_shard_per_device(monkeypatch, dtype):
+  """The compiled per-device step of chunked's token loop on tokens split 8 ways, no context mesh: no all-gather,
+  and the temp memory of one shard's problem compiled for one device. The local route (XLA partitioning the loop
+  itself) gathers all tokens on every device and needs more: the check can fail."""
+  from lce_flax import api
+  b, h, v = 8 * 256, 64, 1024
+  temp = lambda c: c.memory_analysis().temp_size_in_bytes
+  fixed = _no_mesh_compiled("chunked", b, h, v, dtype=dtype)
+  assert not _gathers(fixed.as_text())
+  monkeypatch.setattr(api, "_token_loop_on_many_devices", lambda *a: False)  # the local op on one device
+  one_shard = _no_mesh_compiled("chunked", b // 8, h, v, sharded=False, dtype=dtype)
+  assert "CustomSPMDPartitioning" not in one_shard.as_text()
+  assert temp(fixed) <= 1.05 * temp(one_shard) + 4096, (temp(fixed), temp(one_shard))
+  slow = _no_mesh_compiled("chunked", b, h, v, dtype=dtype)  # the route this replaced
+  gathered = _gathers(slow.as_text())
+  assert gathered and any(f"[{b // 32},32,{h}]" in g for g in gathered), gathered  # all tokens' x, in chunks of 32
+  assert temp(slow) > 1.5 * temp(one_shard), (temp(slow), temp(one_shard))
+
+
+@pytest.mark.parametrize("impl,kw", [("chunked", dict(mode="lean")), ("xla", {})], ids=["chunked-lean", "xla"])
+def test_no_context_mesh_lean_and_xla_stay_local_and_are_not_gathered(impl, kw):
+  """Designs without a loop over tokens stay one XLA computation, which XLA splits along the tokens by itself: no
+  all-gather, the partitioner not involved; explain() says so."""
+  from lce_flax import explain
+  b, h, v = 8 * 256, 64, 1024
+  compiled = _no_mesh_compiled(impl, b, h, v, **kw)
+  assert not _gathers(compiled.as_text()) and "all-reduce" in compiled.as_text()
+  notes = explain(jax.ShapeDtypeStruct((b, h), jnp.float32), jax.ShapeDtypeStruct((h, v), jnp.float32), impl=impl,
+                  **kw).notes
+  assert any("this process has 8 devices and no context mesh: the op runs as one XLA computation" in n
+             for n in notes), notes
+  assert not any("custom-partitioned" in n for n in notes)
+
+
+def test_no_context_mesh_interpreted_kernels_are_said_slow():
+  """Interpreted kernels stay local (interpret mode is for testing): explain() says that XLA gathers sharded inputs,
+  a warning says it once, and the compiled step does gather them (the note is true)."""
+  from lce_flax import explain
+  from lce_flax._impl import base
+  b, h, v = 8 * 32, 32, 256
+  shapes = jax.ShapeDtypeStruct((b, h), jnp.float32), jax.ShapeDtypeStruct((h, v), jnp.float32)
+  notes = explain(*shapes, impl="pallas_triton", interpret=True).notes
+  assert any("'pallas_triton' runs interpreted kernels" in n and "every device computes every token" in n
+             for n in notes), notes
+  base._WARNED.clear()
+  with pytest.warns(UserWarning, match="runs interpreted kernels, which stay one XLA computation"):
+    compiled = _no_mesh_compiled("pallas_triton", b, h, v, interpret=True, mode="lean")
+  assert _gathers(compiled.as_text())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _no_mesh_compiled("pallas_triton", b, h, v, interpret=True, mode="lean")  # once
