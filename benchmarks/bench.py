@@ -69,7 +69,9 @@ from benchmarks.shapes import PEAK_TFLOPS, Preset, Shape
 TOKAMAX_IMPLS = ("tokamax_xla", "tokamax_chunked_xla")
 BASELINES = ("plain_bf16", "plain_f32")  # the head without lce_flax: bf16 Dense + optax (and its float32 twin)
 KERNEL_IMPLS = ("pallas_triton", "triton", "pallas_mosaic")  # the implementations ``interpret`` applies to
-PASSES = ("fwd", "fwdbwd")
+# fwd: the loss; fwdbwd: loss and the gradients of x and w; tokens: per-token losses (reduction "none") in a
+# weighted sum, and the gradients of x and w (any per-token cotangent); dx: a frozen head, the gradient of x only
+PASSES = ("fwd", "fwdbwd", "tokens", "dx")
 
 
 # --------------------------------------------------------------------------------------------- environment
@@ -140,6 +142,7 @@ class Variant:
   flops_factor: int  # FLOPs of fwd+bwd in units of B·H·V: 6 (gradients from the logits on hand) or 8 (recompute)
   unavailable: str | None = None  # reason, when it cannot run here
   explain: Callable[[Shape], Any] | None = None
+  token_loss: Callable[..., jax.Array] | None = None  # (x, w, labels) -> per-token float32 losses, for "tokens"
 
   @property
   def label(self) -> str:
@@ -197,7 +200,8 @@ def _lce_variant(impl: str, mode: str | None, interpret: bool, config=None, tag:
   except Exception as e:  # noqa: BLE001 - NotImplementedError (cannot run here), ValueError (option refused)
     return Variant(impl, label_mode, None, 6, f"{type(e).__name__}: {e}")
   return Variant(impl, label_mode, functools.partial(lce_flax.linear_cross_entropy, **kw), design_factor(design),
-                 explain=explain)
+                 explain=explain,
+                 token_loss=functools.partial(lce_flax.linear_cross_entropy, **dict(kw, reduction="none")))
 
 
 def _lce_variants(name: str, modes: tuple[str, ...], interpret: bool = False) -> list[Variant]:
@@ -244,14 +248,17 @@ def _plain_variant(name: str) -> Variant:
 
   upcast = name == "plain_f32"
 
-  def loss(x, w, labels):
+  def token_loss(x, w, labels):
     dense = nn.Dense(w.shape[1], use_bias=False, dtype=jnp.bfloat16)
     logits = dense.apply({"params": {"kernel": w}}, x)
     if upcast:
       logits = logits.astype(jnp.float32)
-    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, labels), dtype=jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).astype(jnp.float32)
 
-  return Variant(name, None, loss, 6)
+  def loss(x, w, labels):
+    return jnp.sum(token_loss(x, w, labels), dtype=jnp.float32)
+
+  return Variant(name, None, loss, 6, token_loss=token_loss)
 
 
 def _tokamax_variant(name: str, tokamax, reason: str | None) -> Variant:
@@ -372,10 +379,23 @@ def _norm(a):
   return jnp.sqrt(jnp.sum(jnp.square(a.astype(jnp.float32))))
 
 
+def token_weights(n: int) -> jax.Array:
+  """The per-token cotangents of the "tokens" pass: fixed weights in [0.5, 1.5) (a weighted sum, as an RL or
+  distillation loss takes it)."""
+  return 0.5 + jax.random.uniform(jax.random.key(7), (n,), jnp.float32)
+
+
 def measure(variant: Variant, pass_: str, shape: Shape, args, preset: Preset) -> dict[str, Any]:
   """One row: times, memory and loss of ``variant`` on ``args`` for ``pass_`` ("fwd" or "fwdbwd")."""
   if pass_ == "fwd":
     fn = variant.loss
+  elif pass_ == "dx":
+    fn = jax.value_and_grad(variant.loss, argnums=0)
+  elif pass_ == "tokens":
+    if variant.token_loss is None:
+      raise NotImplementedError(f"{variant.label} has no per-token losses here")
+    weights = token_weights(args[2].shape[0])
+    fn = jax.value_and_grad(lambda x, w, y: jnp.sum(weights * variant.token_loss(x, w, y)), argnums=(0, 1))
   else:
     fn = jax.value_and_grad(variant.loss, argnums=(0, 1))
   t = time.perf_counter()
@@ -387,8 +407,8 @@ def measure(variant: Variant, pass_: str, shape: Shape, args, preset: Preset) ->
   times, out = _time(compiled, args, preset)
   loss = out if pass_ == "fwd" else out[0]
   ms = statistics.median(times) * 1e3
-  floor_factor = 2 if pass_ == "fwd" else 6
-  algo_factor = 2 if pass_ == "fwd" else variant.flops_factor
+  floor_factor = {"fwd": 2, "dx": 4}.get(pass_, 6)
+  algo_factor = {"fwd": 2, "dx": 4}.get(pass_, variant.flops_factor)
   row = dict(
       ms=ms,
       ms_min=min(times) * 1e3,
@@ -400,7 +420,9 @@ def measure(variant: Variant, pass_: str, shape: Shape, args, preset: Preset) ->
       temp_bytes=temp,
       loss=float(loss),
   )
-  if pass_ == "fwdbwd":
+  if pass_ == "dx":
+    row["dx_norm"] = float(_norm(out[1]))
+  if pass_ in ("fwdbwd", "tokens"):
     # Cheap sanity of the gradients, comparable across implementations and with the torch peers: their float32
     # norms (a scale error or a NaN shows; the implementations' own tests check the values).
     dx, dw = out[1]

@@ -45,8 +45,8 @@ class LossOptions:
       ``"xla"``, ``"chunked"``, ``"pallas_triton"``, ``"triton"`` or ``"pallas_mosaic"``.
     mode: ``"fast"`` forms the gradients while the logits are on hand (6·B·H·V FLOPs, a bounded buffer);
       ``"lean"`` recomputes them in the backward (8·B·H·V FLOPs, O(B) residuals); None: fast where the
-      implementation has a fast design and ``reduction`` is not ``"none"`` (which needs per-token cotangents),
-      else lean.
+      implementation has a fast design, else lean; with ``reduction="none"`` (per-token cotangents) fast only
+      where that design forms dz in its backward (``"pallas_mosaic"``'s ``"logits"``), else lean.
     token_chunk: tokens per chunk, for the designs that loop over chunks of tokens (the fast designs of
       ``"chunked"`` and ``"pallas_mosaic"``'s ``"tokens"``); setting it makes ``mode=None`` fast, and ``"auto"``
       picks a design that honours it. None: chosen by shape.

@@ -69,8 +69,12 @@ VARIANTS = {
     "pallas_mosaic:fast_tokens_gemm": Variant("pallas_mosaic", "fast",
                                               lce_flax.PallasMosaicConfig(**_MOSAIC_SMALL, fast_design="tokens",
                                                                           token_chunk=64, gemm=True,
-                                                                          products="xla"),
+                                                                          products="gemm"),
                                               True, (("h", 192), ("v", 256), ("batch_shape", (101,)))),
+    # mode=None: the "logits" design (dz formed in the backward) for every reduction, "none" included
+    "pallas_mosaic:auto_mode_logits": Variant("pallas_mosaic", None,
+                                              lce_flax.PallasMosaicConfig(**_MOSAIC_SMALL, fast_design="logits"),
+                                              True, (("h", 128), ("v", 384), ("batch_shape", (101,)))),
     "triton:lean": Variant("triton", "lean", lce_flax.TritonConfig(**TRITON_SMALL), gpu_only=True),
 }
 

@@ -127,7 +127,9 @@ def test_fast_cotangent_scales_and_aux_is_not_differentiable():
   f = lambda x: 2.5 * linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="fast", config=FAST)
   ref = linear_cross_entropy_np(xn, wn, yn)
   assert rel_err(jax.grad(f)(x), 2.5 * ref["dx"]) < 1e-2
-  g = lambda x: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="fast", config=FAST,
+  # the "tokens" design forms its gradients in the forward: its per-token outputs are not differentiable
+  tokens = dataclasses.replace(FAST, fast_design="tokens", token_chunk=64)
+  g = lambda x: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="fast", config=tokens,
                                      return_aux=True)[1].lse.sum()
   with pytest.raises(ValueError, match="'lse' was differentiated"):
     jax.grad(g)(x)
@@ -209,6 +211,39 @@ def test_fast_gemm_path_lowers_for_cuda(design, w_layout, bias, monkeypatch):
   # the forward and dx on the GEMM, and dw in the "logits" design: one Mosaic GPU call each
   calls = re.findall(r"stablehlo.custom_call @mosaic_gpu\w*", text)
   assert len(calls) == (3 if design == "logits" else 2), calls
+  if design == "logits":  # a frozen head (the gradient of x only): the dw product is not in the program
+    text = jax.jit(jax.grad(f, 0)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu\w*", text)) == 2
+
+
+@pytest.mark.parametrize("w_layout,bias,dtype", [("hv", True, jnp.bfloat16), ("vh", False, jnp.float16)])
+def test_reduction_none_runs_the_logits_design(w_layout, bias, dtype):
+  """The "logits" fast design forms dz in its backward: ``reduction="none"`` runs it (mode=None) with any
+  per-token cotangent, and the lse of ``return_aux`` is differentiable too."""
+  from lce_flax import explain
+
+  (x, w, y, b), (xn, wn, yn, bn) = make_inputs(34, (101,), 128, 384, dtype, w_layout=w_layout, bias=bias)
+  y = y.at[7].set(-100)
+  yn = np.asarray(y)
+  kw = dict(bias=b, w_layout=w_layout, reduction="none", impl="pallas_mosaic", interpret=True, z_loss=1e-3,
+            logit_softcap=20.0)
+  d = explain(x, w, y, **kw)
+  assert (d.mode, d.name) == ("fast", "logits") and any("per-token cotangents" in n for n in d.notes)
+  cot = np.random.default_rng(35).standard_normal(101).astype(np.float32)
+  glse = np.random.default_rng(36).standard_normal(101).astype(np.float32)
+  ref = linear_cross_entropy_np(xn, wn, yn, bias=bn, reduction="none", cotangent=cot, w_layout=w_layout,
+                                z_loss=1e-3, logit_softcap=20.0)
+  f = lambda x, w, b: linear_cross_entropy(x, w, y, return_aux=True, **dict(kw, bias=b))
+  (loss, aux), vjp = jax.vjp(f, x, w, b)
+  assert rel_err(loss, ref["loss"]) < 1e-5 and rel_err(aux.lse, ref["lse"]) < 1e-5
+  zero_aux = jax.tree.map(jnp.zeros_like, aux)
+  dx, dw, db = vjp((jnp.asarray(cot), zero_aux))
+  assert rel_err(dx, ref["dx"]) < 1e-2 and rel_err(dw, ref["dw"]) < 1e-2
+  if bias:
+    assert rel_err(db, ref["dbias"]) < 1e-2
+  # an lse cotangent: d lse / d z = softmax, against the lean design (which takes it too)
+  g = lambda x, mode: linear_cross_entropy(x, w, y, return_aux=True, **dict(kw, mode=mode))[1].lse @ jnp.asarray(glse)
+  assert rel_err(jax.grad(g)(x, None), jax.grad(g)(x, "lean")) < 1e-2
 
 
 def test_fast_design_choice_and_errors():

@@ -73,8 +73,10 @@ class FastBackend(Backend, Protocol):
     """``(Σ weights·loss, TokenOut, residuals)``; ``axes``: mesh axes w's vocabulary is split over (empty on one
     device; only backends registered with ``vocab_parallel_fast`` take any)."""
 
-  def fast_backward(self, residuals, g_total, spec: common.Spec, plan: Any, primals: Primals):
-    """(dx, dw, dbias) in the inputs' dtypes for the scalar cotangent ``g_total``."""
+  def fast_backward(self, residuals, g_total, spec: common.Spec, plan: Any, primals: Primals, g_tokens=None):
+    """(dx, dw, dbias) in the inputs' dtypes for the scalar cotangent ``g_total``, plus, for a design that forms dz
+    in its backward (``Design.token_cotangents``), ``g_tokens`` = (cotangents of the per-token losses, of the
+    per-token lse; float32 [B]); None for the others."""
 
 
 class Primals(NamedTuple):
@@ -271,6 +273,7 @@ def dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opt
   # the chunk option set (at most one; options.py has checked that it belongs to the mode asked for)
   chunk = next(((f, v) for f in ("token_chunk", "vocab_chunk") if (v := getattr(opts, f)) is not None), None)
   notes, reasons = [], []
+  per_token = opts.mode is None and opts.reduction == "none" and chunk is None
   what = "fast design" if shards == 1 else f"vocab-parallel fast design (V split over {shards} devices)"
   for i, name in enumerate(names):
     last = i == len(names) - 1
@@ -296,6 +299,8 @@ def dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opt
         mode = "lean"
       try:
         design = entry.backend.design(num_tokens, hidden, shard_spec, dtype, mode, config)
+        if per_token and entry.has_fast and shards == 1:
+          design = _per_token_fast(entry, num_tokens, hidden, shard_spec, dtype, config) or design
       except ValueError as e:  # under auto the only value given to a design is the chunk option: a design that
         if not auto or chunk is None:  # refuses it is skipped, like a backend that cannot run
           raise
@@ -306,7 +311,8 @@ def dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opt
     if opts.interpret is not None and not entry.kernels:
       raise ValueError(f"interpret={opts.interpret} would be ignored: impl={name!r} runs no Pallas kernel")
     fallbacks = ["skipped " + "; ".join(reasons)] if reasons else []
-    if mode != want:
+    mode = design.mode
+    if mode != want and not per_token:
       fallbacks.append(f"{name} has no {what}: runs its {design.name!r} design")
       notes.append(fallbacks[-1])
     if shards > 1:
@@ -320,6 +326,21 @@ def dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opt
     return Route(name, spec, design, jnp.dtype(dtype), tuple(fallbacks))
   raise ValueError(f"impl={opts.impl!r} cannot run here ({'; '.join(reasons)}); implementations that can run "
                    f"{jnp.dtype(dtype).name} inputs: {available_implementations(dtype, platform)}")
+
+
+def _per_token_fast(entry: Entry, num_tokens: int, hidden: int, spec: common.Spec, dtype, config
+                    ) -> common.Design | None:
+  """For ``reduction="none"`` with ``mode=None``: the backend's fast design if it forms dz in its backward (and so
+  takes per-token cotangents), else None (the lean design runs). A config the fast design refuses (e.g. one with a
+  lean ``vocab_chunk``) keeps the lean design."""
+  try:
+    design = entry.backend.design(num_tokens, hidden, spec, dtype, "fast", config)
+  except (ValueError, NotImplementedError):
+    return None
+  if not takes_token_cotangents(design.config):
+    return None
+  return dataclasses.replace(design, notes=(*design.notes, f"reduction='none': the {design.name!r} fast design "
+                                            "forms dz in its backward, so it takes the per-token cotangents"))
 
 
 # ------------------------------------------------------------------------------------------------ the lean vjp
@@ -384,9 +405,21 @@ def _fast_fwd(x, w, bias, labels, weights, spec, backend, plan, axes, primals):
 def _fast_bwd(spec, backend, plan, axes, primals, res, g):
   del axes
   g_total, g_out = g
-  common.check_fast_cotangents(g_out)
-  dx, dw, db = backend.fast_backward(res, g_total, spec, plan, primals)
+  zero = lambda t, shape: jnp.zeros(shape, F32) if isinstance(t, jax.custom_derivatives.SymbolicZero) else t
+  g_total = zero(g_total, ())
+  if takes_token_cotangents(plan):  # dz formed in the backward: the per-token outputs are differentiable too
+    rows = primals.x_shape[:1]
+    dx, dw, db = backend.fast_backward(res, g_total, spec, plan, primals,
+                                       g_tokens=(zero(g_out.loss, rows), zero(g_out.lse, rows)))
+  else:
+    common.check_fast_cotangents(g_out)
+    dx, dw, db = backend.fast_backward(res, g_total, spec, plan, primals)
   return dx, dw, db, None, None
+
+
+def takes_token_cotangents(plan) -> bool:
+  """Whether the fast design of ``plan`` forms dz in its backward, and so takes any per-token cotangent."""
+  return bool(getattr(plan, "token_cotangents", False))
 
 
 fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
@@ -452,6 +485,8 @@ def per_device(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux
       labels_here = vocab_parallel.localize(norm, axes, vocab // shards) if axes else norm
       primals = Primals(x2.shape, w.shape, None if bias is None else jnp.dtype(bias.dtype))
       loss, out = fast(x2, w, bias, labels_here, weights, spec, entry.backend, design.config, axes, primals)
+    if opts.reduction == "none":  # (a design that takes per-token cotangents: the dispatch chose it)
+      loss = out.loss.reshape(batch_shape)
   else:
     if entry.autodiff and not axes:
       out = _math.finalize(entry.backend.stats(x2, w, bias, norm, spec, design.config), norm, spec.opts)

@@ -70,22 +70,39 @@ def _dz_pass(zb, mt, lse, yp, coef, a, c, d: kernels.Dims, p: op.Plan, opts):
   return out[0], (out[1].sum(axis=0) if d.has_bias else None)
 
 
-def _stored_dz(xp, wp, bp, yp, wts, d: kernels.Dims, p: op.Plan, opts):
-  """Forward kernel with stores + the dz pass over rows ``xp``: (TokenOut, dz [rows, vp] in x's dtype, dbias)."""
-  if p.gemm is not None:  # the forward on the GEMM of :mod:`.gemm`, its statistics epilogue storing the tiles
-    cfg = p.gemm
-    st, zb = gemm.gemm(xp, wp, transpose_b=d.w_layout == "vh", config=cfg, interpret=d.interpret,
-                       epilogue=gemm.RowStats(yp, opts, store=True, bias=bp))
-    nvt = zb.shape[1] // cfg.tile_n
-    stats = gemm.merge_row_stats(st, d.b)
-    mt = st[0, :nvt, :d.b]
-    d = dataclasses.replace(d, vp=zb.shape[1])
-    p = dataclasses.replace(p, block_v=cfg.tile_n)
-  else:
+def _stored(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts):
+  """The forward with stores over rows ``xp``: (RowStats, stored tiles [rows, vp'], their row maxima [tiles, rows],
+  and the Dims and Plan the dz pass reads them with)."""
+  if p.gemm is None:
     stats, (zb, mt) = op.run_forward(xp, wp, bp, yp, d, p, opts)
+    return stats, zb, mt, d, p
+  # the forward on the GEMM of :mod:`.gemm`, its statistics epilogue storing the tiles (of the GEMM's tile_n)
+  cfg = p.gemm
+  st, zb = gemm.gemm(xp, wp, transpose_b=d.w_layout == "vh", config=cfg, interpret=d.interpret,
+                     epilogue=gemm.RowStats(yp, opts, store=True, bias=bp))
+  mt = st[0, :zb.shape[1] // cfg.tile_n, :d.b]
+  return gemm.merge_row_stats(st, d.b), zb, mt, *_read_as(d, p, zb.shape[1])
+
+
+def _read_as(d: kernels.Dims, p: op.Plan, stored_cols: int):
+  """The Dims and Plan the dz pass reads stored tiles of ``stored_cols`` columns with."""
+  if p.gemm is None:
+    return d, p
+  return dataclasses.replace(d, vp=stored_cols), dataclasses.replace(p, block_v=p.gemm.tile_n)
+
+
+def _dz(zb, mt, lse, yp, g_loss, g_lse, d: kernels.Dims, p: op.Plan, opts):
+  """dz (over the stored tiles, in place) and the dbias column sums for per-token cotangents of loss and lse."""
+  coef, a, c = epilogue.row_coefficients(lse, yp, g_loss, g_lse, opts)
+  return _dz_pass(zb, mt, lse, yp, coef, a, c, d, p, opts)
+
+
+def _stored_dz(xp, wp, bp, yp, wts, d: kernels.Dims, p: op.Plan, opts):
+  """Forward with stores + the dz pass over rows ``xp`` (weights as the loss cotangents): (TokenOut, dz [rows, vp]
+  in x's dtype, dbias)."""
+  stats, zb, mt, d, p = _stored(xp, wp, bp, yp, d, p, opts)
   out = _math.finalize(stats, yp, opts)
-  coef, a, c = epilogue.row_coefficients(out.lse, yp, wts, jnp.zeros_like(wts), opts)
-  dz, db = _dz_pass(zb, mt, out.lse, yp, coef, a, c, d, p, opts)
+  dz, db = _dz(zb, mt, out.lse, yp, wts, jnp.zeros_like(wts), d, p, opts)
   return out, dz, db
 
 
@@ -110,9 +127,10 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
   b = x.shape[0]
   xp, wp, bp, yp, d = op.prepare(x, w, bias, labels, spec, p, store=True)
   wts = jnp.pad(weights.astype(F32), (0, d.b - b))  # padding rows: weight 0 (and label -1): dz = 0
-  if p.fast_design == "logits":
-    out, dz, db = _stored_dz(xp, wp, bp, yp, wts, d, p, opts)
-    res = (dz, xp, wp, None, None, db)
+  if p.fast_design == "logits":  # dz is formed in the backward, for any per-token cotangent
+    stats, zb, mt, _, _ = _stored(xp, wp, bp, yp, d, p, opts)
+    out = _math.finalize(stats, yp, opts)
+    res = (zb, mt, out.lse, yp, wts, xp, wp)
   else:
     chunk = p.token_chunk
     n = cdiv(d.b, chunk)
@@ -134,7 +152,7 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
     init = (jnp.zeros(wp.shape, F32), None if bp is None else jnp.zeros(bp.shape, F32))
     (dw, db), (dx, out) = lax.scan(body, init, (xs, ys, ws))
     out = jax.tree.map(lambda t: t.reshape(n * chunk), out)
-    res = (None, None, None, dx.reshape(n * chunk, d.h), dw, db)
+    res = (dx.reshape(n * chunk, d.h), dw, db)
   out = _math.TokenOut(*(t[:b] for t in out))
   total = jnp.sum(weights.astype(F32) * out.loss)
   return total, out, res
@@ -150,20 +168,30 @@ def fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan, axe
   return _fast_forward(x, w, bias, labels, weights, spec, p)
 
 
-def fast_backward(residuals, g_total, spec: common.Spec, p: op.Plan, primals):
-  """(dx, dw, dbias) for the scalar cotangent ``g_total``: the "logits" design's two matmuls now, or the "tokens"
-  design's gradients (formed in the forward) scaled."""
-  dz, xp, wp, dx, dw, db = residuals
-  gt = g_total.astype(F32)
+def fast_backward(residuals, g_total, spec: common.Spec, p: op.Plan, primals, g_tokens=None):
+  """(dx, dw, dbias): the "logits" design forms dz from the stored tiles now, for the cotangent ``g_total`` of the
+  weighted sum and, when given, ``g_tokens`` = (cotangents of the per-token losses, of the lse), and then its two
+  products; the "tokens" design scales the gradients it formed in the forward by ``g_total``."""
   (b, h), v, bias_dtype = primals.x_shape, spec.opts.vocab_size, primals.bias_dtype  # (a whole vocabulary)
-  scale = lambda t, dtype: (t.astype(F32) * gt).astype(dtype)
-  if dz is not None:  # "logits": the two matmuls now
-    # The cotangent enters dw through x (exact when it is 1, as for a loss): the matmul writes dw in its final
-    # dtype, with no H×V float32 product.
-    dw = _grad_w(scale(xp, xp.dtype), dz, spec.w_layout, p, spec.interpret, wp.dtype)
-    dx = scale(_grad_x(dz, wp, spec.w_layout, p, spec.interpret), xp.dtype)
+  gt = g_total.astype(F32)
+  if p.fast_design == "logits":
+    zb, mt, lse, yp, wts, xp, wp = residuals
+    g_loss, g_lse = wts * gt, jnp.zeros_like(wts)
+    if g_tokens is not None:
+      pad = (0, yp.shape[0] - b)
+      g_loss = g_loss + jnp.pad(g_tokens[0].astype(F32), pad)
+      g_lse = jnp.pad(g_tokens[1].astype(F32), pad)
+    hp = wp.shape[0] if spec.w_layout == "hv" else wp.shape[1]
+    d = kernels.Dims(yp.shape[0], hp, v, zb.shape[1], spec.w_layout, bias_dtype is not None, spec.interpret, True)
+    d, pr = _read_as(d, p, zb.shape[1])
+    dz, db = _dz(zb, mt, lse, yp, g_loss, g_lse, d, pr, spec.opts)
+    dw = _grad_w(xp, dz, spec.w_layout, p, spec.interpret, wp.dtype)
+    dx = _grad_x(dz, wp, spec.w_layout, p, spec.interpret).astype(xp.dtype)
+    dbias = None if db is None else db.astype(bias_dtype)
   else:  # "tokens": formed in the forward (x and w share the kernels' dtype)
+    dx, dw, db = residuals
+    scale = lambda t, dtype: (t.astype(F32) * gt).astype(dtype)
     dx, dw = scale(dx, dx.dtype), scale(dw, dx.dtype)
+    dbias = None if db is None else scale(db, bias_dtype)
   dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
-  dbias = None if db is None else scale(db, bias_dtype)[:v]
-  return dx[:b, :h], dw, dbias
+  return dx[:b, :h], dw, None if dbias is None else dbias[:v]

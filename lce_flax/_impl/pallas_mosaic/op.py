@@ -106,7 +106,7 @@ class Config:
       read in place), else no. Not read by the lean design.
     products: who forms the fast designs' backward products dx = dz·wᵀ and, in the "logits" design, dw = xᵀ·dz:
       ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS); None: ``"gemm"`` when the
-      forward runs on it. The "tokens" design adds each chunk's dw into its float32 buffer with XLA's product
+      forward runs on it in the "logits" design, else ``"xla"``. The "tokens" design adds each chunk's dw into its float32 buffer with XLA's product
       either way (cuBLAS accumulates into the carried buffer in place).
   """
 
@@ -142,7 +142,12 @@ class Plan:
   token_chunk: int | None = None  # "tokens": tokens per chunk (None otherwise)
   fast_design: str | None = None  # None: the lean design
   gemm: GemmConfig | None = None  # fast designs: the forward on the GEMM of .gemm with this tiling (None: kernels_ws)
-  products: str = "xla"  # fast designs: the backward products on "gemm" or "xla"
+  products: str | None = None  # fast designs: the backward products on "gemm" or "xla" (None: the lean design)
+
+  @property
+  def token_cotangents(self) -> bool:
+    """The "logits" design forms dz in its backward: any per-token cotangent (``reduction="none"``) runs it."""
+    return self.fast_design == "logits"
 
 
 DZ_CHUNK_BYTES = 32 * 2**20
@@ -222,12 +227,12 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
       if c.token_chunk is not None:
         raise ValueError(f"token_chunk={c.token_chunk}: the 'logits' fast design has no chunk loop (it stores the "
                          "logits of all tokens at once); use fast_design='tokens' for chunks of tokens")
-      return dataclasses.replace(tiles, fast_design=design)
+      return _products(dataclasses.replace(tiles, fast_design=design))
     chunk = c.token_chunk or token_chunk(num_tokens, hidden, bt)
     if chunk % bt:
       raise ValueError(f"token_chunk={chunk} (tokens per chunk of the 'tokens' fast design) must be a multiple of "
                        f"block_t={bt}")
-    return dataclasses.replace(tiles, token_chunk=chunk, fast_design=design)
+    return _products(dataclasses.replace(tiles, token_chunk=chunk, fast_design=design))
   chunk = c.vocab_chunk or min(max(pow2_floor(DZ_CHUNK_BYTES // (2 * tokens)), bv), 16384)
   if chunk % bv:
     raise ValueError(f"vocab_chunk={chunk} must be a positive multiple of block_v={bv}")
@@ -252,8 +257,17 @@ def _with_gemm(tiles: Plan, c: Config, num_tokens: int, hidden: int, vocab: int,
       if c.gemm:
         raise ValueError(f"gemm=True: {why}")
       cfg = None
-  products = c.products or ("gemm" if cfg is not None else "xla")
-  return dataclasses.replace(tiles, gemm=cfg, products=products)
+  return dataclasses.replace(tiles, gemm=cfg, products=c.products)
+
+
+def _products(p: Plan) -> Plan:
+  """``products`` resolved: as asked, else on the GEMM where the forward runs on it, except in the "tokens" design,
+  whose chunk-sized dx products ran faster on XLA's GEMM on an H100 (gpt2-small, 4096-token chunks: 8.06 vs
+  8.77 ms for the whole step, ``benchmarks/results/h100-2026-11-24-fast-gemm/``)."""
+  if p.products is not None:
+    return p
+  on_gemm = p.gemm is not None and p.fast_design == "logits"
+  return dataclasses.replace(p, products="gemm" if on_gemm else "xla")
 
 
 def gemm_refusal(cfg: GemmConfig, hidden: int, vocab: int) -> str | None:

@@ -1,4 +1,4 @@
-"""The tuning table of :mod:`.gemm`: a :class:`~.gemm.GemmConfig` per (device kind, GEMM role, shape bucket).
+"""The tiling of :mod:`.gemm` (:class:`GemmConfig`) and its tuning table: a config per (device kind, GEMM role, shape bucket).
 
 The table is data (``gemm_tuning.json`` beside this file), written by ``benchmarks/bench_gemm.py --sweep`` on the
 GPU and read once. :func:`select_config` picks the row at trace time; :func:`describe` says which row it was (for
@@ -22,7 +22,72 @@ import json
 import math
 import os
 
-from lce_flax._impl.pallas_mosaic.gemm import GemmConfig
+
+SCHEDULES = ("cooperative", "pingpong", "pingpong_ws")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+  """Static tiling of one GEMM call.
+
+  ``tile_m × tile_n`` is one compute warpgroup's accumulator; the CTA tile doubles it along ``wg_split``
+  ("m" or "n"), a cluster of two CTAs doubles that along ``cluster`` ("m", "n" or None). ``order_minor`` /
+  ``order_width`` set the planar-snake tile order; ``epi_m × epi_n`` is the sub-tile of the stored output.
+  ``schedule``: ``"cooperative"`` (both warpgroups on one CTA tile, fed by a TMA warpgroup), ``"pingpong"``
+  (each warpgroup on a tile of its own, with its own ring of ``stages`` slots, taking turns on the tensor cores)
+  or ``"pingpong_ws"`` (the same turns, one ring of ``stages`` slots filled by a TMA warpgroup); under both
+  ping-pong schedules ``wg_split`` is unused and ``cluster`` must be None. The interpret twin ignores it.
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  stages: int = 4
+  wg_split: str = "n"
+  cluster: str | None = None
+  order_minor: str = "n"
+  order_width: int = 16
+  epi_m: int = 64
+  epi_n: int = 64
+  schedule: str = "cooperative"
+
+  def cta_tile(self) -> tuple[int, int]:
+    """The output block a CTA's warpgroups work on at once: two warpgroup tiles side by side (cooperative), or
+    one warpgroup tile (ping-pong: each warpgroup has a tile of its own)."""
+    if self.schedule != "cooperative":
+      return (self.tile_m, self.tile_n)
+    return (self.tile_m * (2 if self.wg_split == "m" else 1), self.tile_n * (2 if self.wg_split == "n" else 1))
+
+  def cluster_size(self) -> int:
+    return 1 if self.cluster is None else 2
+
+  def cluster_tile(self) -> tuple[int, int]:
+    cm, cn = self.cta_tile()
+    return (cm * (2 if self.cluster == "m" else 1), cn * (2 if self.cluster == "n" else 1))
+
+  def short(self) -> str:
+    if self.schedule != "cooperative":
+      return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} {self.schedule} "
+              f"order={self.order_minor}{self.order_width} epi={self.epi_m}x{self.epi_n}")
+    return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} wg={self.wg_split} cl={self.cluster} "
+            f"order={self.order_minor}{self.order_width}")
+
+  def validate(self):
+    for name in ("tile_m", "tile_n", "tile_k"):
+      if getattr(self, name) % 64:
+        raise ValueError(f"GemmConfig.{name}={getattr(self, name)} must be a multiple of 64")
+    if self.wg_split not in ("m", "n") or self.cluster not in (None, "m", "n") or self.order_minor not in ("m", "n"):
+      raise ValueError(f"bad GemmConfig dimension names: {self}")
+    if self.tile_m % self.epi_m or self.tile_n % self.epi_n or self.epi_m % 64 or self.epi_n % 32:
+      raise ValueError(f"the epilogue sub-tile {self.epi_m}x{self.epi_n} must divide the warpgroup tile, with rows a "
+                       "multiple of 64 (the WGMMA register layout) and columns a multiple of 32")
+    if self.stages < 2:
+      raise ValueError("GemmConfig.stages must be >= 2")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"GemmConfig.schedule={self.schedule!r}: one of {SCHEDULES}")
+    if self.schedule != "cooperative" and self.cluster is not None:
+      raise ValueError("GemmConfig: the ping-pong schedule runs without clusters (cluster=None)")
+
 
 TABLE_PATH = os.path.join(os.path.dirname(__file__), "gemm_tuning.json")
 
