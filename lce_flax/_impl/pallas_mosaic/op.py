@@ -106,7 +106,8 @@ class Config:
       read in place), else no. Not read by the lean design.
     products: who forms the fast designs' backward products dx = dz·wᵀ and, in the "logits" design, dw = xᵀ·dz:
       ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS); None: ``"gemm"`` when the
-      forward runs on it in the "logits" design, else ``"xla"``. The "tokens" design adds each chunk's dw into its float32 buffer with XLA's product
+      forward runs on it in the "logits" design, else ``"xla"``. The "tokens" design adds each chunk's dw into its
+      float32 buffer with XLA's product
       either way (cuBLAS accumulates into the carried buffer in place).
   """
 
@@ -360,8 +361,9 @@ def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.
   kind = gemm_lib._device_kind()
   rows = p.token_chunk or cdiv(max(num_tokens, 1), p.block_t) * p.block_t
   if p.gemm is not None:
+    row = tuning.select_row("fwd_store", rows, vocab, hidden, kind)[1]
     fwd = (f"forward: the persistent GEMM (lce_flax/_impl/pallas_mosaic/gemm.py) with the statistics epilogue "
-           f"storing the shifted tiles, {p.gemm.short()} (from {tuning.select_row('fwd_store', rows, vocab, hidden, kind)[1]})")
+           f"storing the shifted tiles, {p.gemm.short()} (from {row})")
   else:
     why = gemm_refusal(tuning.DEFAULT, hidden, vocab)
     fwd = "forward: the warp-specialised kernel of kernels_ws.py" + (f" ({why})" if why else " (gemm=False)")

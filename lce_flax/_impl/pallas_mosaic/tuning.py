@@ -1,4 +1,5 @@
-"""The tiling of :mod:`.gemm` (:class:`GemmConfig`) and its tuning table: a config per (device kind, GEMM role, shape bucket).
+"""The tiling of :mod:`.gemm` (:class:`GemmConfig`) and its tuning table: a config per (device kind, GEMM role,
+shape bucket).
 
 The table is data (``gemm_tuning.json`` beside this file), written by ``benchmarks/bench_gemm.py --sweep`` on the
 GPU and read once. :func:`select_config` picks the row at trace time; :func:`describe` says which row it was (for
@@ -21,7 +22,6 @@ import functools
 import json
 import math
 import os
-
 
 SCHEDULES = ("cooperative", "pingpong", "pingpong_ws")
 
