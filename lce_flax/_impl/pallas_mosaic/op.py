@@ -107,8 +107,7 @@ class Config:
     products: who forms the fast designs' backward products dx = dz·wᵀ and, in the "logits" design, dw = xᵀ·dz:
       ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS); None: ``"gemm"`` when the
       forward runs on it in the "logits" design, else ``"xla"``. The "tokens" design adds each chunk's dw into its
-      float32 buffer with XLA's product
-      either way (cuBLAS accumulates into the carried buffer in place).
+      float32 buffer with XLA's product either way (cuBLAS accumulates into the carried buffer in place).
   """
 
   block_t: int | None = None
