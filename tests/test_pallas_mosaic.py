@@ -109,13 +109,20 @@ def test_epilogue_math_matches_shared_math():
 FAST = dataclasses.replace(SMALL, fast_design="logits", vocab_chunk=None)  # no chunk loop
 
 
-@pytest.mark.parametrize("w_layout", ["hv", "vh"])
-def test_fast_peaky_logits_sum(w_layout):
+GEMM_FAST = dataclasses.replace(FAST, gemm=True)
+
+
+@pytest.mark.parametrize("w_layout,seed,v,config", [
+    ("hv", 31, 257, FAST), ("vh", 31, 257, FAST),  # V = 257: the warp-specialised (or one-warpgroup) forward
+    # V a multiple of the GEMM's 128-column tile: the forward on the persistent GEMM, the products on it or on XLA
+    ("hv", 33, 384, dataclasses.replace(GEMM_FAST, products="gemm")),
+    ("vh", 33, 384, dataclasses.replace(GEMM_FAST, products="xla"))], ids=["hv", "vh", "gemm-hv", "gemm-xla-vh"])
+def test_fast_peaky_logits_sum(w_layout, seed, v, config):
   """Logits with std ≈ 11 (the regime where storing rounded logits would hurt): the stored values are shifted by
   their tile's row max, so the gradient keeps the error of the bf16 dz that every design has."""
-  (x, w, y, _), (xn, wn, yn, _) = make_inputs(31, (101,), 128, 257, jnp.bfloat16, w_layout=w_layout, wscale=1.0)
+  (x, w, y, _), (xn, wn, yn, _) = make_inputs(seed, (101,), 128, v, jnp.bfloat16, w_layout=w_layout, wscale=1.0)
   f = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="fast", reduction="sum",
-                                        w_layout=w_layout, config=FAST)
+                                        w_layout=w_layout, config=config)
   loss, (dx, dw) = jax.value_and_grad(f, (0, 1))(x, w)
   ref = linear_cross_entropy_np(xn, wn, yn, reduction="sum", w_layout=w_layout)
   assert rel_err(loss, ref["loss"]) < 2e-5
@@ -140,23 +147,6 @@ def test_fast_token_chunks(opt, w_layout, bias, chunk):
   """The "tokens" fast design: chunks of stored logits, dx rows per chunk, dw accumulated in float32."""
   cfg = dataclasses.replace(SMALL, fast_design="tokens", vocab_chunk=None, token_chunk=chunk)
   check(mode="fast", config=cfg, w_layout=w_layout, bias=bias, options=OPTIONS[opt], where=True, seed=40 + chunk)
-
-
-GEMM_FAST = dataclasses.replace(FAST, gemm=True)
-
-
-@pytest.mark.parametrize("w_layout,products", [("hv", "gemm"), ("vh", "xla")])
-def test_fast_gemm_forward_peaky_logits(w_layout, products):
-  """The fast forward on the persistent GEMM (V a multiple of its 128-column tile): peaky logits (std ≈ 11), the
-  stored tiles shifted by their row max; the products on the GEMM or on XLA."""
-  (x, w, y, _), (xn, wn, yn, _) = make_inputs(33, (101,), 128, 384, jnp.bfloat16, w_layout=w_layout, wscale=1.0)
-  cfg = dataclasses.replace(GEMM_FAST, products=products)
-  f = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="fast", reduction="sum",
-                                        w_layout=w_layout, config=cfg)
-  loss, (dx, dw) = jax.value_and_grad(f, (0, 1))(x, w)
-  ref = linear_cross_entropy_np(xn, wn, yn, reduction="sum", w_layout=w_layout)
-  assert rel_err(loss, ref["loss"]) < 2e-5
-  assert rel_err(dx, ref["dx"]) < 1e-2 and rel_err(dw, ref["dw"]) < 1e-2
 
 
 def test_fast_gemm_routing_is_explained_and_refused_where_it_cannot_run():
