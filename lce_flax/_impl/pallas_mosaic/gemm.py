@@ -326,6 +326,10 @@ class RowStats(Part):
       b_smem, _ = self._bias_and_buf(smem)
       plgpu.copy_gmem_to_smem(ins[1].at[t.cols], b_smem.at[t.g], bars.at[t.prob.nwg + t.g])
 
+  def stats_of(self, zc, cols, valid, labels):
+    """The tile's four row statistics (:func:`tile_stats` of the capped tile)."""
+    return _capped_stats(zc, cols, valid, labels, self.opts)
+
   def apply(self, z, t, ins, outs, smem):
     (st, *stored), (y_smem, st_smem, bars) = outs, smem[:3]
     b_smem, buf = self._bias_and_buf(smem)
@@ -335,7 +339,7 @@ class RowStats(Part):
       z = z + lax.broadcast_in_dim(b_smem[t.g], z.shape, [1])
     cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
     zc = _math.softcap(z, self.opts.logit_softcap)
-    new = _capped_stats(zc, cols, cols < t.prob.n, y_smem[t.g], self.opts)
+    new = self.stats_of(zc, cols, cols < t.prob.n, y_smem[t.g])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's statistics have left st_smem
     for q in range(4):
       st_smem[t.g, q] = new[q]
