@@ -1,20 +1,17 @@
 """What the forward GEMM's loss epilogue costs, piece by piece (one GPU run).
 
-At each shape it times, in alternation (median of ``--rounds`` rounds of 10 runs), the forward product ``x·w`` of
-``lce_flax/_impl/pallas_mosaic/gemm.py`` with the tuning table's config under these epilogues:
+At each shape it times, in alternation (median of ``--rounds`` rounds of 10 runs), XLA's bare product ``x·w`` and
+the forward GEMM of ``lce_flax/_impl/pallas_mosaic/gemm.py`` (the tuning table's config) under these epilogues:
 
-  bare        the bf16 product stored (``Store()``)
-  max         a row max per tile, written out as the statistics are (the statistics' SMEM and TMA traffic alone)
-  max_exp     + Σ exp(z - max) (no masking of the columns past V)
-  masked      + the mask of the columns past V
-  stats       + the target logit (``RowStats``: what the lean forward runs)
-  stats_fast  ``stats`` with the approximate ``exp`` (``approx_math``)
-  store       ``RowStats(store=True)``: the fast forward (statistics + the shifted bf16 tiles)
-  store_fast  ``store`` with the approximate ``exp``
+  bare            the bf16 product stored (``Store()``)
+  stats_every     the row statistics, the target logit formed in every tile (:class:`EveryTile`)
+  stats           ``RowStats``: the lean forward (the target logit only in the tiles that hold a label)
+  store_every     ``stats_every`` + the shifted bf16 tiles stored (the fast forward, target in every tile)
+  store           ``RowStats(store=True)``: the fast forward
+  store_cap       ``store`` with a soft cap of 30 (gemma2's)
+  *_fast          the same with the approximate ``exp`` (``approx_math``)
 
-and XLA's bare product. Each epilogue is a subclass of ``RowStats`` whose ``stats_of`` leaves parts out, so the
-rest of the epilogue (labels copied in, statistics copied out) is the one the op runs. One JSON line per
-measurement; ``--out`` gets ``results.json`` with device, versions and date.
+One JSON line per measurement; ``--out`` gets ``results.json`` with device, versions and date.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,42 +34,31 @@ from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
-class Partial(G.RowStats):
-  """``RowStats`` computing only the statistics up to ``level`` (the others are zeros of the same layout)."""
+class EveryTile(G.RowStats):
+  """``RowStats`` with the target logit computed in every tile (not only in the tiles that hold a label)."""
 
-  level: str = "max"
-
-  def stats_of(self, zc, cols, valid, labels):
-    if self.level == "max":
-      m = zc.max(axis=1)
-      return m, m, m, m
-    if self.level == "max_exp":
-      m = zc.max(axis=1)
-      s = jnp.exp(zc - lax.broadcast_in_dim(m, zc.shape, [0])).sum(axis=1)
-      return m, s, m, m
-    if self.level == "masked":
-      masked = jnp.where(valid, zc, -jnp.inf)
-      m = masked.max(axis=1)
-      m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-      s = jnp.exp(masked - lax.broadcast_in_dim(m_safe, zc.shape, [0])).sum(axis=1)
-      return m, s, m, m
-    raise ValueError(self.level)
+  _target_in_every_tile = True
 
 
-def variants(x, w, y):
-  opts = G.StatsOptions()
+def variants():
+  """name -> f(x, w, y), each jitted."""
+  plain, capped = G.StatsOptions(), G.StatsOptions(logit_softcap=30.0)
+
+  def fwd(part, opts, approx=False, **kw):
+    role = "fwd_store" if kw.get("store") else "fwd_stats"
+    return jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=part(y, opts, **kw), role=role, approx_math=approx))
+
   return {
-      "xla": jax.jit(jnp.dot),
+      "xla": jax.jit(lambda x, w, y: jnp.dot(x, w)),
       "bare": jax.jit(lambda x, w, y: G.gemm(x, w, role="fwd")),
-      "max": jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=Partial(y, opts, level="max"), role="fwd_stats")),
-      "max_exp": jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=Partial(y, opts, level="max_exp"), role="fwd_stats")),
-      "masked": jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=Partial(y, opts, level="masked"), role="fwd_stats")),
-      "stats": jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=G.RowStats(y, opts), role="fwd_stats")),
-      "stats_fast": jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=G.RowStats(y, opts), role="fwd_stats",
-                                                   approx_math=True)),
-      "store": jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=G.RowStats(y, opts, store=True), role="fwd_store")),
-      "store_fast": jax.jit(lambda x, w, y: G.gemm(x, w, epilogue=G.RowStats(y, opts, store=True), role="fwd_store",
-                                                   approx_math=True)),
+      "stats_every": fwd(EveryTile, plain),
+      "stats": fwd(G.RowStats, plain),
+      "stats_fast": fwd(G.RowStats, plain, approx=True),
+      "store_every": fwd(EveryTile, plain, store=True),
+      "store": fwd(G.RowStats, plain, store=True),
+      "store_fast": fwd(G.RowStats, plain, approx=True, store=True),
+      "store_cap": fwd(G.RowStats, capped, store=True),
+      "store_cap_fast": fwd(G.RowStats, capped, approx=True, store=True),
   }
 
 
@@ -95,8 +80,8 @@ def main():
     w = (0.02 * jax.random.normal(k[1], (h, v), jnp.float32)).astype(jnp.bfloat16)
     y = jax.random.randint(k[2], (b,), 0, v, jnp.int32)
     fns = {}
-    for vname, f in variants(x, w, y).items():
-      a = (x, w) if vname == "xla" else (x, w, y)
+    for vname, f in variants().items():
+      a = (x, w, y)
       try:
         jax.block_until_ready(f(*a))
         fns[vname] = (f, a)

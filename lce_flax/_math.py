@@ -174,3 +174,82 @@ def dlogits(z, lse, labels, cols, col_valid, g_loss, g_lse, opts: LossSpec):
   dz = jnp.where(col_valid, dz, 0.0)
   bad = labels >= opts.vocab_size
   return jnp.where(bad[:, None], jnp.nan, dz)
+
+
+# ------------------------------------------------------------------------------------------------ entropy
+# The per-token entropy of the softmax of ``u = scale·z'`` (``aux.entropy`` of the op: scale 1; the RL helpers'
+# temperature: scale 1/T), ``H = lse(u) - Σ_v p_v u_v``, walked over tiles of columns like the loss. The running
+# sums are kept relative to the running max (``Σ e^(u-m)·(u-m)``, not ``Σ e^u·u``), so H comes out as
+# ``log s - d/s``, a sum of two non-negative terms of size ≤ log V: no cancellation of large logits.
+
+
+class EntropyStats(NamedTuple):
+  """Per-row partial reductions for the entropy over some vocabulary columns (all float32, shape ``[rows]``)."""
+
+  m: jax.Array  # running max of u
+  s: jax.Array  # Σ exp(u - m)
+  d: jax.Array  # Σ exp(u - m)·(u - m) (≤ 0)
+
+
+def entropy_logits(z, cap: float | None, scale: float = 1.0):
+  """``u = scale·softcap(z)``: the logits whose softmax the entropy is of (float32)."""
+  zc = softcap(z, cap)
+  return zc if scale == 1.0 else zc * scale
+
+
+def entropy_tile(u, col_valid) -> EntropyStats:
+  """Reduces a tile of logits ``u`` [bt, bv] to :class:`EntropyStats`; ``col_valid`` masks its columns."""
+  col_valid = col_valid.reshape(1, -1)
+  masked = jnp.where(col_valid, u, -jnp.inf)
+  m = jnp.max(masked, axis=-1)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # as in tile_stats: a row with no column gives s = d = 0
+  shifted = masked - m_safe[:, None]
+  e = jnp.exp(shifted)
+  d = jnp.sum(jnp.where(col_valid, e * shifted, 0.0), axis=-1)
+  return EntropyStats(m, jnp.sum(e, axis=-1), d)
+
+
+def _rescaled(st: EntropyStats, m):
+  """``(s, d)`` of ``st`` relative to the new max ``m`` >= st.m: ``Σ e^(u-m) = s·f`` and
+  ``Σ e^(u-m)(u-m) = (d + δ·s)·f`` with ``δ = st.m - m``, ``f = e^δ``."""
+  delta = jnp.where(jnp.isfinite(st.m), st.m - m, 0.0)  # an empty part (m = -inf, s = d = 0) stays 0
+  f = jnp.exp(delta)
+  return st.s * f, (st.d + delta * st.s) * f
+
+
+def merge_entropy(a: EntropyStats, b: EntropyStats) -> EntropyStats:
+  """Combination of two partial entropy reductions over disjoint columns."""
+  m = jnp.maximum(a.m, b.m)
+  (sa, da), (sb, db) = _rescaled(a, m), _rescaled(b, m)
+  return EntropyStats(m, sa + sb, da + db)
+
+
+def all_reduce_entropy(st: EntropyStats, axis) -> EntropyStats:
+  """The whole vocabulary's entropy stats from each ``axis`` shard's (inside ``shard_map``): a pmax, one psum."""
+  m = jax.lax.pmax(st.m, axis)
+  s, d = jax.lax.psum(jnp.stack(_rescaled(st, m)), axis)
+  return EntropyStats(m, s, d)
+
+
+def finalize_entropy(st: EntropyStats):
+  """``(entropy, lse, mean)`` of a whole row: ``H = log s - d/s``, ``lse(u)`` and ``E_p[u]`` (what the backward
+  needs)."""
+  log_s = jnp.log(st.s)
+  rel_mean = st.d / st.s
+  return log_s - rel_mean, st.m + log_s, st.m + rel_mean
+
+
+def dlogits_entropy(z, lse, mean, g, col_valid, cap: float | None, scale: float = 1.0):
+  """Gradient w.r.t. the pre-cap logits ``z`` [bt, bv] of ``Σ_t g_t·H_t``.
+
+  ``dH/du_v = -p_v·(u_v - E_p[u])``; ``du/dz = scale·(1 - (z'/c)²)`` (the soft cap's derivative, 1 without it).
+  """
+  zc = softcap(z, cap)
+  u = zc if scale == 1.0 else zc * scale
+  p = jnp.exp(u - lse[:, None])
+  dz = -(g[:, None] * p) * (u - mean[:, None])
+  if scale != 1.0:
+    dz = dz * scale
+  if cap is not None:
+    dz = dz * (1.0 - jnp.square(zc / cap))
+  return jnp.where(col_valid.reshape(1, -1), dz, 0.0)

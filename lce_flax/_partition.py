@@ -26,6 +26,9 @@ explicit ``shard_map`` form :func:`lce_flax.sharding.sharded_linear_cross_entrop
 * Cotangents of ``Aux`` outputs: for ``"none"`` the cotangent of ``aux.token_loss`` is added to the loss's (they
   are the same values) and that of ``aux.lse`` goes to the local op's vjp; for ``"mean"``/``"sum"`` either one
   raises a ValueError naming ``reduction="none"`` (the grads primitive has formed the gradient of the loss only).
+  ``aux.entropy`` (``entropy=True``), a pass of its own, has a backward primitive of its own
+  (:func:`shard_entropy_backward`, run only when it gets a cotangent, with any reduction), whose gradients are
+  added to the loss's; x, w and bias are then residuals of a reduced loss too.
 
 Layouts (read from the operand shardings XLA chose; anything else is resharded to the nearest of these by the
 partitioner, by returning the wanted ``arg_shardings`` from :func:`_partition`):
@@ -127,11 +130,19 @@ def _finish(loss, aux, count, s: Static, lay: Layout):
     correct = lax.psum(correct, lay.tok)
     if s.opts.reduction != "none":  # local sums (divided by the global count for mean): the global value
       loss = lax.psum(loss, lay.tok)
-  return loss, aux.token_loss, aux.lse, correct, count
+  return (loss, aux.token_loss, aux.lse, correct, count) + ((aux.entropy,) if s.opts.entropy else ())
+
+
+def _reduce_grads(dx, dw, db, s: Static, lay: Layout):
+  """(dx, dw, dbias) of the gathered w back to this device's slices, summed over the token axes."""
+  dw = _reduce_dw(dw, s, lay)
+  if db is not None and lay.tok:
+    db = lax.psum(db, lay.tok)
+  return dx, dw, db
 
 
 def shard_forward(x, w, bias, labels, where, s: Static, lay: Layout):
-  """(loss, token_loss, lse, num_correct, num_tokens) of this shard; loss and counts are global."""
+  """(loss, token_loss, lse, num_correct, num_tokens[, entropy]) of this shard; loss and counts are global."""
   count = _count(labels, where, s, lay)
   loss, aux = _local(x, _gather_w(w, s, lay), bias, labels, where, s, lay, count)
   return _finish(loss, aux, count, s, lay)
@@ -143,24 +154,28 @@ def shard_grads(x, w, bias, labels, where, s: Static, lay: Layout):
   f = lambda x, w, bias: _local(x, w, bias, labels, where, s, lay, count)
   (loss, aux), (dx, dw, db) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
       x, _gather_w(w, s, lay), bias)
-  dw = _reduce_dw(dw, s, lay)
-  if db is not None and lay.tok:
-    db = lax.psum(db, lay.tok)
-  return (*_finish(loss, aux, count, s, lay), dx, dw, db)
+  return (*_finish(loss, aux, count, s, lay), *_reduce_grads(dx, dw, db, s, lay))
 
 
 def shard_backward(x, w, bias, labels, where, g, g_lse, s: Static, lay: Layout):
   """(dx, dw, dbias) for per-token cotangents ``g`` of the loss and ``g_lse`` of the lse (reduction="none");
-  re-runs the local forward."""
+  re-runs the local forward (without the entropy: its cotangent goes to :func:`shard_entropy_backward`)."""
+  s = dataclasses.replace(s, opts=s.opts.replace(entropy=False))
+
   def f(x, w, bias):
     loss, aux = _local(x, w, bias, labels, where, s, lay, None)
     return loss, aux.lse
   _, vjp = jax.vjp(f, x, _gather_w(w, s, lay), bias)
   dx, dw, db = vjp((g.astype(jnp.float32), g_lse.astype(jnp.float32)))
-  dw = _reduce_dw(dw, s, lay)
-  if db is not None and lay.tok:
-    db = lax.psum(db, lay.tok)
-  return dx, dw, db
+  return _reduce_grads(dx, dw, db, s, lay)
+
+
+def shard_entropy_backward(x, w, bias, g_ent, s: Static, lay: Layout):
+  """(dx, dw, dbias) for per-token cotangents ``g_ent`` of ``aux.entropy``: its own pass and backward
+  (:func:`lce_flax._impl.base.entropy`) on this shard, with any reduction of the loss."""
+  f = lambda x, w, bias: base.op_entropy(x, w, bias, s.w_layout, s.opts, s.vocab, lay.v)
+  _, vjp = jax.vjp(f, x, _gather_w(w, s, lay), bias)
+  return _reduce_grads(*vjp(g_ent.astype(jnp.float32)), s, lay)
 
 
 # ------------------------------------------------------------------------------- the partitioned primitives
@@ -209,7 +224,7 @@ def _shardings(s: Static, mesh, lay: Layout, has_bias, has_where):
 
 
 def _fwd_outs(s, mesh, lay, tok, scal):
-  return (tok if s.opts.reduction == "none" else scal, tok, tok, scal, scal)
+  return (tok if s.opts.reduction == "none" else scal, tok, tok, scal, scal) + ((tok,) if s.opts.entropy else ())
 
 
 def _partition_fwd(s: Static, mesh, arg_shapes, result_shape):
@@ -237,6 +252,14 @@ def _partition_bwd(s: Static, mesh, arg_shapes, result_shape):
   return mesh, lower, (args[0], wsh, args[2]), (*args, tok, tok)
 
 
+def _partition_entropy_bwd(s: Static, mesh, arg_shapes, result_shape):
+  x, w, bias, _ = arg_shapes
+  lay = _layout(s, mesh, x, w)
+  args, tok, _, wsh = _shardings(s, mesh, lay, bias is not None, False)
+  lower = lambda x, w, bias, g: shard_entropy_backward(x, w, bias, g, s, lay)
+  return mesh, lower, (args[0], wsh, args[2]), (args[0], args[1], args[2], tok)
+
+
 def _rule(s: Static, has_bias, has_where, results: str, extra: str = "") -> str:
   # x's H ("h") and w's H ("k") are separate factors: w's FSDP sharding is not propagated onto x's H dim.
   w = "k v" if s.w_layout == "hv" else "v k"
@@ -245,7 +268,7 @@ def _rule(s: Static, has_bias, has_where, results: str, extra: str = "") -> str:
 
 
 def _fwd_results(s):
-  return ("n" if s.opts.reduction == "none" else "") + ", n, n, , "
+  return ("n" if s.opts.reduction == "none" else "") + ", n, n, , " + (", n" if s.opts.entropy else "")
 
 
 @functools.cache
@@ -262,6 +285,9 @@ def _primitives(s: Static, has_bias: bool, has_where: bool):
   def bwd_global(x, w, bias, labels, where, g, g_lse):
     return shard_backward(x, w, bias, labels, where, g, g_lse, s, Layout((), ()))
 
+  def entropy_bwd_global(x, w, bias, g):
+    return shard_entropy_backward(x, w, bias, g, s, Layout((), ()))
+
   fwd = custom_partitioning(fwd_global)
   fwd.def_partition(functools.partial(_partition_fwd, s), sharding_rule=_rule(s, has_bias, has_where,
                                                                                  _fwd_results(s)))
@@ -272,7 +298,10 @@ def _primitives(s: Static, has_bias: bool, has_where: bool):
   bres = "n h, " + w + (", " + b if b else "")
   bwd.def_partition(functools.partial(_partition_bwd, s),
                     sharding_rule=_rule(s, has_bias, has_where, bres, "n, n"))
-  return fwd, grads, bwd
+  ent_bwd = custom_partitioning(entropy_bwd_global)
+  ent_bwd.def_partition(functools.partial(_partition_entropy_bwd, s),
+                        sharding_rule=", ".join(["n h", w] + ([b] if b else []) + ["n"]) + " -> " + bres)
+  return {"fwd": fwd, "grads": grads, "bwd": bwd, "entropy_bwd": ent_bwd}
 
 
 # ------------------------------------------------------------------------------------------ the op
@@ -281,26 +310,28 @@ def _primitives(s: Static, has_bias: bool, has_where: bool):
 def _shard_map(kind, s: Static, run, *args):
   """The per-shard body ``kind`` under ``jax.shard_map`` on ``run = (mesh, Layout)`` (the explicit form)."""
   mesh, lay = run
-  has_bias, has_where = args[2] is not None, args[4] is not None
+  has_bias = args[2] is not None
   tok = P(lay.tok or None)
   wspec = _w_spec(s, lay)
   scal, bspec = P(), P(lay.v or None)
-  in_specs = (tok, wspec, bspec, tok, tok) + ((tok, tok) if kind == "bwd" else ())
-  fwd_outs = (tok if s.opts.reduction == "none" else scal, tok, tok, scal, scal)
+  in_specs = {"fwd": (tok, wspec, bspec, tok, tok), "grads": (tok, wspec, bspec, tok, tok),
+              "bwd": (tok, wspec, bspec, tok, tok, tok, tok), "entropy_bwd": (tok, wspec, bspec, tok)}[kind]
+  fwd_outs = _fwd_outs(s, mesh, lay, tok, scal)
   grads = (tok, wspec, bspec if has_bias else None)
-  body = {"fwd": shard_forward, "grads": shard_grads, "bwd": shard_backward}[kind]
-  out_specs = {"fwd": fwd_outs, "grads": (*fwd_outs, *grads), "bwd": grads}[kind]
-  del has_where
+  body = {"fwd": shard_forward, "grads": shard_grads, "bwd": shard_backward,
+          "entropy_bwd": shard_entropy_backward}[kind]
+  out_specs = {"fwd": fwd_outs, "grads": (*fwd_outs, *grads), "bwd": grads, "entropy_bwd": grads}[kind]
   return jax.shard_map(lambda *a: body(*a, s, lay), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                        check_vma=False)(*args)
 
 
 def _call(kind, s: Static, run, *args):
-  """One per-shard body (``kind``: fwd, grads, bwd): custom-partitioned (``run`` None) or under shard_map."""
+  """One per-shard body (``kind``: fwd, grads, bwd, entropy_bwd): custom-partitioned (``run`` None) or under
+  shard_map."""
   if run is not None:
     return tuple(_shard_map(kind, s, run, *args))
-  fwd, grads, bwd = _primitives(s, args[2] is not None, args[4] is not None)
-  return tuple({"fwd": fwd, "grads": grads, "bwd": bwd}[kind](*args))
+  has_where = kind != "entropy_bwd" and args[4] is not None
+  return tuple(_primitives(s, args[2] is not None, has_where)[kind](*args))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -314,17 +345,36 @@ def _op_fwd(x, w, bias, labels, where, s: Static, run=None):
   if s.opts.reduction == "none":
     return _call("fwd", s, run, x, w, bias, labels, where), (x, w, bias, labels, where)
   *out, dx, dw, db = _call("grads", s, run, x, w, bias, labels, where)
-  return tuple(out), (dx, dw, db, labels, where)
+  # the entropy's backward recomputes from the inputs: they are residuals only when it was computed
+  inputs = (x, w, bias) if s.opts.entropy else (None, None, None)
+  return tuple(out), (dx, dw, db, labels, where, *inputs)
 
 
 def _op_bwd(s: Static, run, res, g):
-  g_loss, g_tok, g_lse = g[0], g[1], g[2]
   zero = lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero)
+  g_ent = g[5] if s.opts.entropy and not zero(g[5]) else None
+  dx, dw, db = _loss_bwd(s, run, res, g, zero)
+  if g_ent is not None:  # Σ g_ent·entropy: its own backward, added to the loss's
+    x, w, bias = res[:3] if s.opts.reduction == "none" else res[5:]
+    ex, ew, eb = _call("entropy_bwd", s, run, x, w, bias, g_ent.astype(jnp.float32))
+    add = lambda a, b: b if a is None else a + b
+    dx, dw, db = add(dx, ex), add(dw, ew), None if eb is None else add(db, eb)
+  if dx is None:  # no cotangent reached any output
+    x, w, bias = res[:3] if s.opts.reduction == "none" else res[5:]
+    dx, dw, db = jnp.zeros_like(x), jnp.zeros_like(w), None if bias is None else jnp.zeros_like(bias)
+  return dx, dw, db, None, None
+
+
+def _loss_bwd(s: Static, run, res, g, zero):
+  """(dx, dw, dbias) from the cotangents of the loss, ``aux.token_loss`` and ``aux.lse``; Nones when all three are
+  symbolic zeros and the loss's residuals are not its gradients."""
+  g_loss, g_tok, g_lse = g[0], g[1], g[2]
   if s.opts.reduction == "none":
     x, w, bias, labels, where = res
+    if zero(g_loss) and zero(g_tok) and zero(g_lse):
+      return None, None, None
     dense = lambda t: jnp.zeros(labels.shape, jnp.float32) if zero(t) else t.astype(jnp.float32)
-    dx, dw, db = _call("bwd", s, run, x, w, bias, labels, where, dense(g_loss) + dense(g_tok), dense(g_lse))
-    return dx, dw, db, None, None
+    return _call("bwd", s, run, x, w, bias, labels, where, dense(g_loss) + dense(g_tok), dense(g_lse))
   if not (zero(g_tok) and zero(g_lse)):
     # a fast design also gets here with no context mesh (a token loop in a process with several devices), where
     # mode='lean' runs unpartitioned and differentiates the aux outputs as on one device
@@ -332,13 +382,13 @@ def _op_bwd(s: Static, run, res, g):
             if s.opts.design_mode == "fast" else "")
     raise ValueError(f"reduction={s.opts.reduction!r}: on a mesh only the reduced loss is differentiated here; "
                      f"to differentiate aux.token_loss or aux.lse use reduction='none' (and reduce yourself){lean}")
-  dx, dw, db, labels, where = res
+  dx, dw, db = res[:3]
   if zero(g_loss):
-    return jnp.zeros_like(dx), jnp.zeros_like(dw), None if db is None else jnp.zeros_like(db), None, None
+    return jnp.zeros_like(dx), jnp.zeros_like(dw), None if db is None else jnp.zeros_like(db)
   dx = (dx.astype(jnp.float32) * g_loss).astype(dx.dtype)
   dw = (dw.astype(jnp.float32) * g_loss).astype(dw.dtype)
   db = None if db is None else (db.astype(jnp.float32) * g_loss).astype(db.dtype)
-  return dx, dw, db, None, None
+  return dx, dw, db
 
 
 # the explicit form's entry (eager shard_map does not run custom_vjps with symbolic zeros: jitted)
@@ -370,8 +420,16 @@ def linear_cross_entropy(x, w, labels, *, bias=None, where=None, w_layout="hv", 
   n = math.prod(batch_shape)
   x2, y2 = x.reshape(n, x.shape[-1]), labels.reshape(n)
   wh2 = None if where is None else where.reshape(n)
-  loss, tok, lse, correct, count = _op(x2, w, bias, y2, wh2, s)
+  loss, aux = outputs(_op(x2, w, bias, y2, wh2, s), batch_shape, options)
+  return (loss, aux) if return_aux else loss
+
+
+def outputs(out, batch_shape, options: LossOptions):
+  """``(loss, Aux)`` from the partitioned op's outputs (loss, token loss, lse, counts[, entropy]) for tokens of
+  ``batch_shape``."""
+  loss, tok, lse, correct, count, *ent = out
   if options.reduction == "none":
     loss = loss.reshape(batch_shape)
-  aux = base.Aux(tok.reshape(batch_shape), lse.reshape(batch_shape), correct, count)
-  return (loss, aux) if return_aux else loss
+  aux = base.Aux(tok.reshape(batch_shape), lse.reshape(batch_shape), correct, count,
+                 ent[0].reshape(batch_shape) if ent else None)
+  return loss, aux

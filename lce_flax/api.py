@@ -192,11 +192,12 @@ def linear_cross_entropy(
     where: optional ``[...]`` mask, bool or numeric (nonzero counts); masked tokens are not counted (as
       optax's ``where=``).
     w_layout: ``"hv"`` or ``"vh"``, see ``w``.
-    return_aux: also return an :class:`Aux` (per-token loss and lse, accuracy counts).
+    return_aux: also return an :class:`Aux` (per-token loss and lse, accuracy counts; the per-token entropy with
+      ``entropy=True``).
     options: a :class:`lce_flax.LossOptions` (default ``LossOptions()``).
     **overrides: fields of :class:`lce_flax.LossOptions` by name (``reduction=``, ``ignore_index=``,
       ``label_smoothing=``, ``z_loss=``, ``logit_softcap=``, ``dtype=``, ``impl=``, ``mode=``, ``token_chunk=``,
-      ``vocab_chunk=``, ``interpret=``, ``config=``), applied on top of ``options``.
+      ``vocab_chunk=``, ``interpret=``, ``config=``, ``entropy=``), applied on top of ``options``.
 
   Returns:
     The float32 loss (scalar, or ``[...]`` for ``reduction="none"``), and an :class:`Aux` if ``return_aux``.
@@ -219,6 +220,7 @@ def linear_cross_entropy(
   bias, where = shape_dtype(bias, "bias"), shape_dtype(where, "where")
   x, w, labels = jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels)
   check_arguments(x, w, labels, bias, where, w_layout)
+  base.check_entropy(opts, return_aux)
   kw = dict(bias=bias, where=where, w_layout=w_layout, return_aux=return_aux, options=opts)
   if any(_explicit_axes(a) for a in (x, w, labels, bias, where) if a is not None):
     return sharding.from_types(x, w, labels, **kw)

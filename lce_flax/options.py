@@ -56,6 +56,11 @@ class LossOptions:
     interpret: run Pallas kernels in interpret mode (None: when the default backend is not a GPU).
     config: the implementation's own configuration (``lce_flax.ChunkedConfig``, ``PallasTritonConfig``,
       ``TritonConfig``, ``PallasMosaicConfig``); it must belong to ``impl`` (an explicit one).
+    entropy: also compute each token's entropy ``-Σ_v p_v log p_v`` of ``p = softmax(z')`` (the capped logits)
+      into ``Aux.entropy`` (so ``return_aux=True`` is needed). It is one more pass over the vocabulary, the same
+      for every ``impl`` (XLA matmuls in chunks of ``vocab_chunk`` columns, else chosen by shape): 2·B·H·V FLOPs,
+      and 6·B·H·V more in the backward when ``Aux.entropy`` is differentiated (it carries a gradient). Off by
+      default: nothing is computed that was not asked for.
   """
 
   reduction: Reduction = "mean"
@@ -70,6 +75,7 @@ class LossOptions:
   vocab_chunk: int | None = None
   interpret: bool | None = None
   config: Any = None
+  entropy: bool = False
 
   def __post_init__(self):
     if self.dtype is not None:  # canonical and hashable: jnp.bfloat16, "bfloat16" and np.dtype agree
@@ -117,6 +123,8 @@ class LossOptions:
     if self.vocab_chunk is not None and self.mode == "fast":
       raise ValueError(f"vocab_chunk={self.vocab_chunk}: the fast designs loop over tokens, not vocabulary columns; "
                        "set token_chunk instead (or mode='lean')")
+    if not isinstance(self.entropy, bool):
+      raise ValueError(f"entropy={self.entropy!r} must be a bool")
     if self.config is not None and self.impl == "auto":
       raise ValueError(f"config={self.config!r} needs the impl it belongs to (impl='auto' may pick another)")
 

@@ -169,6 +169,7 @@ def sharded_linear_cross_entropy(
   opts = resolve(options, overrides)
   x, w, labels = jnp.asarray(x), jnp.asarray(w), jnp.asarray(labels)
   base.check_arguments(x, w, labels, bias, where, w_layout)
+  base.check_entropy(opts, return_aux)
   batch = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
   for a in (*batch, vocab_axis, fsdp_axis):
     if a is not None and a not in mesh.shape:
@@ -209,10 +210,7 @@ def sharded_linear_cross_entropy(
     args = tuple(None if a is None else jax.sharding.reshard(a, NamedSharding(mesh, sp))
                  for a, sp in zip(args, specs))
   s = _partition.Static(opts, w_layout, vocab)
-  loss, tok_loss, lse, correct, count = _partition.run_shard_map(*args, s, (mesh, lay))
-  if opts.reduction == "none":
-    loss = loss.reshape(labels.shape)
-  aux = base.Aux(tok_loss.reshape(labels.shape), lse.reshape(labels.shape), correct, count)
+  loss, aux = _partition.outputs(_partition.run_shard_map(*args, s, (mesh, lay)), labels.shape, opts)
   return (loss, aux) if return_aux else loss
 
 

@@ -17,6 +17,9 @@ below it (the backends of ``lce_flax/_impl/``) holds plans and kernels only. Dat
   psum of the partial dx (:mod:`lce_flax._impl.vocab_parallel`).
 * :func:`fast`: the ``custom_vjp`` of the fast designs (6·B·H·V FLOPs), written once: the backend's forward forms
   the gradients (or what they are made of) while the logits are on hand; the backward scales them.
+* :func:`entropy`: the ``custom_vjp`` of ``Aux.entropy`` (``LossOptions.entropy``): one pass of its own over the
+  vocabulary for every backend (chunked's column loop), its own recompute backward; collectives as in
+  :func:`lean` on a vocabulary shard.
 """
 
 from __future__ import annotations
@@ -320,12 +323,26 @@ def dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opt
                    "per device")
     if interpret and entry.kernels:
       notes.append("kernels run in Pallas interpret mode (slow; for testing)")
+    if opts.entropy:
+      design = _entropy_note(design, num_tokens, hidden, vocab // shards, opts)
     design = _with_notes(design, *notes)
     if reasons:
       design = _with_notes(design, "skipped " + "; ".join(reasons), first=True)
     return Route(name, spec, design, jnp.dtype(dtype), tuple(fallbacks))
   raise ValueError(f"impl={opts.impl!r} cannot run here ({'; '.join(reasons)}); implementations that can run "
                    f"{jnp.dtype(dtype).name} inputs: {available_implementations(dtype, platform)}")
+
+
+def _entropy_note(design: common.Design, num_tokens: int, hidden: int, columns: int, opts: LossOptions
+                  ) -> common.Design:
+  """``entropy=True``: the entropy's own pass, in the notes and in the memory bound (its [B, c] float32 chunks and
+  the float32 dx of its backward, on top of the design's)."""
+  c = entropy_chunk(num_tokens, columns, opts)
+  note = (f"entropy=True: aux.entropy is one more pass over the vocabulary, the same for every impl (XLA matmuls in "
+          f"chunks of {c} columns): 2·B·H·V FLOPs, and 6·B·H·V more in the backward when aux.entropy is "
+          "differentiated")
+  return dataclasses.replace(design, memory_bytes=design.memory_bytes + 3 * num_tokens * c * 4
+                             + num_tokens * hidden * 4, notes=(*design.notes, note))
 
 
 def _per_token_fast(entry: Entry, num_tokens: int, hidden: int, spec: common.Spec, dtype, config
@@ -425,16 +442,84 @@ def takes_token_cotangents(plan) -> bool:
 fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
 
 
+# ------------------------------------------------------------------------------------------------ the entropy vjp
+
+
+def entropy_chunk(num_tokens: int, columns: int, opts: LossOptions) -> int:
+  """Vocabulary columns per chunk of the entropy's pass: ``opts.vocab_chunk``, else chunked's lean rule (32 MiB of
+  float32 logits, a power of two in [128, 16384]); at most ``columns``."""
+  return chunked.lean_chunk(num_tokens, columns, opts.vocab_chunk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def entropy(x, w, bias, spec: common.Spec, chunk: int, scale: float = 1.0, axes: tuple[str, ...] = ()):
+  """Per-token entropy (float32 [B]) of ``softmax(scale·softcap(x @ w + bias))``; differentiable in x, w and bias.
+
+  One pass over the columns of ``w`` in chunks of ``chunk`` (:func:`lce_flax._impl.chunked.entropy_stats`, O(B)
+  residuals); the backward recomputes each chunk (:func:`lce_flax._impl.chunked.entropy_grads`). ``axes``: mesh
+  axes w's vocabulary is split over (``w`` holds this device's columns): the stats are all-reduced across them
+  and the partial dx is psum'd in float32, as in :func:`lean`."""
+  return _entropy_fwd(x, w, bias, spec, chunk, scale, axes)[0]
+
+
+def _entropy_fwd(x, w, bias, spec, chunk, scale, axes):
+  st = chunked.entropy_stats(x, w, bias, spec, chunk, scale)
+  if axes:
+    st = _math.all_reduce_entropy(st, axes)
+  ent, lse, mean = _math.finalize_entropy(st)
+  return ent, (x, w, bias, lse, mean)
+
+
+def _entropy_bwd(spec, chunk, scale, axes, res, g):
+  x, w, bias, lse, mean = res
+  dx, dw, db = chunked.entropy_grads(x, w, bias, lse, mean, g.astype(F32), spec, chunk, scale)
+  if axes:
+    dx = jax.lax.psum(dx.astype(F32), axes)
+  return dx.astype(x.dtype), dw, None if bias is None else db.astype(bias.dtype)
+
+
+entropy.defvjp(_entropy_fwd, _entropy_bwd)
+
+
+def op_entropy(x, w, bias, w_layout: str, opts: LossOptions, vocab: int, vocab_axes: tuple[str, ...] = ()):
+  """``Aux.entropy`` of the op on one device's 2-D ``x`` [B, H] (``vocab``: the whole vocabulary's size; ``w`` holds
+  this device's columns when ``vocab_axes`` split it): x and w cast to the op's compute dtype, as the loss's."""
+  dtype = compute_dtype(x.dtype, w.dtype, opts, _device.platform())
+  spec = common.Spec(opts.spec(vocab), w_layout)
+  chunk = entropy_chunk(x.shape[0], common.vocab_size(w, w_layout), opts)
+  return entropy(x.astype(dtype), w.astype(dtype), bias, spec, chunk, 1.0, tuple(vocab_axes))
+
+
+def check_entropy(opts: LossOptions, return_aux: bool) -> None:
+  """``entropy=True`` puts the entropy in ``Aux``: without ``return_aux`` it would be computed for nothing."""
+  if opts.entropy and not return_aux:
+    raise ValueError("entropy=True returns the per-token entropy in Aux.entropy: pass return_aux=True (or leave "
+                     "entropy off)")
+
+
 # ------------------------------------------------------------------------------------------------ the op
 
 
 class Aux(NamedTuple):
-  """Per-token outputs of :func:`lce_flax.linear_cross_entropy` (``return_aux=True``), shaped like ``labels``."""
+  """Per-token outputs of :func:`lce_flax.linear_cross_entropy` (``return_aux=True``), shaped like ``labels``.
 
-  token_loss: jax.Array  # float32; 0 where not counted, NaN where the label is out of range
-  lse: jax.Array  # float32 log-sum-exp of the (capped) logits
-  num_correct: jax.Array  # int32 scalar: counted tokens whose label has the largest logit
-  num_tokens: jax.Array  # int32 scalar: counted tokens
+  Attributes:
+    token_loss: float32; 0 where not counted, NaN where the label is out of range.
+    lse: float32 log-sum-exp of the (capped) logits, for every token (counted or not).
+    num_correct: int32 scalar: counted tokens whose label has the largest logit.
+    num_tokens: int32 scalar: counted tokens.
+    entropy: with ``entropy=True`` (:class:`lce_flax.LossOptions`), float32 ``-Σ_v p_v log p_v`` of
+      ``p = softmax(z')``, the capped logits (as ``lse``: no temperature, no label smoothing), for every token
+      (counted or not: mask it yourself); else None. It carries a gradient to x, w and bias whatever the design
+      and the reduction: it is computed by a pass of its own (the same for every implementation), whose backward
+      runs only when it is differentiated. On a mesh too (the sharded forms add that backward to the loss's).
+  """
+
+  token_loss: jax.Array
+  lse: jax.Array
+  num_correct: jax.Array
+  num_tokens: jax.Array
+  entropy: jax.Array | None = None
 
 
 def route_for(x, w, labels, w_layout: str, opts: LossOptions, shards: int = 1) -> Route:
@@ -465,7 +550,8 @@ def per_device(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux
   total = local_count if count is None else count
   if labels.size == 0:  # the documented all-ignored result; no implementation runs on zero tokens
     loss = jnp.zeros(batch_shape if opts.reduction == "none" else (), jnp.float32)
-    aux = Aux(jnp.zeros(batch_shape, jnp.float32), jnp.zeros(batch_shape, jnp.float32), jnp.int32(0), jnp.int32(0))
+    zeros = jnp.zeros(batch_shape, jnp.float32)
+    aux = Aux(zeros, zeros, jnp.int32(0), jnp.int32(0), zeros if opts.entropy else None)
     return (loss, aux) if return_aux else loss
   route = route or route_for(x, w, labels, w_layout, opts, shards)
   for fallback in route.fallbacks:
@@ -500,5 +586,8 @@ def per_device(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux
         loss = loss / jnp.maximum(total, 1).astype(F32)
   if not return_aux:
     return loss
+  ent = None
+  if opts.entropy:  # its own pass and vjp, whatever the design
+    ent = op_entropy(x2, w, bias, w_layout, opts, vocab, axes).reshape(batch_shape)
   return loss, Aux(out.loss.reshape(batch_shape), out.lse.reshape(batch_shape), out.correct.sum(dtype=jnp.int32),
-                   local_count)
+                   local_count, ent)

@@ -105,37 +105,26 @@ def _chunk_logits(x, w, bias, start, c, spec):
 # ----------------------------------------------------------------------------------------------- lean
 
 
-def vocab_stats(x, w, bias, labels, spec, c: int) -> _math.RowStats:
-  """Row stats of the columns held in ``w``, in chunks of ``c`` columns: the lean forward before finalising.
-
-  ``w`` may be one shard of the vocabulary (then ``labels`` are shard-local, see ``common.py``'s protocol)."""
-  opts = spec.opts
+def _column_loop(x, w, bias, spec, c: int, step, init):
+  """``step(carry, start, z, cols, valid)`` for each chunk of ``c`` columns of ``w`` (``z``: the chunk's [B, c]
+  float32 pre-cap logits; the last window is clamped to end at V, ``valid`` masks its columns already seen)."""
   v = common.vocab_size(w, spec.w_layout)
-  n = -(-v // c)
-
-  def body(i, st):
-    start, cols, valid = common.vocab_window(i, c, v)
-    zc = _math.softcap(_chunk_logits(x, w, bias, start, c, spec), opts.logit_softcap)
-    return _math.merge_stats(st, _math.tile_stats(zc, cols, labels, valid, opts))
-
-  # the initial stats are built like x (not from a shape) so that, under shard_map, they vary over x's axes
-  init = _math.RowStats(*(jnp.full_like(x[:, 0], f, F32) for f in (-jnp.inf, 0.0, 0.0, 0.0)))
-  return lax.fori_loop(0, n, body, init)
-
-
-def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int):
-  """Recompute backward over the columns held in ``w`` (see :func:`vocab_stats`) for the given (whole-vocabulary)
-  ``lse``: returns (dx float32, dw, dbias float32). On a shard, dx is this shard's part."""
-  opts = spec.opts
-  v = common.vocab_size(w, spec.w_layout)
-  n = -(-v // c)
-  vaxis = spec.vocab_axis
 
   def body(i, carry):
-    dx, dw, db = carry
     start, cols, valid = common.vocab_window(i, c, v)
-    z = _chunk_logits(x, w, bias, start, c, spec)
-    dz = _math.dlogits(z, lse, labels, cols, valid, g_loss, g_lse, opts)
+    return step(carry, start, _chunk_logits(x, w, bias, start, c, spec), cols, valid)
+
+  return lax.fori_loop(0, -(-v // c), body, init)
+
+
+def _column_grads(x, w, bias, spec, c: int, dz_of):
+  """(dx float32, dw, dbias float32) of a loss whose gradient w.r.t. a chunk's pre-cap logits is
+  ``dz_of(z, cols, valid)``: each chunk's logits recomputed, its dw slice written once, dx accumulated."""
+  vaxis = spec.vocab_axis
+
+  def step(carry, start, z, cols, valid):
+    dx, dw, db = carry
+    dz = dz_of(z, cols, valid)
     dzm = dz.astype(common.mxu_dtype(x))
     dx = dx + common.grad_x(dzm, common.slice_vocab(w, start, c, spec.w_layout), spec.w_layout)
     # Columns masked as overlap carry an exact 0, so adding into the window never double-counts.
@@ -148,7 +137,33 @@ def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int):
 
   # *_like (not shape) zeros: under shard_map the accumulators must vary over the same mesh axes as the inputs
   init = (jnp.zeros_like(x, F32), jnp.zeros_like(w), None if bias is None else jnp.zeros_like(bias, F32))
-  return lax.fori_loop(0, n, body, init)
+  return _column_loop(x, w, bias, spec, c, step, init)
+
+
+def _row_init(x, fills):
+  # built like x (not from a shape) so that, under shard_map, the carries vary over x's axes
+  return tuple(jnp.full_like(x[:, 0], f, F32) for f in fills)
+
+
+def vocab_stats(x, w, bias, labels, spec, c: int) -> _math.RowStats:
+  """Row stats of the columns held in ``w``, in chunks of ``c`` columns: the lean forward before finalising.
+
+  ``w`` may be one shard of the vocabulary (then ``labels`` are shard-local, see ``common.py``'s protocol)."""
+  opts = spec.opts
+
+  def step(st, start, z, cols, valid):
+    del start
+    return _math.merge_stats(st, _math.tile_stats(_math.softcap(z, opts.logit_softcap), cols, labels, valid, opts))
+
+  return _column_loop(x, w, bias, spec, c, step, _math.RowStats(*_row_init(x, (-jnp.inf, 0.0, 0.0, 0.0))))
+
+
+def vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, c: int):
+  """Recompute backward over the columns held in ``w`` (see :func:`vocab_stats`) for the given (whole-vocabulary)
+  ``lse``: returns (dx float32, dw, dbias float32). On a shard, dx is this shard's part."""
+  opts = spec.opts
+  return _column_grads(x, w, bias, spec, c,
+                       lambda z, cols, valid: _math.dlogits(z, lse, labels, cols, valid, g_loss, g_lse, opts))
 
 
 def stats(x, w, bias, labels, spec: common.Spec, plan: Config) -> _math.RowStats:
@@ -157,6 +172,31 @@ def stats(x, w, bias, labels, spec: common.Spec, plan: Config) -> _math.RowStats
 
 def grads(x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, plan: Config):
   return vocab_grads(x, w, bias, labels, lse, g_loss, g_lse, spec, plan.vocab_chunk)
+
+
+# ----------------------------------------------------------------------------------------------- entropy
+# ``aux.entropy`` (every implementation's: see ``lce_flax._impl.base.entropy``) and the RL helpers' entropy are
+# this pass: the lean design's loop over vocabulary chunks, with entropy stats in place of the loss's row stats.
+
+
+def entropy_stats(x, w, bias, spec, c: int, scale: float = 1.0) -> _math.EntropyStats:
+  """Entropy stats of ``softmax(scale·softcap(x @ w + bias))`` over the columns held in ``w``, in chunks of ``c``
+  columns (:func:`lce_flax._math.finalize_entropy` gives the entropy; on a shard, combine them first)."""
+  cap = spec.opts.logit_softcap
+
+  def step(st, start, z, cols, valid):
+    del start, cols
+    return _math.merge_entropy(st, _math.entropy_tile(_math.entropy_logits(z, cap, scale), valid))
+
+  return _column_loop(x, w, bias, spec, c, step, _math.EntropyStats(*_row_init(x, (-jnp.inf, 0.0, 0.0))))
+
+
+def entropy_grads(x, w, bias, lse, mean, g, spec, c: int, scale: float = 1.0):
+  """(dx float32, dw, dbias float32) of ``Σ_t g_t·H_t`` over the columns held in ``w``, for the whole
+  vocabulary's ``lse`` and ``mean`` (``E_p[u]``) of :func:`lce_flax._math.finalize_entropy`."""
+  cap = spec.opts.logit_softcap
+  return _column_grads(x, w, bias, spec, c,
+                       lambda z, cols, valid: _math.dlogits_entropy(z, lse, mean, g, valid, cap, scale))
 
 
 # ----------------------------------------------------------------------------------------------- fast

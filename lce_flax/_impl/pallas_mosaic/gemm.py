@@ -259,18 +259,36 @@ def tile_stats(z, cols, valid, labels, opts):
   """Row statistics ``(max, Σexp(zc - max), zc[label], Σzc)`` of a float32 tile over its ``valid`` columns, with
   ``zc`` the soft-capped logits (written for Mosaic registers: per-row values enter through broadcasts; a row
   with no valid column gets max = -inf, Σexp = 0)."""
-  return _capped_stats(_math.softcap(z, opts.logit_softcap), cols, valid, labels, opts)
+  zc = softcap(z, opts.logit_softcap)
+  m, s, zsum = _capped_stats(zc, valid, opts)
+  return m, s, _target(zc, cols, valid, labels), zsum
 
 
-def _capped_stats(zc, cols, valid, labels, opts):
-  """:func:`tile_stats` of the already capped tile ``zc``."""
+def softcap(z, cap: float | None):
+  """``cap·tanh(z/cap)`` written with ``exp``: under ``approx_math`` Mosaic's ``tanh`` is the hardware's
+  ``tanh.approx`` (relative error ~5e-4, i.e. ~0.015 on a logit near a cap of 30), while ``ex2.approx`` keeps the
+  capped logit within ~1e-7·cap of the exact one."""
+  if cap is None:
+    return z
+  u = z * (2.0 / cap)
+  e = jnp.exp(-jnp.abs(u))  # in (0, 1]: tanh(|u|/2) = (1 - e) / (1 + e)
+  t = (1.0 - e) / (1.0 + e)
+  return jnp.where(u < 0, -cap * t, cap * t)
+
+
+def _capped_stats(zc, valid, opts):
+  """``(max, Σexp(zc - max), Σzc)`` of the rows of the capped tile ``zc`` over its ``valid`` columns."""
   masked = jnp.where(valid, zc, -jnp.inf)
   m = masked.max(axis=1)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
   s = jnp.exp(masked - _rows(m_safe, zc.shape)).sum(axis=1)
-  target = jnp.where(valid & (cols == _rows(labels, zc.shape)), zc, 0.0).sum(axis=1)
   zsum = jnp.where(valid, zc, 0.0).sum(axis=1) if opts.needs_logit_sum else jnp.zeros_like(m)
-  return m, s, target, zsum
+  return m, s, zsum
+
+
+def _target(zc, cols, valid, labels):
+  """Each row's capped logit at its label's column, if the tile holds it (else 0)."""
+  return jnp.where(valid & (cols == _rows(labels, zc.shape)), zc, 0.0).sum(axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +308,7 @@ class RowStats(Part):
   opts: Any = StatsOptions()
   store: bool = False
   bias: Any = None  # float32 [N], added to the accumulator before the soft cap
+  _target_in_every_tile = False  # (benchmarks/bench_epilogue.py: the cost of the target logits in every tile)
 
   def inputs(self, prob, cfg):
     mp = prob.rows_padded(cfg)
@@ -326,9 +345,9 @@ class RowStats(Part):
       b_smem, _ = self._bias_and_buf(smem)
       plgpu.copy_gmem_to_smem(ins[1].at[t.cols], b_smem.at[t.g], bars.at[t.prob.nwg + t.g])
 
-  def stats_of(self, zc, cols, valid, labels):
-    """The tile's four row statistics (:func:`tile_stats` of the capped tile)."""
-    return _capped_stats(zc, cols, valid, labels, self.opts)
+  def stats_of(self, zc, valid):
+    """The tile's row statistics but the target logit: ``(max, Σexp(zc - max), Σzc)``."""
+    return _capped_stats(zc, valid, self.opts)
 
   def apply(self, z, t, ins, outs, smem):
     (st, *stored), (y_smem, st_smem, bars) = outs, smem[:3]
@@ -338,16 +357,31 @@ class RowStats(Part):
       plgpu.barrier_wait(bars.at[t.prob.nwg + t.g])
       z = z + lax.broadcast_in_dim(b_smem[t.g], z.shape, [1])
     cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
-    zc = _math.softcap(z, self.opts.logit_softcap)
-    new = self.stats_of(zc, cols, cols < t.prob.n, y_smem[t.g])
+    valid = cols < t.prob.n
+    zc = softcap(z, self.opts.logit_softcap)
+    m, s, zsum = self.stats_of(zc, valid)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's statistics have left st_smem
-    for q in range(4):
-      st_smem[t.g, q] = new[q]
+    st_smem[t.g, 0] = m
+    st_smem[t.g, 1] = s
+    st_smem[t.g, 2] = jnp.zeros_like(m)
+    st_smem[t.g, 3] = zsum
+    # The target logits: a tile holds a label of its rows only now and then (a 128-row, 128-column tile of a 128k
+    # vocabulary one time in eight), and the per-element compare and row sum cost more than the rest of the
+    # statistics, so only tiles that hold one compute them.
+    labels = y_smem[t.g]
+    if self._target_in_every_tile:
+      st_smem[t.g, 2] = _target(zc, cols, valid, labels)
+    else:
+      inside = ((labels >= t.col0) & (labels < t.col0 + t.cfg.tile_n)).astype(jnp.int32)
+
+      @pl.when(inside.max() > 0)
+      def _():
+        st_smem[t.g, 2] = _target(zc, cols, valid, labels)
+
     plgpu.commit_smem()
     for q in range(4):
       plgpu.copy_smem_to_gmem(st_smem.at[t.g, q], st.at[q, t.col_tile, t.rows])
     if self.store:
-      m = new[0]
       _store_subtiles(zc - _rows(jnp.where(m == -jnp.inf, 0.0, m), zc.shape), t, stored[0], buf)
 
 
