@@ -18,7 +18,9 @@ they do with one tile of logits is here:
   exponentials, target logit, logit sum), and :func:`merge_stats` combines two partial reductions (online
   logsumexp);
 * :func:`finalize` turns the stats of a whole row into the per-token loss, lse and "argmax == label";
-* :func:`dlogits` gives the gradient of the loss with respect to the *pre-cap* logits of a tile.
+* :func:`dlogits` gives the gradient of the loss with respect to the *pre-cap* logits of a tile;
+* :func:`entropy_tile`, :func:`merge_entropy`, :func:`finalize_entropy` and :func:`dlogits_entropy` do the same for
+  the per-token entropy of ``Aux.entropy`` (``LossOptions.entropy``).
 
 All functions are plain ``jnp`` on arrays of rank ≤ 2, so they trace inside ``lax.scan`` bodies and inside
 Pallas kernels alike. Everything is float32.

@@ -69,3 +69,31 @@ def rel_err(a, b) -> float:
   if np.isnan(a).any() or np.isnan(b).any():
     return float("inf")
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def entropy_np(x, w, *, bias=None, logit_softcap=None, temperature=1.0, w_layout="hv", cotangent=None):
+  """Per-token entropy ``-Σ_v p_v log p_v`` of ``p = softmax(softcap(x @ w + bias) / temperature)`` and the gradients
+  of ``Σ_t cotangent_t·H_t`` (default 1): dict(entropy, dx, dw, dbias) in float64, entropy shaped like ``x[..., 0]``.
+
+  ``dH/du_v = -p_v (u_v - Σ_k p_k u_k)`` for ``u = z'/T``; ``du/dz = (1 - (z'/c)²) / T``.
+  """
+  x = np.asarray(x, np.float64)
+  w = np.asarray(w, np.float64)
+  wh = w if w_layout == "hv" else w.T
+  x2 = x.reshape(-1, x.shape[-1])
+  z = x2 @ wh
+  if bias is not None:
+    z = z + np.asarray(bias, np.float64)
+  zc = z if logit_softcap is None else logit_softcap * np.tanh(z / logit_softcap)
+  u = zc / temperature
+  m = u.max(-1, keepdims=True)
+  lse = m[:, 0] + np.log(np.exp(u - m).sum(-1))
+  p = np.exp(u - lse[:, None])
+  mean = (p * u).sum(-1)
+  ent = lse - mean
+  g = np.ones(len(ent)) if cotangent is None else np.asarray(cotangent, np.float64).reshape(-1)
+  du = -g[:, None] * p * (u - mean[:, None])
+  dz = du / temperature * (1.0 if logit_softcap is None else 1 - (zc / logit_softcap) ** 2)
+  dwh = x2.T @ dz
+  return dict(entropy=ent.reshape(x.shape[:-1]), dx=(dz @ wh.T).reshape(x.shape),
+              dw=dwh if w_layout == "hv" else dwh.T, dbias=None if bias is None else dz.sum(0))

@@ -8,6 +8,8 @@ the model's own logits, with gemma's ``[B, L, 1]`` targets and masks.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,8 @@ from gemma import gm
 from kauldron import kd
 from kauldron.train import train_step
 
+from lce_flax import LossOptions
+from lce_flax._impl import base
 from lce_flax.integrations.kauldron import LinearCrossEntropy
 
 V, D, B, L = 101, 32, 2, 7
@@ -98,3 +102,45 @@ def test_weighting_mask_and_normalize_by_values():
   for got, want in states(params).values():
     assert rel(got.compute(), want.compute()) < 2e-6
     assert float(got.count) == float(want.count)
+
+
+def test_weighting_mask_warns_once_naming_what_runs():
+  """A floating mask hands kauldron per-token losses: a one-time warning names the design that runs for them (as
+  explain_per_token and lce_flax.explain with reduction='none' do); a bool mask (the fused mean) does not warn."""
+  net = model(None, jnp.float32)
+  data = batch(2)
+  params = net.init(jax.random.key(2), data["input"])["params"]
+  ctx = train_step.forward(kd.train.Context(step=0, batch=data, params=params, collections={}), model=net, rngs={},
+                           is_training=True)
+  weights = jnp.asarray(np.random.default_rng(2).random((B, L, 1)), jnp.float32)
+
+  def state(loss, mask):
+    ctx_m = ctx.replace(batch=dict(data, loss_mask=mask))
+    return jax.jit(lambda c: loss.get_state_from_context(c).compute())(ctx_m)
+
+  base._WARNED.clear()
+  fused = LinearCrossEntropy(model=net, labels="batch.target", mask="batch.loss_mask")
+  d = fused.explain_per_token(ctx.interms["final_norm"]["__call__"][0], data["target"], params)
+  assert (d.impl, d.mode, d.name) == ("chunked", "lean", "recompute")  # on this CPU
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    state(fused, data["loss_mask"])  # bool: the fused mean, nothing to say
+  with pytest.warns(UserWarning, match=r"the mask is floating \(token weights\), so kauldron gets per-token losses "
+                                       r"\(reduction='none'\), not the fused mean: impl='chunked' runs its lean "
+                                       r"'recompute' design \(8·B·H·V FLOPs"):
+    state(fused, weights)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    state(fused, weights * 0.5)  # once per design
+  xla = LinearCrossEntropy(model=net, labels="batch.target", mask="batch.loss_mask", options=LossOptions(impl="xla"))
+  with pytest.warns(UserWarning, match="impl='xla' runs its lean 'autodiff' design"):
+    state(xla, weights)
+
+
+def test_entropy_option_is_refused():
+  net = model(None, jnp.float32)
+  data = batch(3)
+  params = net.init(jax.random.key(3), data["input"])["params"]
+  loss = LinearCrossEntropy(model=net, labels="batch.target", options=LossOptions(entropy=True))
+  with pytest.raises(ValueError, match="entropy=True has nowhere to go"):
+    loss.get_state(jnp.ones((B, L, D)), data["target"], params)

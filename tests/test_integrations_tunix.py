@@ -3,7 +3,9 @@
 Qwen3 (untied and tied, float32 and bfloat16 compute), Gemma 2 (tied, a final-logit soft-cap scaled down to the
 tiny model) and Llama 3.2 (tied, no hidden-states flag): the fused ``loss_fn`` and its gradient with respect to
 every parameter against tunix's own default SFT loss; the RL per-token log-probs (values and the gradient of a
-GRPO-style objective) against tunix's ``compute_per_token_logps`` at temperatures 1 and 0.7.
+GRPO-style objective) against tunix's ``compute_per_token_logps`` at temperatures 1 and 0.7, and the entropy of the
+same op call (values and the gradient of a PPO loss with tunix's entropy bonus) against tunix's
+``compute_entropy_from_logits``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ _EAGER = flax.config.flax_always_shard_variable
 from tunix.models.gemma import model as gemma_lib  # noqa: E402
 from tunix.models.llama3 import model as llama3_lib  # noqa: E402
 from tunix.models.qwen3 import model as qwen3_lib  # noqa: E402
+from tunix.rl import algo_core  # noqa: E402
 from tunix.rl import common as rl_common  # noqa: E402
 from tunix.sft import peft_trainer  # noqa: E402
 
@@ -179,3 +182,54 @@ def test_per_token_entropy_matches_the_models_logits():
   want = -(p * np.log(p)).sum(-1)
   got = lce_tunix.per_token_entropy(model, prompt, completion, 0, 1, temperature=0.8, vocab_chunk=16)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,temperature", [("qwen3_untied_f32", 1.0), ("gemma2_softcap", 0.7)])
+def test_entropy_of_the_logps_call_matches_tunix(name, temperature):
+  """per_token_logps(return_entropy=True): the op's Aux.entropy equals tunix's compute_entropy_from_logits of the
+  logits compute_per_token_logps returns (capped, divided by T), and the gradient of tunix's PPO objective (clipped
+  ratio, minus entropy_coef times the masked mean entropy, as ppo_policy_loss_fn) through the fused log-probs and
+  entropy equals that through tunix's."""
+  model = MODELS[name]()
+  rng = np.random.default_rng(4)
+  pad, eos = 0, 1
+  prompt = rng.integers(2, V, (B, 5))
+  prompt[1, :2] = pad
+  completion = rng.integers(2, V, (B, 6))
+  completion[0, -3:] = pad
+  prompt, completion = jnp.asarray(prompt, jnp.int32), jnp.asarray(completion, jnp.int32)
+  mask = completion != pad
+  graphdef, state = nnx.split(model)
+  _, logits = rl_common.compute_per_token_logps(graphdef, state, prompt, completion, pad, eos, temperature=temperature,
+                                                return_logits=True)
+  want = algo_core.compute_entropy_from_logits(logits)
+  _, got = nnx.jit(lambda m: lce_tunix.per_token_logps(m, prompt, completion, pad, eos, temperature=temperature,
+                                                       return_entropy=True))(model)
+  assert got.shape == want.shape == completion.shape
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  assert float(jnp.std(want)) > 5e-3  # entropies that differ from token to token (by 250x the tolerance)
+  advantages = jnp.asarray(rng.standard_normal(completion.shape), jnp.float32)
+  old = jnp.asarray(-4.6 + 0.1 * rng.standard_normal(completion.shape), jnp.float32)
+
+  def objective(m, fused, entropy_coef=0.5):
+    if fused:
+      lp, ent = lce_tunix.per_token_logps(m, prompt, completion, pad, eos, temperature=temperature,
+                                          stop_gradient=False, return_entropy=True)
+    else:
+      gd, st = nnx.split(m)
+      lp, lg = rl_common.compute_per_token_logps(gd, st, prompt, completion, pad, eos, temperature=temperature,
+                                                 stop_gradient=False, return_logits=True)
+      ent = algo_core.compute_entropy_from_logits(lg)
+    ratio = jnp.exp(lp - old)
+    pg = jnp.maximum(-ratio * advantages, -jnp.clip(ratio, 0.8, 1.2) * advantages)
+    return algo_core.masked_mean(pg, mask) - entropy_coef * algo_core.masked_mean(ent, mask)
+
+  grads = lambda fused, coef=0.5: dict(nnx.to_flat_state(nnx.jit(nnx.grad(
+      lambda m: objective(m, fused, coef)))(model)))
+  g_got, g_want = grads(True), grads(False)
+  assert g_got.keys() == g_want.keys() and g_got
+  for path, g in g_got.items():
+    assert rel(g.get_value(), g_want[path].get_value()) < 2e-5, path
+  # the entropy bonus weighs in those gradients: without it they differ
+  no_bonus = grads(True, 0.0)
+  assert max(rel(no_bonus[p].get_value(), g_want[p].get_value()) for p in g_want) > 1e-2

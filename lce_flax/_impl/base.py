@@ -337,7 +337,7 @@ def _entropy_note(design: common.Design, num_tokens: int, hidden: int, columns: 
                   ) -> common.Design:
   """``entropy=True``: the entropy's own pass, in the notes and in the memory bound (its [B, c] float32 chunks and
   the float32 dx of its backward, on top of the design's)."""
-  c = entropy_chunk(num_tokens, columns, opts)
+  c = entropy_chunk(num_tokens, columns, opts.vocab_chunk)
   note = (f"entropy=True: aux.entropy is one more pass over the vocabulary, the same for every impl (XLA matmuls in "
           f"chunks of {c} columns): 2·B·H·V FLOPs, and 6·B·H·V more in the backward when aux.entropy is "
           "differentiated")
@@ -445,10 +445,10 @@ fast.defvjp(_fast_fwd, _fast_bwd, symbolic_zeros=True)
 # ------------------------------------------------------------------------------------------------ the entropy vjp
 
 
-def entropy_chunk(num_tokens: int, columns: int, opts: LossOptions) -> int:
-  """Vocabulary columns per chunk of the entropy's pass: ``opts.vocab_chunk``, else chunked's lean rule (32 MiB of
-  float32 logits, a power of two in [128, 16384]); at most ``columns``."""
-  return chunked.lean_chunk(num_tokens, columns, opts.vocab_chunk)
+def entropy_chunk(num_tokens: int, columns: int, requested: int | None = None) -> int:
+  """Vocabulary columns per chunk of the entropy's pass: ``requested`` (the ``vocab_chunk`` option), else chunked's
+  lean rule (32 MiB of float32 logits, a power of two in [128, 16384]); at most ``columns``."""
+  return chunked.lean_chunk(num_tokens, columns, requested)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -486,7 +486,7 @@ def op_entropy(x, w, bias, w_layout: str, opts: LossOptions, vocab: int, vocab_a
   this device's columns when ``vocab_axes`` split it): x and w cast to the op's compute dtype, as the loss's."""
   dtype = compute_dtype(x.dtype, w.dtype, opts, _device.platform())
   spec = common.Spec(opts.spec(vocab), w_layout)
-  chunk = entropy_chunk(x.shape[0], common.vocab_size(w, w_layout), opts)
+  chunk = entropy_chunk(x.shape[0], common.vocab_size(w, w_layout), opts.vocab_chunk)
   return entropy(x.astype(dtype), w.astype(dtype), bias, spec, chunk, 1.0, tuple(vocab_axes))
 
 

@@ -17,6 +17,9 @@ Two designs behind ``mode``:
   FLOPs 6·B·H·V; extra memory ≈ H·V·4 (the float32 dw accumulator) + 3 chunks of c·V·4 bytes.
   Only the reduced loss is differentiable; ``reduction="none"`` and gradients of the aux outputs need ``lean``.
 
+The lean design's loop over vocabulary chunks also computes ``Aux.entropy`` for every backend (``entropy_stats``,
+``entropy_grads``; see :func:`lce_flax._impl.base.entropy`).
+
 Ragged sizes: the vocabulary's last chunk is moved back to end at V (a clamped window) and its columns already
 counted by the previous chunk are masked, so ``w`` is never padded or copied; tokens are padded to a multiple of
 the chunk with uncounted labels (x is B·H, small next to w).

@@ -18,8 +18,11 @@ runs in the promoted dtype of the hidden states and the table, as gemma's ``Embe
 
 The loss is the fused mean (fast mode, no ``[B, L, V]`` logits, no per-token values handed to kauldron): its
 state is kauldron's ``AllReduceMean`` with the summed loss and the number of counted tokens, so it averages as
-``SoftmaxCrossEntropyWithIntLabels`` does. A floating (weighting) mask falls back to per-token values (lean mode)
-to weight each token exactly. Under ``jit`` (kauldron's train step) the model's own logits are then dead code
+``SoftmaxCrossEntropyWithIntLabels`` does. A floating (weighting) mask instead gets per-token losses
+(``reduction="none"``), which kauldron weights and sums, so each token is weighted exactly; the op then runs its
+per-token design (:func:`lce_flax.explain` with ``reduction="none"``: lean, 8·B·H·V FLOPs, on most devices;
+``pallas_mosaic``'s fast ``"logits"`` design on Hopper), and a one-time warning names it. A bool (or 0/1
+integer) mask keeps the fused mean. Under ``jit`` (kauldron's train step) the model's own logits are dead code
 unless something else (a metric on ``preds.logits``) uses them.
 """
 
@@ -32,8 +35,9 @@ import jax
 import jax.numpy as jnp
 from kauldron import kd, kontext
 
-from lce_flax import adapters
-from lce_flax.options import LossOptions
+from lce_flax import adapters, api
+from lce_flax._impl import base
+from lce_flax.options import LossOptions, for_head
 
 _UNSET = "from the model"
 
@@ -60,7 +64,8 @@ class LinearCrossEntropy(kd.losses.Loss):
     logit_softcap: the final-logit soft-cap; by default read from ``model`` (none without a model).
     options: the op's :class:`lce_flax.LossOptions` (``z_loss=``, ``dtype=``, ``impl=``, ...); its ``reduction``
       is set by the loss.
-    mask, weight, normalize_by, step: as every kauldron loss.
+    mask, weight, normalize_by, step: as every kauldron loss; a floating ``mask`` (token weights) gets per-token
+      losses instead of the fused mean, and warns once naming what runs (:meth:`explain_per_token`).
   """
 
   labels: kontext.Key = kontext.REQUIRED
@@ -73,6 +78,9 @@ class LinearCrossEntropy(kd.losses.Loss):
   options: LossOptions = LossOptions()
 
   def _options(self, reduction: str) -> LossOptions:
+    if self.options.entropy:
+      raise ValueError("LinearCrossEntropy: entropy=True has nowhere to go (a kauldron loss returns one value); "
+                       "leave it off")
     cap = self.logit_softcap
     if cap == _UNSET:
       cap = getattr(getattr(self.model, "config", None), "final_logit_softcap", None)
@@ -99,6 +107,7 @@ class LinearCrossEntropy(kd.losses.Loss):
     mask = _squeeze_last(mask, hidden.ndim - 1)
     weight = self.get_weight(step=step)
     if mask is not None and jnp.issubdtype(mask.dtype, jnp.floating):  # token weights: per-token values
+      self._warn_per_token(hidden, labels, params)
       return self.State.from_values(values=self.get_values(hidden, labels, params), mask=mask, weight=weight,
                                     normalize_by=self.normalize_by)
     where = None if mask is None else mask != 0
@@ -106,6 +115,25 @@ class LinearCrossEntropy(kd.losses.Loss):
                                     return_aux=True, options=self._options("sum"))
     count = aux.num_tokens if self.normalize_by == "mask" else labels.size
     return self.State(value=total * weight, count=jnp.asarray(count, jnp.float32))
+
+  def explain_per_token(self, hidden: jax.Array, labels: jax.Array, params: Any):
+    """What a floating (weighting) mask runs: :func:`lce_flax.explain` of the per-token losses it needs (arrays or
+    ``jax.ShapeDtypeStruct``; gemma's ``[B, L, 1]`` labels accepted)."""
+    (w, bias, layout), dtype = adapters.read_head(self._head(params), attr=self.attr)
+    shape = tuple(labels.shape)
+    if len(shape) == len(hidden.shape) and shape[-1:] == (1,):  # gemma's [B, L, 1]
+      shape = shape[:-1]
+    return api.explain(hidden, w, jax.ShapeDtypeStruct(shape, jnp.int32), bias=bias, w_layout=layout,
+                       options=for_head(self._options("none"), dtype, {}))
+
+  def _warn_per_token(self, hidden: jax.Array, labels: jax.Array, params: Any) -> None:
+    d = self.explain_per_token(hidden, labels, params)
+    flops = "6·B·H·V" if d.mode == "fast" else "8·B·H·V"
+    base.warn_once(("kauldron", "weighting mask", d.impl, d.mode, d.name), (
+        f"LinearCrossEntropy: the mask is floating (token weights), so kauldron gets per-token losses "
+        f"(reduction='none'), not the fused mean: impl={d.impl!r} runs its {d.mode} {d.name!r} design ({flops} "
+        "FLOPs; LinearCrossEntropy.explain_per_token or lce_flax.explain(..., reduction='none') says more). A bool "
+        "or 0/1 integer mask keeps the fused mean."))
 
   def get_state_from_context(self, context: Any) -> kd.losses.Loss.State:
     kwargs = kontext.resolve_from_keyed_obj(context, self)

@@ -18,8 +18,9 @@ attention_mask, images=None``) and computes the same number: the mean next-token
 
 :func:`make_loss_fn` gives the same function with loss options (``z_loss=``, ``dtype=``, ``impl=``, ...).
 :func:`per_token_logps` is tunix's ``compute_per_token_logps`` (log-probs of the completion at a temperature)
-computed by the fused op, for GRPO/PPO losses; :func:`per_token_entropy` the matching entropy (a chunked pure-JAX
-pass, see :mod:`lce_flax.integrations.rl`).
+computed by the fused op, for GRPO/PPO losses, and with ``return_entropy=True`` the entropy from the same op call
+(``Aux.entropy``, as tunix's ``compute_entropy_from_logits`` of the logits at that temperature);
+:func:`per_token_entropy` the entropy alone (see :mod:`lce_flax.integrations.rl`).
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def per_token_logps(model: nnx.Module, prompt_tokens: jax.Array, completion_toke
 
   The log-probs of ``completion_tokens`` given the prompt and the completion so far, at ``temperature`` (the
   model's soft-cap applied first, as its logits are), with tunix's own input processing (``process_ids``).
-  ``return_entropy`` also returns the per-token entropy (a chunked pure-JAX pass, not the fused kernels).
+  ``return_entropy`` also returns the per-token entropy, from the same op call (its ``Aux.entropy``: one more pass
+  over the vocabulary; it carries a gradient, for a PPO entropy bonus, when ``stop_gradient=False``).
   """
   h, targets = _rl_inputs(model, prompt_tokens, completion_tokens, pad_id, eos_id)
   head, attr = head_of(model)
@@ -150,8 +152,8 @@ def per_token_logps(model: nnx.Module, prompt_tokens: jax.Array, completion_toke
 
 def per_token_entropy(model: nnx.Module, prompt_tokens: jax.Array, completion_tokens: jax.Array, pad_id: int,
                       eos_id: int, *, temperature: float = 1.0, vocab_chunk: int | None = None) -> jax.Array:
-  """``[B, completion_len]`` entropy of the model's next-token distribution at ``temperature`` (pure JAX,
-  vocabulary-chunked; see :func:`lce_flax.integrations.rl.token_entropy`)."""
+  """``[B, completion_len]`` entropy of the model's next-token distribution at ``temperature``, without log-probs
+  (vocabulary-chunked, differentiable; see :func:`lce_flax.integrations.rl.token_entropy`)."""
   h, _ = _rl_inputs(model, prompt_tokens, completion_tokens, pad_id, eos_id)
   head, attr = head_of(model)
   return rl.token_entropy(head, h, temperature=temperature, logit_softcap=softcap_of(model), attr=attr,
