@@ -308,7 +308,7 @@ class RowStats(Part):
   opts: Any = StatsOptions()
   store: bool = False
   bias: Any = None  # float32 [N], added to the accumulator before the soft cap
-  _target_in_every_tile = False  # (benchmarks/bench_epilogue.py: the cost of the target logits in every tile)
+  target: bool = True  # False: no target logits (zeros; benchmarks/bench_epilogue.py measures what they cost)
 
   def inputs(self, prob, cfg):
     mp = prob.rows_padded(cfg)
@@ -363,21 +363,8 @@ class RowStats(Part):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's statistics have left st_smem
     st_smem[t.g, 0] = m
     st_smem[t.g, 1] = s
-    st_smem[t.g, 2] = jnp.zeros_like(m)
+    st_smem[t.g, 2] = _target(zc, cols, valid, y_smem[t.g]) if self.target else jnp.zeros_like(m)
     st_smem[t.g, 3] = zsum
-    # The target logits: a tile holds a label of its rows only now and then (a 128-row, 128-column tile of a 128k
-    # vocabulary one time in eight), and the per-element compare and row sum cost more than the rest of the
-    # statistics, so only tiles that hold one compute them.
-    labels = y_smem[t.g]
-    if self._target_in_every_tile:
-      st_smem[t.g, 2] = _target(zc, cols, valid, labels)
-    else:
-      inside = ((labels >= t.col0) & (labels < t.col0 + t.cfg.tile_n)).astype(jnp.int32)
-
-      @pl.when(inside.max() > 0)
-      def _():
-        st_smem[t.g, 2] = _target(zc, cols, valid, labels)
-
     plgpu.commit_smem()
     for q in range(4):
       plgpu.copy_smem_to_gmem(st_smem.at[t.g, q], st.at[q, t.col_tile, t.rows])
