@@ -87,6 +87,10 @@ PRESETS = {
         min_reps=1, max_reps=2, target_s=0.05),
     # GPU: the four LLM heads, forward and forward + backward.
     "llm": Preset("llm", shapes=LLM_SHAPES, min_reps=3, max_reps=10, target_s=0.4),
+    # GPU: the two largest heads at 32768 tokens (where the plain head's logits take 8.4 and 16.8 GB in bf16).
+    "llm32k": Preset("llm32k", shapes=(Shape("llama3-8b-32k", 32768, 4096, 128256),
+                                       Shape("gemma2-2b-32k", 32768, 2304, 256000)),
+                     passes=("fwdbwd",), min_reps=3, max_reps=6, target_s=0.5),
     # GPU: time and memory vs V, B and H (forward + backward only) around an 8192×2048×65536 head.
     "sweep": Preset(
         "sweep",

@@ -259,21 +259,9 @@ def tile_stats(z, cols, valid, labels, opts):
   """Row statistics ``(max, Σexp(zc - max), zc[label], Σzc)`` of a float32 tile over its ``valid`` columns, with
   ``zc`` the soft-capped logits (written for Mosaic registers: per-row values enter through broadcasts; a row
   with no valid column gets max = -inf, Σexp = 0)."""
-  zc = softcap(z, opts.logit_softcap)
+  zc = _math.softcap(z, opts.logit_softcap)
   m, s, zsum = _capped_stats(zc, valid, opts)
   return m, s, _target(zc, cols, valid, labels), zsum
-
-
-def softcap(z, cap: float | None):
-  """``cap·tanh(z/cap)`` written with ``exp``: under ``approx_math`` Mosaic's ``tanh`` is the hardware's
-  ``tanh.approx`` (relative error ~5e-4, i.e. ~0.015 on a logit near a cap of 30), while ``ex2.approx`` keeps the
-  capped logit within ~1e-7·cap of the exact one."""
-  if cap is None:
-    return z
-  u = z * (2.0 / cap)
-  e = jnp.exp(-jnp.abs(u))  # in (0, 1]: tanh(|u|/2) = (1 - e) / (1 + e)
-  t = (1.0 - e) / (1.0 + e)
-  return jnp.where(u < 0, -cap * t, cap * t)
 
 
 def _capped_stats(zc, valid, opts):
@@ -358,7 +346,7 @@ class RowStats(Part):
       z = z + lax.broadcast_in_dim(b_smem[t.g], z.shape, [1])
     cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
     valid = cols < t.prob.n
-    zc = softcap(z, self.opts.logit_softcap)
+    zc = _math.softcap(z, self.opts.logit_softcap)
     m, s, zsum = self.stats_of(zc, valid)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's statistics have left st_smem
     st_smem[t.g, 0] = m
@@ -892,7 +880,9 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
   one array of a one-output epilogue). ``epilogue``: a :class:`Part` or a tuple of them (default ``Store()``);
   ``config``: a :class:`GemmConfig` (default: :func:`.tuning.select_config` for ``role``, with fewer stages where
   the hooks' SMEM needs it); ``approx_math``: the hooks' ``exp`` on the hardware's approximate unit (``ex2.approx``,
-  relative error ~1e-7) instead of the accurate library routine (GPU path only)."""
+  relative error ~1e-7) instead of the accurate library routine (GPU path only). It also makes ``tanh`` the
+  hardware's ``tanh.approx`` (relative error ~5e-4: ~0.015 on a logit near a soft cap of 30), so a soft-capped
+  epilogue should leave it off."""
   _check_operand("a", a, "M" if transpose_a else "K")
   _check_operand("b", b, "K" if transpose_b else "N")
   if a.dtype != b.dtype:
