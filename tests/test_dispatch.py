@@ -60,6 +60,24 @@ def test_auto_on_hopper_says_what_runs(fake_gpu):
   assert mixed.impl == "pallas_mosaic" and any("cast to bfloat16" in n for n in mixed.notes)
 
 
+def test_reduction_none_runs_a_fast_design_that_takes_token_cotangents(fake_gpu):
+  """Per-token losses (mode=None) run the "logits" fast design on Hopper, also where the memory rule picks the
+  "tokens" design for a mean (gpt2-small: many tokens, small H), and the notes say why and what it holds; a
+  design or a token chunk the user chose is kept (the lean design then runs)."""
+  fake_gpu((9, 0))
+  gpt2 = dict(x=S((16384, 768), jnp.bfloat16), w=S((768, 50304), jnp.bfloat16))
+  assert explain(**gpt2).name == "tokens"
+  d = explain(**gpt2, reduction="none")
+  assert (d.impl, d.mode, d.name) == ("pallas_mosaic", "fast", "logits")
+  assert d.memory_bytes >= 16384 * 50304 * 2
+  assert any("reduction='none'" in n and "mode='lean' takes less" in n for n in d.notes)
+  llama = explain(**LLAMA, reduction="none")
+  assert llama.name == "logits" and not any("mode='lean' takes less" in n for n in llama.notes)
+  chosen = explain(**gpt2, reduction="none", impl="pallas_mosaic",
+                   config=lce_flax.PallasMosaicConfig(fast_design="tokens"))
+  assert (chosen.mode, chosen.name) == ("lean", "recompute")
+
+
 def test_sm80_lean_kernels_and_fast_fallback_are_visible(fake_gpu):
   fake_gpu((8, 0))
   assert explain(**LLAMA, mode="lean").impl == "pallas_triton"

@@ -81,6 +81,9 @@ class FastBackend(Backend, Protocol):
     in its backward (``Design.token_cotangents``), ``g_tokens`` = (cotangents of the per-token losses, of the
     per-token lse; float32 [B]); None for the others."""
 
+  # Optional: ``per_token_config(config) -> config | None``, the config of a fast design that takes per-token
+  # cotangents where the backend's default fast design does not (None: there is none, or the user chose the design).
+
 
 class Primals(NamedTuple):
   """Static facts about the fast op's inputs that a backward may need (hashable: a ``nondiff_argnums`` argument)."""
@@ -347,17 +350,28 @@ def _entropy_note(design: common.Design, num_tokens: int, hidden: int, columns: 
 
 def _per_token_fast(entry: Entry, num_tokens: int, hidden: int, spec: common.Spec, dtype, config
                     ) -> common.Design | None:
-  """For ``reduction="none"`` with ``mode=None``: the backend's fast design if it forms dz in its backward (and so
-  takes per-token cotangents), else None (the lean design runs). A config the fast design refuses (e.g. one with a
-  lean ``vocab_chunk``) keeps the lean design."""
-  try:
-    design = entry.backend.design(num_tokens, hidden, spec, dtype, "fast", config)
-  except (ValueError, NotImplementedError):
+  """For ``reduction="none"`` with ``mode=None``: a fast design of the backend that forms dz in its backward (and
+  so takes per-token cotangents): its default one, else the one its ``per_token_config`` names; None when it has
+  none (the lean design runs). A config the fast design refuses (e.g. one with a lean ``vocab_chunk``) keeps the
+  lean design."""
+  def fast_design(cfg):
+    try:
+      design = entry.backend.design(num_tokens, hidden, spec, dtype, "fast", cfg)
+    except (ValueError, NotImplementedError):
+      return None
+    return design if takes_token_cotangents(design.config) else None
+
+  design = fast_design(config)
+  note = "forms dz in its backward, so it takes the per-token cotangents"
+  if design is None and hasattr(entry.backend, "per_token_config"):
+    other = entry.backend.per_token_config(config)
+    design = None if other is None else fast_design(other)
+    if design is not None:
+      note += (f" (the default fast design of these sizes takes none; this one holds the B×V logits: "
+               f"{design.memory_bytes / 2**30:.2f} GiB, mode='lean' takes less)")
+  if design is None:
     return None
-  if not takes_token_cotangents(design.config):
-    return None
-  return dataclasses.replace(design, notes=(*design.notes, f"reduction='none': the {design.name!r} fast design "
-                                            "forms dz in its backward, so it takes the per-token cotangents"))
+  return dataclasses.replace(design, notes=(*design.notes, f"reduction='none': the {design.name!r} fast design {note}"))
 
 
 # ------------------------------------------------------------------------------------------------ the lean vjp

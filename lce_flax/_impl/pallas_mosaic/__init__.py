@@ -7,6 +7,7 @@ designs ("logits", "tokens") and their dz pass. The ``custom_vjp``s are :mod:`lc
 """
 
 from lce_flax._impl.pallas_mosaic.fast import fast_backward, fast_forward
-from lce_flax._impl.pallas_mosaic.op import Config, design, grads, stats, supported
+from lce_flax._impl.pallas_mosaic.op import Config, design, grads, per_token_config, stats, supported
 
-__all__ = ["Config", "design", "fast_backward", "fast_forward", "grads", "stats", "supported"]
+__all__ = ["Config", "design", "fast_backward", "fast_forward", "grads", "per_token_config", "stats",
+           "supported"]
