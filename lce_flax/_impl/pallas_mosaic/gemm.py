@@ -255,15 +255,6 @@ def _rows(v, shape):
   return lax.broadcast_in_dim(v, shape, [0])
 
 
-def tile_stats(z, cols, valid, labels, opts):
-  """Row statistics ``(max, Σexp(zc - max), zc[label], Σzc)`` of a float32 tile over its ``valid`` columns, with
-  ``zc`` the soft-capped logits (written for Mosaic registers: per-row values enter through broadcasts; a row
-  with no valid column gets max = -inf, Σexp = 0)."""
-  zc = _math.softcap(z, opts.logit_softcap)
-  m, s, zsum = _capped_stats(zc, valid, opts)
-  return m, s, _target(zc, cols, valid, labels), zsum
-
-
 def _capped_stats(zc, valid, opts):
   """``(max, Σexp(zc - max), Σzc)`` of the rows of the capped tile ``zc`` over its ``valid`` columns."""
   masked = jnp.where(valid, zc, -jnp.inf)
@@ -282,7 +273,9 @@ def _target(zc, cols, valid, labels):
 @dataclasses.dataclass(frozen=True)
 class RowStats(Part):
   """The loss statistics of each warpgroup tile (the forward's lean epilogue): per row, over the tile's columns
-  ``< N`` (the vocabulary), :func:`tile_stats`. Output: float32 [4, column tiles, M_padded];
+  ``< N`` (the vocabulary), ``(max, Σexp(zc - max), zc[label], Σzc)`` of the soft-capped logits ``zc`` (a row with
+  no valid column: max = -inf, Σexp = 0), as :func:`lce_flax._math.tile_stats`. Output: float32 [4, column tiles,
+  M_padded];
   :func:`merge_row_stats` turns it into the rows' :class:`lce_flax._math.RowStats`. ``labels`` int32 [M] (column
   ids; negative: no target); ``opts``: :class:`StatsOptions` or the package's loss spec.
 
@@ -333,10 +326,6 @@ class RowStats(Part):
       b_smem, _ = self._bias_and_buf(smem)
       plgpu.copy_gmem_to_smem(ins[1].at[t.cols], b_smem.at[t.g], bars.at[t.prob.nwg + t.g])
 
-  def stats_of(self, zc, valid):
-    """The tile's row statistics but the target logit: ``(max, Σexp(zc - max), Σzc)``."""
-    return _capped_stats(zc, valid, self.opts)
-
   def apply(self, z, t, ins, outs, smem):
     (st, *stored), (y_smem, st_smem, bars) = outs, smem[:3]
     b_smem, buf = self._bias_and_buf(smem)
@@ -347,7 +336,7 @@ class RowStats(Part):
     cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
     valid = cols < t.prob.n
     zc = _math.softcap(z, self.opts.logit_softcap)
-    m, s, zsum = self.stats_of(zc, valid)
+    m, s, zsum = _capped_stats(zc, valid, self.opts)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's statistics have left st_smem
     st_smem[t.g, 0] = m
     st_smem[t.g, 1] = s
