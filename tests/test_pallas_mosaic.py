@@ -112,21 +112,112 @@ FAST = dataclasses.replace(SMALL, fast_design="logits", vocab_chunk=None)  # no 
 GEMM_FAST = dataclasses.replace(FAST, gemm=True)
 
 
-@pytest.mark.parametrize("w_layout,seed,v,config", [
-    ("hv", 31, 257, FAST), ("vh", 31, 257, FAST),  # V = 257: the warp-specialised (or one-warpgroup) forward
-    # V a multiple of the GEMM's 128-column tile: the forward on the persistent GEMM, the products on it or on XLA
-    ("hv", 33, 384, dataclasses.replace(GEMM_FAST, products="gemm")),
-    ("vh", 33, 384, dataclasses.replace(GEMM_FAST, products="xla"))], ids=["hv", "vh", "gemm-hv", "gemm-xla-vh"])
-def test_fast_peaky_logits_sum(w_layout, seed, v, config):
-  """Logits with std ≈ 11 (the regime where storing rounded logits would hurt): the stored values are shifted by
-  their tile's row max, so the gradient keeps the error of the bf16 dz that every design has."""
-  (x, w, y, _), (xn, wn, yn, _) = make_inputs(seed, (101,), 128, v, jnp.bfloat16, w_layout=w_layout, wscale=1.0)
+@pytest.mark.parametrize("w_layout", ["hv", "vh"])
+def test_fast_peaky_logits_sum(w_layout):
+  """Logits with std ≈ 11 (the regime where storing rounded logits would hurt), V = 257: the warp-specialised (or
+  one-warpgroup) forward stores logits shifted by their tile's row max, so the gradient keeps the error of the
+  bf16 dz that every design has."""
+  (x, w, y, _), (xn, wn, yn, _) = make_inputs(31, (101,), 128, 257, jnp.bfloat16, w_layout=w_layout, wscale=1.0)
   f = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="fast", reduction="sum",
-                                        w_layout=w_layout, config=config)
+                                        w_layout=w_layout, config=FAST)
   loss, (dx, dw) = jax.value_and_grad(f, (0, 1))(x, w)
   ref = linear_cross_entropy_np(xn, wn, yn, reduction="sum", w_layout=w_layout)
   assert rel_err(loss, ref["loss"]) < 2e-5
   assert rel_err(dx, ref["dx"]) < 1e-2 and rel_err(dw, ref["dw"]) < 1e-2
+
+
+# ------------------------------------------------------------------- the stored exponentials (no dz pass)
+
+
+def _fallback_warnings(fn, monkeypatch):
+  """Runs ``fn`` and returns its result and the recompute-fallback warnings it raised (the once-flag reset)."""
+  import warnings
+
+  from lce_flax._impl.pallas_mosaic import fast
+
+  monkeypatch.setattr(fast, "_warned_fallback", False)
+  with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    out = jax.block_until_ready(fn())
+    jax.effects_barrier()
+  return out, [r for r in rec if "loss exceeded" in str(r.message)]
+
+
+@pytest.mark.parametrize("design,opt,w_layout,bias,reduction", [
+    ("logits", "plain", "hv", False, "mean"), ("logits", "softcap", "vh", True, "sum"),
+    ("logits", "z_loss", "hv", True, "none"), ("tokens", "plain", "vh", True, "mean"),
+    ("tokens", "z_loss", "hv", False, "sum")])
+def test_fast_stored_exponentials(design, opt, w_layout, bias, reduction, monkeypatch):
+  """bf16, V = 384 (a multiple of the GEMM's 128-column tile), no label smoothing: the forward on the GEMM stores
+  exp(zc - r) and the backward's products take it as it is (no dz pass), against the float64 oracle: ragged rows,
+  ignored and masked tokens, a bias, soft cap and z-loss, per-token cotangents; no run falls back."""
+  from lce_flax import explain
+
+  cfg = GEMM_FAST if design == "logits" else dataclasses.replace(GEMM_FAST, fast_design="tokens", token_chunk=64)
+  sds = jax.ShapeDtypeStruct
+  d = explain(sds((101, 128), jnp.bfloat16), sds((128, 384), jnp.bfloat16), sds((101,), jnp.int32),
+              impl="pallas_mosaic", mode="fast", interpret=True, config=cfg, **OPTIONS[opt])
+  assert any("exp(zc - r)" in n for n in d.notes) and not any("dz pass" in n for n in d.notes), d.notes
+  mode = None if reduction == "none" else "fast"  # (per-token cotangents: mode=None runs the "logits" fast design)
+  _, warned = _fallback_warnings(lambda: check(mode=mode, config=cfg, v=384, w_layout=w_layout, bias=bias,
+                                               options=OPTIONS[opt], where=True, reduction=reduction,
+                                               seed=60 + len(opt)), monkeypatch)
+  assert not warned
+
+
+@pytest.mark.parametrize("opt", ["smoothing", "softcap"])
+def test_fast_stored_option(opt):
+  """``Config(stored=...)``: "shifted" keeps the shifted logits and the dz pass where the exponentials would apply
+  (and is right), "exponentials" where they cannot apply is refused, naming why; a bad value is refused."""
+  from lce_flax import explain
+
+  sds = jax.ShapeDtypeStruct
+  shifted = dataclasses.replace(GEMM_FAST, stored="shifted")
+  args = (sds((101, 128), jnp.bfloat16), sds((128, 384), jnp.bfloat16), sds((101,), jnp.int32))
+  d = explain(*args, impl="pallas_mosaic", mode="fast", interpret=True, config=shifted, **OPTIONS[opt])
+  assert d.config.stored == "shifted" and any("dz pass" in n for n in d.notes), d.notes
+  check(mode="fast", config=shifted, v=384, options=OPTIONS[opt], seed=70)
+  if opt == "smoothing":
+    with pytest.raises(ValueError, match="stored='exponentials' does not apply here: label smoothing"):
+      explain(*args, impl="pallas_mosaic", mode="fast", interpret=True,
+              config=dataclasses.replace(GEMM_FAST, stored="exponentials"), **OPTIONS[opt])
+  with pytest.raises(ValueError, match="stored='probs' must be one of"):
+    explain(*args, impl="pallas_mosaic", mode="fast", interpret=True, config=Config(stored="probs"))
+
+
+@pytest.mark.parametrize("w_layout,products", [("hv", "gemm"), ("vh", "xla")])
+def test_fast_exponentials_peaky(w_layout, products, monkeypatch):
+  """Logits with std ≈ 11 and each label among its row's 8 largest logits (losses up to ~25 nats, the stored
+  exponentials spanning e^±60): the gradient keeps the bf16 dz's error; no fallback."""
+  (x, w, _, _), (xn, wn, _, _) = make_inputs(33, (101,), 128, 384, jnp.bfloat16, w_layout=w_layout, wscale=1.0)
+  z = xn @ (wn if w_layout == "hv" else wn.T)
+  rng = np.random.default_rng(34)
+  yn = np.argsort(-z, axis=1)[np.arange(101), rng.integers(0, 8, 101)].astype(np.int32)
+  yn[::9] = -100
+  cfg = dataclasses.replace(GEMM_FAST, products=products)
+  f = lambda x, w: linear_cross_entropy(x, w, jnp.asarray(yn), impl="pallas_mosaic", mode="fast", reduction="sum",
+                                        w_layout=w_layout, config=cfg)
+  (loss, (dx, dw)), warned = _fallback_warnings(lambda: jax.value_and_grad(f, (0, 1))(x, w), monkeypatch)
+  assert not warned
+  ref = linear_cross_entropy_np(xn, wn, yn, reduction="sum", w_layout=w_layout)
+  assert np.nanmax(ref["token_loss"]) > 10
+  assert rel_err(loss, ref["loss"]) < 2e-5
+  assert rel_err(dx, ref["dx"]) < 1e-2 and rel_err(dw, ref["dw"]) < 1e-2
+
+
+@pytest.mark.parametrize("design", ["logits", "tokens"])
+def test_fast_exponentials_fall_back_past_their_range(design, monkeypatch):
+  """Logits with std ≈ 45 and random labels: some token's loss is past 60 nats, beyond the stored exponentials'
+  range; the backward runs the recompute design instead (warned once, at run time) and is still right."""
+  (x, w, y, b), (xn, wn, yn, bn) = make_inputs(35, (101,), 128, 384, jnp.bfloat16, wscale=4.0, bias=True)
+  cfg = GEMM_FAST if design == "logits" else dataclasses.replace(GEMM_FAST, fast_design="tokens", token_chunk=64)
+  f = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, impl="pallas_mosaic", mode="fast", config=cfg)
+  (loss, grads), warned = _fallback_warnings(lambda: jax.value_and_grad(f, (0, 1, 2))(x, w, b), monkeypatch)
+  ref = linear_cross_entropy_np(xn, wn, yn, bias=bn)
+  assert np.nanmax(ref["token_loss"]) > 60 and len(warned) == 1
+  assert rel_err(loss, ref["loss"]) < 2e-5
+  for got, name in zip(grads, ("dx", "dw", "dbias")):
+    assert rel_err(got, ref[name]) < 1e-2, name
 
 
 def test_fast_cotangent_scales_and_aux_is_not_differentiable():
@@ -171,21 +262,24 @@ def test_fast_gemm_routing_is_explained_and_refused_where_it_cannot_run():
             interpret=True, config=Config(products="cublas"))
 
 
-@pytest.mark.parametrize("design,w_layout,bias", [("logits", "hv", True), ("logits", "vh", False),
-                                                  ("tokens", "vh", True)])
-def test_fast_gemm_path_lowers_for_cuda(design, w_layout, bias, monkeypatch):
-  """The fast op's GPU path (persistent GEMM forward, GEMM products) lowered for CUDA on CPU. The dz pass is a
-  Pallas Triton kernel, which lowers only with a GPU present: here a stand-in of its shapes takes its place (the
-  GPU tests run it)."""
+@pytest.mark.parametrize("design,w_layout,bias,smoothing", [
+    ("logits", "hv", True, 0.1), ("logits", "vh", False, 0.1), ("tokens", "vh", True, 0.1),
+    ("logits", "hv", True, 0.0), ("tokens", "hv", False, 0.0)])
+def test_fast_gemm_path_lowers_for_cuda(design, w_layout, bias, smoothing, monkeypatch):
+  """The fast op's GPU path (persistent GEMM forward, GEMM products) lowered for CUDA on CPU: with label smoothing
+  the stored shifted logits and their dz pass, a Pallas Triton kernel, which lowers only with a GPU present (here
+  a stand-in of its shapes takes its place; the GPU tests run it); without, the stored exponentials, whose
+  backward is the products alone, with the recompute design's dz kernel in the branch taken past their range."""
   from lce_flax._impl.pallas_mosaic import fast
 
   def dz_stand_in(zb, mt, lse, yp, coef, a, c, d, p, opts):
     return zb * 2, (jnp.zeros((d.vp,), jnp.float32) if d.has_bias else None)
 
   monkeypatch.setattr(fast, "_dz_pass", dz_stand_in)
+  monkeypatch.setattr(fast, "_note_fallback", lambda: None)  # (a host callback lowers only for the host's platform)
   b, h, v = 1000, 512, 2048
   sds = jax.ShapeDtypeStruct
-  opts = _math.LossSpec(vocab_size=v, label_smoothing=0.1, logit_softcap=30.0)
+  opts = _math.LossSpec(vocab_size=v, label_smoothing=smoothing, logit_softcap=30.0)
   spec = common.Spec(opts, w_layout, interpret=False)
   cfg = Config(fast_design=design, token_chunk=256 if design == "tokens" else None, gemm=True, products="gemm")
   plan = pallas_mosaic.design(b, h, spec, jnp.bfloat16, "fast", cfg).config
@@ -198,12 +292,21 @@ def test_fast_gemm_path_lowers_for_cuda(design, w_layout, bias, monkeypatch):
   args = (sds((b, h), jnp.bfloat16), sds((h, v) if w_layout == "hv" else (v, h), jnp.bfloat16),
           sds((v,), jnp.float32) if bias else None, sds((b,), jnp.int32))
   text = jax.jit(jax.grad(f, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  # the forward and dx on the GEMM, and dw in the "logits" design: one Mosaic GPU call each
-  calls = re.findall(r"stablehlo.custom_call @mosaic_gpu\w*", text)
-  assert len(calls) == (3 if design == "logits" else 2), calls
+  assert ("dz pass" in str(pallas_mosaic.design(b, h, spec, jnp.bfloat16, "fast", cfg).notes)) == bool(smoothing)
+
+  def mosaic_results(text):  # the result types of the program's Mosaic GPU calls
+    return [line.rsplit(" -> ", 1)[-1] for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+
+  # the forward and dx on the GEMM, and dw in the "logits" design: one Mosaic GPU call each; with stored
+  # exponentials, the recompute design's dz kernel too (in the branch taken past their range)
+  got = mosaic_results(text)
+  dw_type = f"tensor<{'x'.join(map(str, args[1].shape))}xbf16>"
+  dz_kernels = 0 if smoothing else len(got) - (3 if design == "logits" else 2)
+  assert len(got) == (3 if design == "logits" else 2) + dz_kernels and (smoothing or dz_kernels >= 1), got
+  assert sum(dw_type in r for r in got) == (1 if design == "logits" else 0), got
   if design == "logits":  # a frozen head (the gradient of x only): the dw product is not in the program
-    text = jax.jit(jax.grad(f, 0)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu\w*", text)) == 2
+    frozen = mosaic_results(jax.jit(jax.grad(f, 0)).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+    assert not any(dw_type in r for r in frozen) and len(frozen) < len(got), frozen
 
 
 @pytest.mark.parametrize("w_layout,bias,dtype", [("hv", True, jnp.bfloat16), ("vh", False, jnp.float16)])

@@ -11,6 +11,18 @@ turns the stored tiles into dz in place. Two designs (``Plan.fast_design``, chos
   into an H×V float32 dw: the choice when H·V·4 + c·V·2 is smaller than B·V·2 (small H, many tokens:
   gpt2-small).
 
+**What is stored.** Where the forward runs on the GEMM of :mod:`.gemm` with bf16 operands and no label smoothing
+(every LLM head measured), each tile is stored as the exponentials ``E = exp(zc - r)`` against one reference logit
+``r`` per row (the row's label logit, :func:`_reference`), times the soft cap's derivative when there is one
+(:func:`.op.stores_probs`). The logit gradient is then ``dz = σ·E`` with one factor ``σ = coef·exp(r - lse)`` per row, except
+at the label, whose exact value (B numbers) is written over E; so dx = σ·(E·wᵀ) and dw = (σ·x)ᵀ·E are the two
+products on E itself, with no pass over B×V between forward and backward (:func:`_grads_from_probs`). A row whose
+lse lies more than ``PROBS_GAP`` above its reference (a token whose loss exceeds 60 nats) would leave E's
+range: the backward checks every row and, if any does, takes the recompute backward of :mod:`.op` for the whole
+call instead (``lax.cond``; warned once at run time). Otherwise (the kernels_ws forward, fp16, label smoothing,
+whose uniform term is no per-row factor under a soft cap) the tiles are stored shifted by their row max and one
+elementwise kernel turns them into dz in place (:func:`_dz_pass`).
+
 The ``custom_vjp`` around :func:`fast_forward` and :func:`fast_backward` is :func:`lce_flax._impl.base.fast`: only
 the reduced loss is differentiable (the per-token outputs' cotangents must be symbolic zeros).
 """
@@ -19,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -70,9 +83,10 @@ def _dz_pass(zb, mt, lse, yp, coef, a, c, d: kernels.Dims, p: op.Plan, opts):
   return out[0], (out[1].sum(axis=0) if d.has_bias else None)
 
 
-def _stored(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts):
-  """The forward with stores over rows ``xp``: (RowStats, stored tiles [rows, vp'], their row maxima [tiles, rows],
-  and the Dims and Plan the dz pass reads them with)."""
+def _stored(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts, ref=None):
+  """The forward with stores over rows ``xp``: (RowStats, stored tiles [rows, vp'], their row maxima [tiles, rows]
+  (None when ``ref`` is given: the tiles are then ``exp(zc - ref)``, see :func:`.op.stores_probs`), and the Dims and Plan
+  the dz pass reads them with)."""
   if p.gemm is None:
     stats, (zb, mt) = op.run_forward(xp, wp, bp, yp, d, p, opts)
     return stats, zb, mt, d, p
@@ -82,9 +96,118 @@ def _stored(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts):
   # whose approximate form is too coarse
   cfg = p.gemm
   st, zb = gemm.gemm(xp, wp, transpose_b=d.w_layout == "vh", config=cfg, interpret=d.interpret,
-                     approx_math=opts.logit_softcap is None, epilogue=gemm.RowStats(yp, opts, store=True, bias=bp))
-  mt = st[0, :zb.shape[1] // cfg.tile_n, :d.b]
+                     approx_math=opts.logit_softcap is None,
+                     epilogue=gemm.RowStats(yp, opts, store=True, bias=bp, ref=ref))
+  mt = None if ref is not None else st[0, :zb.shape[1] // cfg.tile_n, :d.b]
   return gemm.merge_row_stats(st, d.b), zb, mt, *_read_as(d, p, zb.shape[1])
+
+
+# ------------------------------------------------------------------------------------- stored exponentials
+
+PROBS_GAP = 60.0  # nats: the largest lse - reference logit (a counted token's loss) the stored exponentials serve
+
+
+def _reference(xp, wp, bp, yp, layout: str, opts, v: int):
+  """Each row's reference logit (float32 [rows]): its capped logit at the label (at column 0 for a row without a
+  label in [0, V)). It is at most the row max, and within the loss of the max: the stored ``exp(zc - ref)`` stays
+  in range for any row whose loss is under ``PROBS_GAP``. One gather of B columns of w and B dot products."""
+  col = jnp.where((yp >= 0) & (yp < v), yp, 0)
+  if layout == "hv":
+    z = jnp.einsum("bh,hb->b", xp, jnp.take(wp, col, axis=1), preferred_element_type=F32)
+  else:
+    z = jnp.einsum("bh,bh->b", xp, jnp.take(wp, col, axis=0), preferred_element_type=F32)
+  if bp is not None:
+    z = z + bp[col]
+  return _math.softcap(z, opts.logit_softcap)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Probs:
+  """What the backward needs of a forward that stored exponentials (a pytree: the arrays are its leaves)."""
+
+  e: jax.Array  # [rows, V] bf16: exp(zc - ref) (times the cap's derivative)
+  ref: jax.Array  # [rows] float32
+  target: jax.Array  # [rows] float32: zc at the label (0 without one)
+  lse: jax.Array  # [rows] float32
+
+
+jax.tree_util.register_dataclass(_Probs, data_fields=["e", "ref", "target", "lse"], meta_fields=[])
+
+_warned_fallback = False
+
+
+def _warn_fallback():
+  global _warned_fallback
+  if not _warned_fallback:
+    _warned_fallback = True
+    warnings.warn(f"lce_flax (pallas_mosaic, fast mode): a token's loss exceeded {PROBS_GAP:g} nats (its lse lies "
+                  f"more than {PROBS_GAP:g} above its label's logit), beyond the range of the stored exponentials; "
+                  "this backward ran the recompute design instead (2·B·H·V more FLOPs). Warned once.",
+                  RuntimeWarning, stacklevel=2)
+
+
+def _note_fallback():
+  """Warns (once, at run time: the branch is decided on device) that the recompute backward ran."""
+  jax.debug.callback(_warn_fallback)
+
+
+def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Spec, p: op.Plan, dw_dtype,
+                      dw_acc=None):
+  """(dx float32, dw ``dw_dtype``, dbias float32 or None) over the rows of ``xp`` from the stored exponentials;
+  with ``dw_acc`` (float32, w's shape) the dw returned is ``dw_acc + dw``.
+
+  The decision is made on the device (``lax.cond``); the recompute branch runs once per gradient asked for.
+
+  ``dz = coef·p - [v = y]·a`` (:func:`.epilogue.row_coefficients`; no smoothing) is ``σ·E`` off the label with
+  ``σ = coef·exp(ref - lse)``; at the label the exact ``(coef·p_y - a)`` (times the cap's derivative) is written
+  into E as ``dz_y / σ`` (one entry per row, in place). Then ``dx = σ·(E·wᵀ)`` and ``dw = (σ·x)ᵀ·E``: E's rounding
+  error is relative, ~2⁻⁹ per entry, at any size (the shifted logits' grows with the distance to the max).
+
+  E's largest entry is at most ``exp(lse - ref)`` and σ at least ``coef·exp(ref - lse)``; ``lse - ref`` is the
+  token's loss. If some row with a gradient has ``lse - ref > PROBS_GAP`` (σ·x would near bf16's smallest
+  normals) or a label entry that is not finite, the whole call takes the recompute backward (:func:`.op.grads`)
+  instead."""
+  opts, v, layout = spec.opts, spec.opts.vocab_size, spec.w_layout
+  e = st.e
+  coef, a, _ = epilogue.row_coefficients(st.lse, yp, g_loss, g_lse, opts)
+  sigma = coef * jnp.exp(st.ref - st.lse)
+  hit = (yp >= 0) & (yp < v)
+  t = coef * jnp.exp(st.target - st.lse) - a
+  if opts.logit_softcap is not None:
+    u = st.target * (1.0 / opts.logit_softcap)
+    t = t * (1.0 - u * u)
+  patch = (t / sigma).astype(e.dtype)
+  needed = (coef != 0) | (a != 0)  # (NaN coef: an out-of-range label, whose gradient is NaN on either path)
+  ok = ~needed | ((st.lse - st.ref <= PROBS_GAP) & (~hit | jnp.isfinite(patch)))
+
+  ok = jnp.all(ok)
+  rows = jnp.arange(e.shape[0])
+  e = e.at[rows, jnp.where(hit, yp, e.shape[1])].set(patch, mode="drop", unique_indices=True, indices_are_sorted=True)
+
+  def recompute():
+    lean = op.plan(xp.shape[0], xp.shape[1], v, None, spec.interpret, "lean")
+    dx, dw, db = op.grads(xp, wp, bp, yp, st.lse, g_loss, g_lse, spec, lean)
+    return dx.astype(F32), dw.astype(dw_dtype), db
+
+  def fast_dx(e):
+    return _grad_x(e, wp, layout, p, spec.interpret) * sigma[:, None]
+
+  def fast_dw(e):
+    return _grad_w((xp.astype(F32) * sigma[:, None]).astype(xp.dtype), e, layout, p, spec.interpret, dw_dtype)
+
+  def fast_db(e):
+    return None if bp is None else jnp.einsum("b,bv->v", sigma.astype(e.dtype), e, preferred_element_type=F32)
+
+  lax.cond(ok, lambda: None, _note_fallback)  # the warning, on a cond of its own
+  if dw_acc is not None:  # one cond, the sum inside it (XLA adds the product into the carried buffer in place)
+    def add(g):
+      return g[0], dw_acc + g[1], g[2]
+    return lax.cond(ok, lambda e: add((fast_dx(e), fast_dw(e), fast_db(e))), lambda e: add(recompute()), e)
+  # one cond per gradient, so that one nobody asks for (a frozen head's dw) leaves the program with its product
+  dx = lax.cond(ok, fast_dx, lambda e: recompute()[0], e)
+  dw = lax.cond(ok, fast_dw, lambda e: recompute()[1], e)
+  db = None if bp is None else lax.cond(ok, fast_db, lambda e: recompute()[2], e)
+  return dx, dw, db
 
 
 def _read_as(d: kernels.Dims, p: op.Plan, stored_cols: int):
@@ -130,10 +253,13 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
   b = x.shape[0]
   xp, wp, bp, yp, d = op.prepare(x, w, bias, labels, spec, p, store=True)
   wts = jnp.pad(weights.astype(F32), (0, d.b - b))  # padding rows: weight 0 (and label -1): dz = 0
+  probs = op.stores_probs(p, opts, x.dtype)
   if p.fast_design == "logits":  # dz is formed in the backward, for any per-token cotangent
-    stats, zb, mt, _, _ = _stored(xp, wp, bp, yp, d, p, opts)
+    ref = _reference(xp, wp, bp, yp, spec.w_layout, opts, d.v) if probs else None
+    stats, zb, mt, _, _ = _stored(xp, wp, bp, yp, d, p, opts, ref)
     out = _math.finalize(stats, yp, opts)
-    res = (zb, mt, out.lse, yp, wts, xp, wp)
+    stored = _Probs(zb, ref, stats.target, out.lse) if probs else (zb, mt, out.lse)
+    res = (stored, yp, wts, xp, wp, bp)
   else:
     chunk = p.token_chunk
     n = cdiv(d.b, chunk)
@@ -146,11 +272,18 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
     def body(carry, rows):
       dw, db = carry
       xc, yc, wc = rows
-      out, dz, dbc = _stored_dz(xc, wp, bp, yc, wc, dc, p, opts)
-      # (XLA's float32 product added into dw: cuBLAS accumulates into the carried buffer in place)
-      dw = dw + common.grad_w(xc, dz, spec.w_layout)
-      dx = _grad_x(dz, wp, spec.w_layout, p, spec.interpret).astype(xp.dtype)
-      return (dw, None if db is None else db + dbc), (dx, out)
+      if probs:
+        ref = _reference(xc, wp, bp, yc, spec.w_layout, opts, d.v)
+        stats, e, _, _, _ = _stored(xc, wp, bp, yc, dc, p, opts, ref)
+        out = _math.finalize(stats, yc, opts)
+        dx, dw, dbc = _grads_from_probs(_Probs(e, ref, stats.target, out.lse), xc, wp, bp, yc, wc,
+                                        jnp.zeros_like(wc), spec, p, F32, dw_acc=dw)
+      else:
+        out, dz, dbc = _stored_dz(xc, wp, bp, yc, wc, dc, p, opts)
+        # (XLA's float32 product added into dw: cuBLAS accumulates into the carried buffer in place)
+        dw = dw + common.grad_w(xc, dz, spec.w_layout)
+        dx = _grad_x(dz, wp, spec.w_layout, p, spec.interpret)
+      return (dw, None if db is None else db + dbc), (dx.astype(xp.dtype), out)
 
     init = (jnp.zeros(wp.shape, F32), None if bp is None else jnp.zeros(bp.shape, F32))
     (dw, db), (dx, out) = lax.scan(body, init, (xs, ys, ws))
@@ -178,18 +311,23 @@ def fast_backward(residuals, g_total, spec: common.Spec, p: op.Plan, primals, g_
   (b, h), v, bias_dtype = primals.x_shape, spec.opts.vocab_size, primals.bias_dtype  # (a whole vocabulary)
   gt = g_total.astype(F32)
   if p.fast_design == "logits":
-    zb, mt, lse, yp, wts, xp, wp = residuals
+    stored, yp, wts, xp, wp, bp = residuals
     g_loss, g_lse = wts * gt, jnp.zeros_like(wts)
     if g_tokens is not None:
       pad = (0, yp.shape[0] - b)
       g_loss = g_loss + jnp.pad(g_tokens[0].astype(F32), pad)
       g_lse = jnp.pad(g_tokens[1].astype(F32), pad)
-    hp = wp.shape[0] if spec.w_layout == "hv" else wp.shape[1]
-    d = kernels.Dims(yp.shape[0], hp, v, zb.shape[1], spec.w_layout, bias_dtype is not None, spec.interpret, True)
-    d, pr = _read_as(d, p, zb.shape[1])
-    dz, db = _dz(zb, mt, lse, yp, g_loss, g_lse, d, pr, spec.opts)
-    dw = _grad_w(xp, dz, spec.w_layout, p, spec.interpret, wp.dtype)
-    dx = _grad_x(dz, wp, spec.w_layout, p, spec.interpret).astype(xp.dtype)
+    if isinstance(stored, _Probs):
+      dx, dw, db = _grads_from_probs(stored, xp, wp, bp, yp, g_loss, g_lse, spec, p, wp.dtype)
+    else:
+      zb, mt, lse = stored
+      hp = wp.shape[0] if spec.w_layout == "hv" else wp.shape[1]
+      d = kernels.Dims(yp.shape[0], hp, v, zb.shape[1], spec.w_layout, bias_dtype is not None, spec.interpret, True)
+      d, pr = _read_as(d, p, zb.shape[1])
+      dz, db = _dz(zb, mt, lse, yp, g_loss, g_lse, d, pr, spec.opts)
+      dw = _grad_w(xp, dz, spec.w_layout, p, spec.interpret, wp.dtype)
+      dx = _grad_x(dz, wp, spec.w_layout, p, spec.interpret)
+    dx = dx.astype(xp.dtype)
     dbias = None if db is None else db.astype(bias_dtype)
   else:  # "tokens": formed in the forward (x and w share the kernels' dtype)
     dx, dw, db = residuals

@@ -256,13 +256,19 @@ def _rows(v, shape):
 
 
 def _capped_stats(zc, valid, opts):
-  """``(max, Σexp(zc - max), Σzc)`` of the rows of the capped tile ``zc`` over its ``valid`` columns."""
+  """``(max, Σexp(zc - max), Σzc, exp(zc - max))`` of the rows of the capped tile ``zc`` over its ``valid``
+  columns (the last: the tile of exponentials, 0 in the invalid columns)."""
   masked = jnp.where(valid, zc, -jnp.inf)
   m = masked.max(axis=1)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-  s = jnp.exp(masked - _rows(m_safe, zc.shape)).sum(axis=1)
+  e = jnp.exp(masked - _rows(m_safe, zc.shape))
   zsum = jnp.where(valid, zc, 0.0).sum(axis=1) if opts.needs_logit_sum else jnp.zeros_like(m)
-  return m, s, zsum
+  return m, e.sum(axis=1), zsum, e
+
+
+# exp(max - ref) of the stored exponentials is clamped here (e^80 ≈ 5.5e34: finite in bf16; fp16 overflows past
+# e^11, so its stores should take the shifted form)
+EXP_CLAMP = 80.0
 
 
 def _target(zc, cols, valid, labels):
@@ -279,27 +285,39 @@ class RowStats(Part):
   :func:`merge_row_stats` turns it into the rows' :class:`lce_flax._math.RowStats`. ``labels`` int32 [M] (column
   ids; negative: no target); ``opts``: :class:`StatsOptions` or the package's loss spec.
 
-  ``store=True`` (the fast forward) also writes each tile's capped logits shifted by their row max over the tile,
-  ``zc - max``, in the operands' dtype: a second output [M, N rounded up to ``tile_n``] whose tile ``j`` goes with
-  the maxima ``stats[0, j]`` (columns ``≥ N`` hold zeros' logits, to be masked by the reader). Near the row max,
-  where the softmax mass is, the stored values are near 0, so their rounding error is small in absolute terms (see
-  :func:`lce_flax._impl.pallas_mosaic.epilogue.shifted_logits`)."""
+  ``store=True`` (the fast forward) also writes each tile in the operands' dtype, as a second output [M, N rounded
+  up to ``tile_n``] (columns ``≥ N`` hold zeros' values, to be masked or ignored by the reader), in one of two forms:
+
+  * ``ref=None``: the capped logits shifted by their row max over the tile, ``zc - max``; tile ``j`` goes with the
+    maxima ``stats[0, j]``. Near the row max, where the softmax mass is, the stored values are near 0, so their
+    rounding error is small in absolute terms (see :func:`lce_flax._impl.pallas_mosaic.epilogue.shifted_logits`).
+  * ``ref`` float32 [M] (a per-row reference logit): the exponentials ``exp(zc - ref)``, times the soft cap's
+    derivative ``1 - (zc/cap)²`` when there is one. Then ``softmax·coef`` is the stored tile times one per-row
+    factor ``coef·exp(ref - lse)``, so the logit gradient needs no pass over the tile (:mod:`.fast`). Each entry has
+    the relative rounding error of the dtype whatever its size; ``ref`` must lie within ~70 of the row max
+    (``exp(max - ref)`` is clamped at ``e^EXP_CLAMP``; the reader checks the range)."""
 
   labels: Any
   opts: Any = StatsOptions()
   store: bool = False
   bias: Any = None  # float32 [N], added to the accumulator before the soft cap
   target: bool = True  # False: no target logits (zeros; benchmarks/bench_epilogue.py measures what they cost)
+  ref: Any = None  # float32 [M]: store=True writes exp(zc - ref) (times the cap's derivative) instead of zc - max
 
   def inputs(self, prob, cfg):
     mp = prob.rows_padded(cfg)
     y = self.labels.astype(jnp.int32)
     ins = (jnp.pad(y, (0, mp - prob.m), constant_values=-1),)
-    if self.bias is None:
-      return ins
-    if self.bias.shape != (prob.n,):
-      raise ValueError(f"RowStats: bias must be [{prob.n}] (one per output column), got {self.bias.shape}")
-    return ins + (jnp.pad(self.bias.astype(F32), (0, prob.col_tiles(cfg) * cfg.tile_n - prob.n)),)
+    if self.bias is not None:
+      if self.bias.shape != (prob.n,):
+        raise ValueError(f"RowStats: bias must be [{prob.n}] (one per output column), got {self.bias.shape}")
+      ins += (jnp.pad(self.bias.astype(F32), (0, prob.col_tiles(cfg) * cfg.tile_n - prob.n)),)
+    if self.ref is not None:
+      if not self.store or self.ref.shape != (prob.m,):
+        raise ValueError(f"RowStats: ref must be [{prob.m}] (one per output row) and goes with store=True, got "
+                         f"{self.ref.shape} and store={self.store}")
+      ins += (jnp.pad(self.ref.astype(F32), (0, mp - prob.m)),)
+    return ins
 
   def out_types(self, prob, cfg):
     st = jax.ShapeDtypeStruct((4, prob.col_tiles(cfg), prob.rows_padded(cfg)), F32)
@@ -307,36 +325,42 @@ class RowStats(Part):
       return (st,)
     return (st, jax.ShapeDtypeStruct((prob.m, cdiv(prob.n, cfg.tile_n) * cfg.tile_n), prob.dtype))
 
+  def _vectors(self):
+    """The names of the per-tile vectors beside the labels, in input order ("bias": per column, "ref": per row)."""
+    return tuple(v for v, on in (("bias", self.bias is not None), ("ref", self.ref is not None)) if on)
+
   def smem(self, prob, cfg):
-    # labels, statistics, barriers (labels; bias), the bias tile, the stored tiles' slots
-    has_bias = self.bias is not None
+    # labels, statistics, barriers (labels; bias; ref), the bias tile, the ref rows, the stored tiles' slots
+    vecs = self._vectors()
     own = (plgpu.SMEM((prob.nwg, cfg.tile_m), jnp.int32), plgpu.SMEM((prob.nwg, 4, cfg.tile_m), F32),
-           plgpu.Barrier(num_barriers=prob.nwg * (2 if has_bias else 1)))
-    return (own + ((plgpu.SMEM((prob.nwg, cfg.tile_n), F32),) if has_bias else ())
+           plgpu.Barrier(num_barriers=prob.nwg * (1 + len(vecs))))
+    sizes = {"bias": cfg.tile_n, "ref": cfg.tile_m}
+    return (own + tuple(plgpu.SMEM((prob.nwg, sizes[v]), F32) for v in vecs)
             + (Store().smem(prob, cfg) if self.store else ()))
 
-  def _bias_and_buf(self, smem):
-    rest = smem[3:]
-    return (rest[0] if self.bias is not None else None), (rest[-1] if self.store else None)
+  def _pieces(self, smem):
+    """(bias SMEM, ref SMEM, stored tiles' slots), None where absent."""
+    got = dict(zip(self._vectors(), smem[3:]))
+    return got.get("bias"), got.get("ref"), (smem[-1] if self.store else None)
 
   def prefetch(self, t, ins, smem):
     y, bars = ins[0], smem[2]
     plgpu.copy_gmem_to_smem(y.at[t.rows], smem[0].at[t.g], bars.at[t.g])
-    if self.bias is not None:
-      b_smem, _ = self._bias_and_buf(smem)
-      plgpu.copy_gmem_to_smem(ins[1].at[t.cols], b_smem.at[t.g], bars.at[t.prob.nwg + t.g])
+    for q, (name, src) in enumerate(zip(self._vectors(), ins[1:])):
+      where = t.cols if name == "bias" else t.rows
+      plgpu.copy_gmem_to_smem(src.at[where], smem[3 + q].at[t.g], bars.at[(q + 1) * t.prob.nwg + t.g])
 
   def apply(self, z, t, ins, outs, smem):
     (st, *stored), (y_smem, st_smem, bars) = outs, smem[:3]
-    b_smem, buf = self._bias_and_buf(smem)
-    plgpu.barrier_wait(bars.at[t.g])
-    if self.bias is not None:
-      plgpu.barrier_wait(bars.at[t.prob.nwg + t.g])
+    b_smem, r_smem, buf = self._pieces(smem)
+    for q in range(1 + len(self._vectors())):
+      plgpu.barrier_wait(bars.at[q * t.prob.nwg + t.g])
+    if b_smem is not None:
       z = z + lax.broadcast_in_dim(b_smem[t.g], z.shape, [1])
     cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
     valid = cols < t.prob.n
     zc = _math.softcap(z, self.opts.logit_softcap)
-    m, s, zsum = _capped_stats(zc, valid, self.opts)
+    m, s, zsum, e = _capped_stats(zc, valid, self.opts)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's statistics have left st_smem
     st_smem[t.g, 0] = m
     st_smem[t.g, 1] = s
@@ -345,8 +369,17 @@ class RowStats(Part):
     plgpu.commit_smem()
     for q in range(4):
       plgpu.copy_smem_to_gmem(st_smem.at[t.g, q], st.at[q, t.col_tile, t.rows])
-    if self.store:
-      _store_subtiles(zc - _rows(jnp.where(m == -jnp.inf, 0.0, m), zc.shape), t, stored[0], buf)
+    if not self.store:
+      return
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    if r_smem is None:
+      out = zc - _rows(m_safe, zc.shape)
+    else:  # exp(zc - ref) = exp(zc - max)·exp(max - ref): one exp per row
+      out = e * _rows(jnp.exp(jnp.minimum(m_safe - r_smem[t.g], EXP_CLAMP)), zc.shape)
+      if self.opts.logit_softcap is not None:
+        u = zc * (1.0 / self.opts.logit_softcap)
+        out = out * (1.0 - u * u)
+    _store_subtiles(out, t, stored[0], buf)
 
 
 def merge_row_stats(stats, m: int) -> _math.RowStats:

@@ -108,6 +108,11 @@ class Config:
       ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS); None: ``"gemm"`` when the
       forward runs on it in the "logits" design, else ``"xla"``. The "tokens" design adds each chunk's dw into its
       float32 buffer with XLA's product either way (cuBLAS accumulates into the carried buffer in place).
+    stored: what the fast forward stores of each tile: ``"exponentials"`` (``exp(zc - r)`` against each row's
+      label logit r: the backward's products take them as they are, no pass over B×V; :mod:`.fast`) or
+      ``"shifted"`` (logits shifted by their row max, turned into dz in place by a dz pass); None: exponentials
+      where they apply (:func:`stores_probs`: the forward on the GEMM, bf16, no label smoothing). Not read by the
+      lean design.
   """
 
   block_t: int | None = None
@@ -122,9 +127,11 @@ class Config:
   fast_design: str | None = None
   gemm: bool | None = None
   products: str | None = None
+  stored: str | None = None
 
 
 PRODUCTS = ("gemm", "xla")
+STORED = ("exponentials", "shifted")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +150,7 @@ class Plan:
   fast_design: str | None = None  # None: the lean design
   gemm: GemmConfig | None = None  # fast designs: the forward on the GEMM of .gemm with this tiling (None: kernels_ws)
   products: str | None = None  # fast designs: the backward products on "gemm" or "xla" (None: the lean design)
+  stored: str | None = None  # fast designs: Config.stored as asked (None: where it applies; see stores_probs)
 
   @property
   def token_cotangents(self) -> bool:
@@ -210,6 +218,8 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
     raise ValueError("semantics='lane' cannot run the warp-specialised kernels (they use warpgroup semantics); "
                      "use warp_specialized=False for lane semantics")
   sem = c.semantics or ("warpgroup" if ws else "lane")
+  if c.stored not in (None, *STORED):
+    raise ValueError(f"stored={c.stored!r} must be one of {STORED} (or None)")
   if c.fast_design not in (None, *FAST_DESIGNS):
     hint = " (the chunked fast design is impl='chunked')" if c.fast_design == "chunked" else ""
     raise ValueError(f"fast_design={c.fast_design!r} must be one of {FAST_DESIGNS} (or None){hint}")
@@ -220,7 +230,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
     splits = min(splits, cdiv(vp, 2 * bv))
   tiles = Plan(bt, bv, bk, stages, splits, sem, ws)
   if mode == "fast":
-    tiles = _with_gemm(tiles, c, tokens, hidden, vocab, interpret)
+    tiles = dataclasses.replace(_with_gemm(tiles, c, tokens, hidden, vocab, interpret), stored=c.stored)
     # a token chunk asked for picks the design that has a token loop
     design = c.fast_design or ("tokens" if c.token_chunk is not None else fast_design(num_tokens, hidden, vocab))
     if design == "logits":
@@ -281,6 +291,22 @@ def _products(p: Plan) -> Plan:
   return dataclasses.replace(p, products="gemm" if on_gemm else "xla")
 
 
+def stores_probs(p: Plan, opts, dtype) -> bool:
+  """Whether the fast forward stores each tile as exponentials against a per-row reference logit, so that the
+  backward forms dz with no pass over B×V (:mod:`.fast`), rather than shifted logits and a dz pass
+  (``Config.stored``): where they apply, on the GEMM forward, bf16 (fp16 overflows past e^11), no label smoothing
+  (its uniform term, times a soft cap's derivative, is no per-row factor); ``stored="exponentials"`` where they do
+  not raises ``ValueError`` saying why."""
+  if p.fast_design is None or p.stored == "shifted":
+    return False
+  why = ("the fast forward is not on the GEMM" if p.gemm is None else
+         f"{jnp.dtype(dtype).name} inputs (exp(zc - r) overflows float16)" if jnp.dtype(dtype) != jnp.bfloat16 else
+         "label smoothing (its uniform term is no per-row factor)" if opts.label_smoothing else None)
+  if why is not None and p.stored == "exponentials":
+    raise ValueError(f"stored='exponentials' does not apply here: {why}; use stored='shifted' (or None)")
+  return why is None
+
+
 def gemm_refusal(cfg: GemmConfig, hidden: int, vocab: int) -> str | None:
   """Why the fast forward cannot run on the GEMM of :mod:`.gemm` at this shape (None: it can)."""
   if vocab % cfg.tile_n or hidden % 64:
@@ -305,7 +331,7 @@ def supported(spec: common.Spec, platform: str, dtype=None) -> None:
     check_dtype(dtype)
 
 
-def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: int) -> int:
+def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: int, probs: bool = False) -> int:
   """Bound on the extra memory of forward + backward (this file's and :mod:`.fast`'s accounting, a bias
   included): the padded copies of x and w (when the shape needs them), the forward's partial stats, and
 
@@ -314,6 +340,9 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
     bias column sums per row block, the backward's float32 dx product (B·H·4) and x scaled by the cotangent;
   * "tokens" (c tokens per chunk): the float32 dw (H·V·4), one chunk's stored tiles, maxima and bias sums
     (c·V·itemsize + c·⌈V/bv⌉·4 + ...), its float32 dx product (c·H·4), and x padded to whole chunks.
+
+  With stored exponentials (``probs``, :func:`stores_probs`) there are no maxima and no bias sums per row block, and
+  the backward may take the recompute design instead (decided at run time): its chunk of dz and of w are added.
   """
   bt, bv, bk = p.block_t, p.block_v, p.block_k
   bp, hp = cdiv(num_tokens, bt) * bt, cdiv(hidden, bk) * bk
@@ -322,14 +351,18 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
   mem = 16 * p.num_splits * (2 if p.warp_specialized else 1) * bp + 2 * vp * 4  # stats; f32 bias and dbias
   mem += bp * hp * itemsize if (bp, hp) != (num_tokens, hidden) else 0
   mem += 2 * hp * vp * itemsize if (hp, vp) != (hidden, vocab) else 0  # padded w and its padded gradient
-  nvt = vp // bv if p.fast_design else 0
+  nvt = vp // bv if p.fast_design and not probs else 0
   if p.fast_design is None:
     return mem + bp * p.vocab_chunk * itemsize + 2 * bp * hp * 4 + hp * p.vocab_chunk * itemsize
+  rows = bp if p.fast_design == "logits" else p.token_chunk
+  sums = 0 if probs else rows // bt * vp * 4  # the dz pass's bias column sums per row block
+  if probs:  # the recompute backward's dz and w chunks, should it run
+    chunk = plan(rows, hidden, vocab, None, False, "lean").vocab_chunk
+    mem += (rows + hp) * chunk * itemsize
   if p.fast_design == "logits":
-    return mem + bp * vp * itemsize + bp * nvt * 4 + bp // bt * vp * 4 + bp * hp * (4 + itemsize)
+    return mem + bp * vp * itemsize + bp * nvt * 4 + sums + bp * hp * (4 + itemsize)
   c = p.token_chunk
-  return (mem + hp * vp * 4 + c * vp * itemsize + c * nvt * 4 + c // bt * vp * 4 + c * hp * 4
-          + cdiv(bp, c) * c * hp * itemsize)
+  return mem + hp * vp * 4 + c * vp * itemsize + c * nvt * 4 + sums + c * hp * 4 + cdiv(bp, c) * c * hp * itemsize
 
 
 def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, config: Config | None = None
@@ -357,23 +390,34 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
     notes.append(f"w is zero-padded from H×V = {hidden}×{vocab} to {hp}×{vp} for TMA: a copy of w (and of its "
                  f"gradient) per call; H a multiple of {p.block_k} and V of {_v_multiple(p, spec.w_layout)} (at least "
                  f"{p.block_v * (2 if p.warp_specialized else 1)}) avoid it (with a bias V is padded to 64 columns)")
+  probs = stores_probs(p, spec.opts, dtype)
   if p.fast_design is not None:
-    notes.extend(_gemm_notes(p, num_tokens, hidden, vocab, spec))
-    how = "interpreted" if spec.interpret else "compiled by Pallas Triton"
-    notes.append(f"the fast design's dz pass is a Pallas Triton kernel inside this backend ({how}): it turns the "
-                 "stored logit tiles into dz in place")
+    notes.extend(_gemm_notes(p, num_tokens, hidden, vocab, spec, probs))
+    if probs:
+      notes.append("the stored tiles are exp(zc - r), r each row's label logit: the backward's products take them as "
+                   "they are (dz = one factor per row, the B label entries written over), no pass over B×V; if some "
+                   "token's loss exceeds 60 nats (lse - r > 60), that backward runs the recompute design instead "
+                   "(decided at run time, warned once)")
+    else:
+      how = "interpreted" if spec.interpret else "compiled by Pallas Triton"
+      why = ("stored='shifted'" if p.stored == "shifted" else "the forward is not on the GEMM" if p.gemm is None
+             else "label smoothing" if spec.opts.label_smoothing else "float16")
+      notes.append(f"the stored tiles are logits shifted by their row max ({why}); the fast design's dz pass is a "
+                   f"Pallas Triton kernel inside this backend ({how}): it turns them into dz in place")
   return common.Design("pallas_mosaic", mode, name, p, chunking,
-                       memory_bytes(p, num_tokens, hidden, vocab, jnp.dtype(dtype).itemsize), notes=tuple(notes))
+                       memory_bytes(p, num_tokens, hidden, vocab, jnp.dtype(dtype).itemsize, probs),
+                       notes=tuple(notes))
 
 
-def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.Spec) -> list[str]:
+def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.Spec, probs: bool) -> list[str]:
   """explain()'s lines on the fast designs' GEMMs: which kernel forms each product, with the tuning table's row."""
   kind = gemm_lib._device_kind()
   rows = p.token_chunk or cdiv(max(num_tokens, 1), p.block_t) * p.block_t
   if p.gemm is not None:
     row = tuning.select_row("fwd_store", rows, vocab, hidden, kind)[1]
+    what = "exponentials" if probs else "shifted logits"
     fwd = (f"forward: the persistent GEMM (lce_flax/_impl/pallas_mosaic/gemm.py) with the statistics epilogue "
-           f"storing the shifted tiles, {p.gemm.short()} (from {row})")
+           f"storing the tiles' {what}, {p.gemm.short()} (from {row})")
   else:
     why = gemm_refusal(tuning.DEFAULT, hidden, vocab)
     fwd = "forward: the warp-specialised kernel of kernels_ws.py" + (f" ({why})" if why else " (gemm=False)")
