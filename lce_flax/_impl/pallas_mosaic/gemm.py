@@ -360,11 +360,14 @@ class RowStats(Part):
     cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
     valid = cols < t.prob.n
     zc = _math.softcap(z, self.opts.logit_softcap)
+    # the target logit first: then zc is dead once the exponentials are formed (unless a cap's derivative or the
+    # shifted store needs it), so one float32 tile, not two, stays live through the statistics' stores
+    tgt = _target(zc, cols, valid, y_smem[t.g]) if self.target else None
     m, s, zsum, e = _capped_stats(zc, valid, self.opts)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's statistics have left st_smem
     st_smem[t.g, 0] = m
     st_smem[t.g, 1] = s
-    st_smem[t.g, 2] = _target(zc, cols, valid, y_smem[t.g]) if self.target else jnp.zeros_like(m)
+    st_smem[t.g, 2] = jnp.zeros_like(m) if tgt is None else tgt
     st_smem[t.g, 3] = zsum
     plgpu.commit_smem()
     for q in range(4):

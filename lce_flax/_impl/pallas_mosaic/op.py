@@ -108,8 +108,8 @@ class Config:
       ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS); None: ``"gemm"`` when the
       forward runs on it in the "logits" design, else ``"xla"``. The "tokens" design adds each chunk's dw into its
       float32 buffer with XLA's product either way (cuBLAS accumulates into the carried buffer in place).
-    stored: what the fast forward stores of each tile: ``"exponentials"`` (``exp(zc - r)`` against each row's
-      label logit r: the backward's products take them as they are, no pass over B×V; :mod:`.fast`) or
+    stored: what the fast forward stores of each tile: ``"exponentials"`` (``exp(zc - r)`` against a reference logit
+      r per row: the backward's products take them as they are, no pass over B×V; :mod:`.fast`) or
       ``"shifted"`` (logits shifted by their row max, turned into dz in place by a dz pass); None: exponentials
       where they apply (:func:`stores_probs`: the forward on the GEMM, bf16, no label smoothing). Not read by the
       lean design.
@@ -394,10 +394,10 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
   if p.fast_design is not None:
     notes.extend(_gemm_notes(p, num_tokens, hidden, vocab, spec, probs))
     if probs:
-      notes.append("the stored tiles are exp(zc - r), r each row's label logit: the backward's products take them as "
-                   "they are (dz = one factor per row, the B label entries written over), no pass over B×V; if some "
-                   "token's loss exceeds 60 nats (lse - r > 60), that backward runs the recompute design instead "
-                   "(decided at run time, warned once)")
+      notes.append("the stored tiles are exp(zc - r), r each row's largest logit at the labels of 256 tokens of the "
+                   "batch: the backward's products take them as they are (dz = one factor per row, the B label "
+                   "entries written over), no pass over B×V; if some row's lse exceeds its r by more than 60, that "
+                   "backward runs the recompute design instead (decided at run time, warned once)")
     else:
       how = "interpreted" if spec.interpret else "compiled by Pallas Triton"
       why = ("stored='shifted'" if p.stored == "shifted" else "the forward is not on the GEMM" if p.gemm is None
