@@ -154,6 +154,14 @@ def _warn_fallback():
                   RuntimeWarning, stacklevel=2)
 
 
+def _stored_probs(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts, layout: str):
+  """The forward storing exponentials over rows ``xp``: (TokenOut, :class:`_Probs`)."""
+  ref = _reference(xp, wp, bp, yp, layout, opts, d.v)
+  stats, e, _, _, _ = _stored(xp, wp, bp, yp, d, p, opts, ref)
+  out = _math.finalize(stats, yp, opts)
+  return out, _Probs(e, ref, stats.target, out.lse)
+
+
 def _note_fallback():
   """Warns (once, at run time: the branch is decided on device) that the recompute backward ran."""
   jax.debug.callback(_warn_fallback)
@@ -263,10 +271,12 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
   wts = jnp.pad(weights.astype(F32), (0, d.b - b))  # padding rows: weight 0 (and label -1): dz = 0
   probs = op.stores_probs(p, opts, x.dtype)
   if p.fast_design == "logits":  # dz is formed in the backward, for any per-token cotangent
-    ref = _reference(xp, wp, bp, yp, spec.w_layout, opts, d.v) if probs else None
-    stats, zb, mt, _, _ = _stored(xp, wp, bp, yp, d, p, opts, ref)
-    out = _math.finalize(stats, yp, opts)
-    stored = _Probs(zb, ref, stats.target, out.lse) if probs else (zb, mt, out.lse)
+    if probs:
+      out, stored = _stored_probs(xp, wp, bp, yp, d, p, opts, spec.w_layout)
+    else:
+      stats, zb, mt, _, _ = _stored(xp, wp, bp, yp, d, p, opts)
+      out = _math.finalize(stats, yp, opts)
+      stored = (zb, mt, out.lse)
     res = (stored, yp, wts, xp, wp, bp)
   else:
     chunk = p.token_chunk
@@ -281,11 +291,8 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
       dw, db = carry
       xc, yc, wc = rows
       if probs:
-        ref = _reference(xc, wp, bp, yc, spec.w_layout, opts, d.v)
-        stats, e, _, _, _ = _stored(xc, wp, bp, yc, dc, p, opts, ref)
-        out = _math.finalize(stats, yc, opts)
-        dx, dw, dbc = _grads_from_probs(_Probs(e, ref, stats.target, out.lse), xc, wp, bp, yc, wc,
-                                        jnp.zeros_like(wc), spec, p, F32, dw_acc=dw)
+        out, st = _stored_probs(xc, wp, bp, yc, dc, p, opts, spec.w_layout)
+        dx, dw, dbc = _grads_from_probs(st, xc, wp, bp, yc, wc, jnp.zeros_like(wc), spec, p, F32, dw_acc=dw)
       else:
         out, dz, dbc = _stored_dz(xc, wp, bp, yc, wc, dc, p, opts)
         # (XLA's float32 product added into dw: cuBLAS accumulates into the carried buffer in place)
