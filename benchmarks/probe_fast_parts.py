@@ -26,7 +26,6 @@ import types
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,6 +53,57 @@ def plain(x, w, y):
   return jax.grad(loss, (0, 1))(x, w)
 
 
+def measure(name: str, rounds: int) -> list[dict]:
+  """The rows of one shape."""
+  rows = []
+  opts = G.StatsOptions()
+  b, h, v = SHAPES[name]
+  k = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k[0], (b, h), jnp.bfloat16)
+  w = (0.02 * jax.random.normal(k[1], (h, v))).astype(jnp.bfloat16)
+  y = jax.random.randint(k[2], (b,), 0, v)
+  spec_opts = _math.LossSpec(vocab_size=v)
+  ref = jax.jit(lambda x, w, y: fast._reference(x, w, None, y, "hv", spec_opts, v))
+  r = ref(x, w, y)
+  fwd_shifted = jax.jit(lambda x, w, y: G.gemm(x, w, role="fwd_store", approx_math=True,
+                                               epilogue=G.RowStats(y, opts, store=True)))
+  fwd_exp = jax.jit(lambda x, w, y, r: G.gemm(x, w, role="fwd_store", approx_math=True,
+                                              epilogue=G.RowStats(y, opts, store=True, ref=r)))
+  e = fwd_exp(x, w, y, r)[1]
+  patch = jax.jit(lambda e, y, p: e.at[jnp.arange(b), y].set(p, unique_indices=True, indices_are_sorted=True),
+                  donate_argnums=0)
+  pvals = jnp.ones((b,), e.dtype)
+  steps = {"step_shifted": step("shifted"), "step_exp": step("exponentials")}
+  # the same step without the run-time check: its lax.cond replaced by the fast branch while it is traced
+  real_lax = fast.lax
+  fast.lax = types.SimpleNamespace(**{n: getattr(real_lax, n) for n in dir(real_lax) if not n.startswith("__")})
+  fast.lax.cond = lambda pred, t, f, *ops: t(*ops)
+  try:
+    nocond = step("exponentials").lower(x, w, y).compile()
+  finally:
+    fast.lax = real_lax
+  compiled = {n: f.lower(x, w, y).compile() for n, f in steps.items()}
+  compiled["step_exp_nocond"] = nocond
+  compiled["plain_bf16"] = jax.jit(plain).lower(x, w, y).compile()
+  holder = {"e": e}
+
+  def run_patch(_):
+    holder["e"] = patch(holder["e"], y, pvals)
+    return holder["e"]
+
+  fns = {"ref": (ref, (x, w, y)), "fwd_shifted": (fwd_shifted, (x, w, y)), "fwd_exp": (fwd_exp, (x, w, y, r)),
+         "patch": (run_patch, (None,))}
+  fns.update({n: (c, (x, w, y)) for n, c in compiled.items()})
+  ms = interleaved(fns, rounds)
+  for n, t in ms.items():
+    row = dict(shape=name, B=b, H=h, V=v, part=n, ms=round(t, 4))
+    if n in compiled:
+      row["temp_gb"] = round(compiled[n].memory_analysis().temp_size_in_bytes / 1e9, 3)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  return rows
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/fast-parts-local"))
@@ -61,53 +111,7 @@ def main():
   ap.add_argument("--rounds", type=int, default=3)
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  rows = []
-  opts = G.StatsOptions()
-  for name in args.shapes.split(","):
-    b, h, v = SHAPES[name]
-    k = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(k[0], (b, h), jnp.bfloat16)
-    w = (0.02 * jax.random.normal(k[1], (h, v))).astype(jnp.bfloat16)
-    y = jax.random.randint(k[2], (b,), 0, v)
-    spec_opts = _math.LossSpec(vocab_size=v)
-    ref = jax.jit(lambda x, w, y: fast._reference(x, w, None, y, "hv", spec_opts, v))
-    r = ref(x, w, y)
-    fwd_shifted = jax.jit(lambda x, w, y: G.gemm(x, w, role="fwd_store", approx_math=True,
-                                                 epilogue=G.RowStats(y, opts, store=True)))
-    fwd_exp = jax.jit(lambda x, w, y, r: G.gemm(x, w, role="fwd_store", approx_math=True,
-                                                epilogue=G.RowStats(y, opts, store=True, ref=r)))
-    e = fwd_exp(x, w, y, r)[1]
-    patch = jax.jit(lambda e, y, p: e.at[jnp.arange(b), y].set(p, unique_indices=True, indices_are_sorted=True),
-                    donate_argnums=0)
-    pvals = jnp.ones((b,), e.dtype)
-    steps = {"step_shifted": step("shifted"), "step_exp": step("exponentials")}
-    # the same step without the run-time check: its lax.cond replaced by the fast branch while it is traced
-    real_lax = fast.lax
-    fast.lax = types.SimpleNamespace(**{n: getattr(real_lax, n) for n in dir(real_lax) if not n.startswith("__")})
-    fast.lax.cond = lambda pred, t, f, *ops: t(*ops)
-    try:
-      nocond = step("exponentials").lower(x, w, y).compile()
-    finally:
-      fast.lax = real_lax
-    compiled = {n: f.lower(x, w, y).compile() for n, f in steps.items()}
-    compiled["step_exp_nocond"] = nocond
-    compiled["plain_bf16"] = jax.jit(plain).lower(x, w, y).compile()
-    holder = {"e": e}
-
-    def run_patch(_):
-      holder["e"] = patch(holder["e"], y, pvals)
-      return holder["e"]
-
-    fns = {"ref": (ref, (x, w, y)), "fwd_shifted": (fwd_shifted, (x, w, y)), "fwd_exp": (fwd_exp, (x, w, y, r)),
-           "patch": (run_patch, (None,))}
-    fns.update({n: (c, (x, w, y)) for n, c in compiled.items()})
-    ms = interleaved(fns, args.rounds)
-    for n, t in ms.items():
-      row = dict(shape=name, B=b, H=h, V=v, part=n, ms=round(t, 4))
-      if n in compiled:
-        row["temp_gb"] = round(compiled[n].memory_analysis().temp_size_in_bytes / 1e9, 3)
-      rows.append(row)
-      print(json.dumps(row), flush=True)
+  rows = [r for name in args.shapes.split(",") for r in measure(name, args.rounds)]
   meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
               commit=os.environ.get("LCE_FLAX_COMMIT"), rounds=args.rounds, rows=rows)
   with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -10,7 +10,6 @@ tests run the compiled kernels (``pytest -m gpu`` on an SM90 machine).
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp

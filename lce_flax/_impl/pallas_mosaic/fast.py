@@ -13,14 +13,15 @@ turns the stored tiles into dz in place. Two designs (``Plan.fast_design``, chos
 
 **What is stored.** Where the forward runs on the GEMM of :mod:`.gemm` with bf16 operands and no label smoothing
 (every LLM head measured), each tile is stored as the exponentials ``E = exp(zc - r)`` against one reference logit
-``r`` per row (its largest logit at the labels of 256 tokens of the batch, :func:`_reference`), times the soft cap's derivative when there is one
-(:func:`.op.stores_probs`). The logit gradient is then ``dz = σ·E`` with one factor ``σ = coef·exp(r - lse)`` per row, except
-at the label, whose exact value (B numbers) is written over E; so dx = σ·(E·wᵀ) and dw = (σ·x)ᵀ·E are the two
-products on E itself, with no pass over B×V between forward and backward (:func:`_grads_from_probs`). A row whose
-lse lies more than ``PROBS_GAP`` above its reference (60 nats) would leave E's range: the backward checks every row and, if any does, takes the recompute backward of :mod:`.op` for the whole
-call instead (``lax.cond``; warned once at run time). Otherwise (the kernels_ws forward, fp16, label smoothing,
-whose uniform term is no per-row factor under a soft cap) the tiles are stored shifted by their row max and one
-elementwise kernel turns them into dz in place (:func:`_dz_pass`).
+``r`` per row (its largest logit at the labels of 256 tokens of the batch, :func:`_reference`), times the soft
+cap's derivative when there is one (:func:`.op.stores_probs`). The logit gradient is then ``dz = σ·E`` with one
+factor ``σ = coef·exp(r - lse)`` per row, except at the label, whose exact value (B numbers) is written over E; so
+dx = σ·(E·wᵀ) and dw = (σ·x)ᵀ·E are the two products on E itself, with no pass over B×V between forward and
+backward (:func:`_grads_from_probs`). A row whose lse lies more than ``PROBS_GAP`` above its reference (60 nats)
+would leave E's range: the backward checks every row and, if any does, takes the recompute backward of :mod:`.op`
+for the whole call instead (``lax.cond``; warned once at run time). Otherwise (the kernels_ws forward, fp16, label
+smoothing, whose uniform term is no per-row factor under a soft cap) the tiles are stored shifted by their row max
+and one elementwise kernel turns them into dz in place (:func:`_dz_pass`).
 
 The ``custom_vjp`` around :func:`fast_forward` and :func:`fast_backward` is :func:`lce_flax._impl.base.fast`: only
 the reduced loss is differentiable (the per-token outputs' cotangents must be symbolic zeros).
@@ -85,8 +86,8 @@ def _dz_pass(zb, mt, lse, yp, coef, a, c, d: kernels.Dims, p: op.Plan, opts):
 
 def _stored(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts, ref=None):
   """The forward with stores over rows ``xp``: (RowStats, stored tiles [rows, vp'], their row maxima [tiles, rows]
-  (None when ``ref`` is given: the tiles are then ``exp(zc - ref)``, see :func:`.op.stores_probs`), and the Dims and Plan
-  the dz pass reads them with)."""
+  (None when ``ref`` is given: the tiles are then ``exp(zc - ref)``, see :func:`.op.stores_probs`), and the Dims
+  and Plan the dz pass reads them with)."""
   if p.gemm is None:
     stats, (zb, mt) = op.run_forward(xp, wp, bp, yp, d, p, opts)
     return stats, zb, mt, d, p
