@@ -105,10 +105,7 @@ def _stored(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts, ref=None):
 
 # ------------------------------------------------------------------------------------- stored exponentials
 
-PROBS_GAP = 60.0  # nats: the largest lse - reference logit the stored exponentials serve
-
-
-REF_COLUMNS = 256  # columns of w whose logits give each row's reference: the labels of this many tokens
+PROBS_GAP, REF_COLUMNS = op.PROBS_GAP, op.REF_COLUMNS
 
 
 def _reference(xp, wp, bp, yp, layout: str, opts, v: int):
@@ -149,10 +146,9 @@ def _warn_fallback():
   if not _warned_fallback:
     _warned_fallback = True
     warnings.warn(f"lce_flax (pallas_mosaic, fast mode): a row's lse lies more than {PROBS_GAP:g} nats above its "
-                  "reference logit (its largest logit at the labels of 256 tokens of the batch), beyond the range of "
-                  "the stored exponentials; this backward ran the recompute design instead (2·B·H·V more FLOPs). "
-                  "Warned once.",
-                  RuntimeWarning, stacklevel=2)
+                  f"reference logit (its largest logit at the labels of {REF_COLUMNS} tokens of the batch), beyond the "
+                  "range of the stored exponentials; this backward ran the recompute design instead (2·B·H·V more "
+                  "FLOPs). Warned once.", RuntimeWarning, stacklevel=2)
 
 
 def _stored_probs(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts, layout: str):
@@ -195,9 +191,7 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
     t = t * (1.0 - u * u)
   patch = (t / sigma).astype(e.dtype)
   needed = (coef != 0) | (a != 0)  # (NaN coef: an out-of-range label, whose gradient is NaN on either path)
-  ok = ~needed | ((st.lse - st.ref <= PROBS_GAP) & (~hit | jnp.isfinite(patch)))
-
-  ok = jnp.all(ok)
+  ok = jnp.all(~needed | ((st.lse - st.ref <= PROBS_GAP) & (~hit | jnp.isfinite(patch))))
   rows = jnp.arange(e.shape[0])
   e = e.at[rows, jnp.where(hit, yp, e.shape[1])].set(patch, mode="drop", unique_indices=True, indices_are_sorted=True)
 

@@ -291,20 +291,29 @@ def _products(p: Plan) -> Plan:
   return dataclasses.replace(p, products="gemm" if on_gemm else "xla")
 
 
-def stores_probs(p: Plan, opts, dtype) -> bool:
-  """Whether the fast forward stores each tile as exponentials against a per-row reference logit, so that the
-  backward forms dz with no pass over B×V (:mod:`.fast`), rather than shifted logits and a dz pass
-  (``Config.stored``): where they apply, on the GEMM forward, bf16 (fp16 overflows past e^11), no label smoothing
-  (its uniform term, times a soft cap's derivative, is no per-row factor); ``stored="exponentials"`` where they do
-  not raises ``ValueError`` saying why."""
-  if p.fast_design is None or p.stored == "shifted":
-    return False
+PROBS_GAP = 60.0  # nats: the largest lse - reference logit the stored exponentials serve (see .fast)
+REF_COLUMNS = 256  # columns of w whose logits give each row's reference: the labels of this many tokens (.fast)
+
+
+def shifted_reason(p: Plan, opts, dtype) -> str | None:
+  """Why the fast forward stores shifted logits (and runs a dz pass) rather than exponentials against a per-row
+  reference logit, whose backward forms dz with no pass over B×V (:mod:`.fast`); None: it stores exponentials.
+  They apply on the GEMM forward, bf16 (fp16 overflows past e^11), without label smoothing (its uniform term,
+  times a soft cap's derivative, is no per-row factor) and ``Config.stored`` other than "shifted";
+  ``stored="exponentials"`` where they do not apply raises ``ValueError`` saying why."""
+  if p.stored == "shifted":
+    return "stored='shifted'"
   why = ("the fast forward is not on the GEMM" if p.gemm is None else
          f"{jnp.dtype(dtype).name} inputs (exp(zc - r) overflows float16)" if jnp.dtype(dtype) != jnp.bfloat16 else
          "label smoothing (its uniform term is no per-row factor)" if opts.label_smoothing else None)
   if why is not None and p.stored == "exponentials":
     raise ValueError(f"stored='exponentials' does not apply here: {why}; use stored='shifted' (or None)")
-  return why is None
+  return why
+
+
+def stores_probs(p: Plan, opts, dtype) -> bool:
+  """Whether a fast plan's forward stores exponentials (:func:`shifted_reason` is None)."""
+  return p.fast_design is not None and shifted_reason(p, opts, dtype) is None
 
 
 def gemm_refusal(cfg: GemmConfig, hidden: int, vocab: int) -> str | None:
@@ -394,14 +403,13 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
   if p.fast_design is not None:
     notes.extend(_gemm_notes(p, num_tokens, hidden, vocab, spec, probs))
     if probs:
-      notes.append("the stored tiles are exp(zc - r), r each row's largest logit at the labels of 256 tokens of the "
-                   "batch: the backward's products take them as they are (dz = one factor per row, the B label "
-                   "entries written over), no pass over B×V; if some row's lse exceeds its r by more than 60, that "
-                   "backward runs the recompute design instead (decided at run time, warned once)")
+      notes.append(f"the stored tiles are exp(zc - r), r each row's largest logit at the labels of {REF_COLUMNS} "
+                   "tokens of the batch: the backward's products take them as they are (dz = one factor per row, the "
+                   f"B label entries written over), no pass over B×V; if some row's lse exceeds its r by more than "
+                   f"{PROBS_GAP:g}, that backward runs the recompute design instead (decided at run time, warned once)")
     else:
       how = "interpreted" if spec.interpret else "compiled by Pallas Triton"
-      why = ("stored='shifted'" if p.stored == "shifted" else "the forward is not on the GEMM" if p.gemm is None
-             else "label smoothing" if spec.opts.label_smoothing else "float16")
+      why = shifted_reason(p, spec.opts, dtype)
       notes.append(f"the stored tiles are logits shifted by their row max ({why}); the fast design's dz pass is a "
                    f"Pallas Triton kernel inside this backend ({how}): it turns them into dz in place")
   return common.Design("pallas_mosaic", mode, name, p, chunking,
