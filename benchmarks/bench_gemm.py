@@ -260,6 +260,9 @@ def main():
           fns["example"] = (ex[2], ex[3])
       t = interleaved(fns)
       best_bare[prod] = min(t.values())
+      # the same-run times against XLA's GEMM decide which backward products run on XLA (tuning.xla_faster)
+      table_rows[role][-1]["vs_xla"] = {"ours_ms": round(t["ours"], 3), "xla_ms": round(t["xla"], 3),
+                                        "source": "bench_gemm.py --sweep, alternated"}
       summary = dict(kind="summary", shape=shape, product=prod, cfg=cfg.short(), ours_ms=round(t["ours"], 3),
                      ours_tflops=round(flops / t["ours"] / 1e9, 1), xla_ms=round(t["xla"], 3),
                      ours_vs_xla=round(t["xla"] / t["ours"], 3))

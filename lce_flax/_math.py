@@ -81,6 +81,15 @@ def softcap(z, cap: float | None):
   return z if cap is None else cap * jnp.tanh(z / cap)
 
 
+def through_softcap(dz, zc, cap: float | None):
+  """A gradient ``dz`` w.r.t. the capped logits ``zc = softcap(z)`` taken back to ``z``: times the cap's derivative
+  ``1 - (zc/cap)²`` (``dz`` itself without a cap). Every backward and kernel epilogue that needs it calls this."""
+  if cap is None:
+    return dz
+  u = zc * (1.0 / cap)
+  return dz * (1.0 - u * u)
+
+
 def empty_stats(rows: int) -> RowStats:
   zeros = jnp.zeros((rows,), jnp.float32)
   return RowStats(jnp.full((rows,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
@@ -171,8 +180,7 @@ def dlogits(z, lse, labels, cols, col_valid, g_loss, g_lse, opts: LossSpec):
   dz = p * coef[:, None] - jnp.where(cols == labels[:, None], (1.0 - eps) * g_loss[:, None], 0.0)
   if eps:
     dz = dz - (eps / opts.vocab_size) * g_loss[:, None]
-  if opts.logit_softcap is not None:
-    dz = dz * (1.0 - jnp.square(zc / opts.logit_softcap))
+  dz = through_softcap(dz, zc, opts.logit_softcap)
   dz = jnp.where(col_valid, dz, 0.0)
   bad = labels >= opts.vocab_size
   return jnp.where(bad[:, None], jnp.nan, dz)
@@ -252,6 +260,5 @@ def dlogits_entropy(z, lse, mean, g, col_valid, cap: float | None, scale: float 
   dz = -(g[:, None] * p) * (u - mean[:, None])
   if scale != 1.0:
     dz = dz * scale
-  if cap is not None:
-    dz = dz * (1.0 - jnp.square(zc / cap))
+  dz = through_softcap(dz, zc, cap)
   return jnp.where(col_valid.reshape(1, -1), dz, 0.0)

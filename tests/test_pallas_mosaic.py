@@ -184,10 +184,15 @@ def test_fast_stored_option(opt):
     explain(*args, impl="pallas_mosaic", mode="fast", interpret=True, config=Config(stored="probs"))
 
 
-@pytest.mark.parametrize("w_layout,products", [("hv", "gemm"), ("vh", "xla")])
+@pytest.mark.parametrize("w_layout,products", [("hv", "gemm"), ("vh", "xla"), ("vh", "mixed")])
 def test_fast_exponentials_peaky(w_layout, products, monkeypatch):
   """Logits with std ≈ 11 and each label among its row's 8 largest logits (losses up to ~25 nats, the stored
-  exponentials spanning ~e^±60): the gradient keeps the bf16 dz's error; no fallback."""
+  exponentials spanning ~e^±60): the gradient keeps the bf16 dz's error; no fallback. ``mixed``: dx on XLA's
+  GEMM and dw on ours, as the tuning table routes a product it measured faster on XLA."""
+  if products == "mixed":
+    from lce_flax._impl.pallas_mosaic import tuning
+    monkeypatch.setattr(tuning, "xla_faster", lambda role, *a: "measured faster" if role == "dx" else None)
+    products = None
   (x, w, _, _), (xn, wn, _, _) = make_inputs(33, (101,), 128, 384, jnp.bfloat16, w_layout=w_layout, wscale=1.0)
   z = xn @ (wn if w_layout == "hv" else wn.T)
   rng = np.random.default_rng(34)
@@ -249,12 +254,12 @@ def test_fast_gemm_routing_is_explained_and_refused_where_it_cannot_run():
   y = sds((1000,), jnp.int32)
   d = explain(sds((1000, 512), jnp.bfloat16), sds((512, 2048), jnp.bfloat16), y, impl="pallas_mosaic", mode="fast",
               interpret=True)
-  assert d.config.gemm is not None and d.config.products == "gemm"
+  assert d.config.gemm is not None and d.config.products == ("gemm", "gemm")
   assert any("persistent GEMM" in n for n in d.notes) and any("gemm[dx]" in n and "gemm[dw]" in n for n in d.notes)
   # V not a multiple of the GEMM's tile: the warp-specialised forward and XLA's products, said in explain()
   d = explain(sds((1000, 512), jnp.bfloat16), sds((512, 2000), jnp.bfloat16), y, impl="pallas_mosaic", mode="fast",
               interpret=True)
-  assert d.config.gemm is None and d.config.products == "xla"
+  assert d.config.gemm is None and d.config.products == ("xla", "xla")
   assert any("kernels_ws.py" in n and "V a multiple of its 128-column tile" in n for n in d.notes)
   with pytest.raises(ValueError, match="gemm=True: H×V = 512×2000"):
     explain(sds((1000, 512), jnp.bfloat16), sds((512, 2000), jnp.bfloat16), y, impl="pallas_mosaic", mode="fast",
@@ -262,6 +267,33 @@ def test_fast_gemm_routing_is_explained_and_refused_where_it_cannot_run():
   with pytest.raises(ValueError, match="products='cublas'"):
     explain(sds((1000, 512), jnp.bfloat16), sds((512, 2048), jnp.bfloat16), y, impl="pallas_mosaic", mode="fast",
             interpret=True, config=Config(products="cublas"))
+
+
+def test_fast_products_follow_the_tuning_table(monkeypatch):
+  """Each backward product runs on XLA's GEMM where the tuning table's row for it (nearest bucket) measured ours
+  slower than XLA's by more than the margin, in one run; explain() says which and why. A config's ``products``
+  overrides the table for both."""
+  from lce_flax import explain
+  from lce_flax._impl.pallas_mosaic import gemm, tuning
+
+  kind = gemm._device_kind()
+  row = lambda mnk, ours, xla: {"bucket": list(tuning.bucket(*mnk)), "shape": list(mnk),
+                                "config": {"tile_m": 128, "tile_n": 128}, "vs_xla": {"ours_ms": ours, "xla_ms": xla}}
+  b, h, v = 1024, 512, 2048
+  table = {tuning._norm_kind(kind): {"dx": [row((b, h, v), 15.6, 14.6)], "dw": [row((h, v, b), 12.2, 12.3)]}}
+  monkeypatch.setattr(tuning, "load_table", lambda: table)
+  sds = jax.ShapeDtypeStruct
+  args = (sds((1000, h), jnp.bfloat16), sds((h, v), jnp.bfloat16), sds((1000,), jnp.int32))
+  d = explain(*args, impl="pallas_mosaic", mode="fast", interpret=True)
+  assert d.config.products == ("xla", "gemm"), d.config
+  assert any("dx = dz·wᵀ by XLA (cuBLAS): dx 1024x512x2048 on XLA: 14.60 vs 15.60 ms ours" in n and "gemm[dw]" in n
+             for n in d.notes), d.notes
+  # within the margin (2.7% here) the product stays on ours
+  table[tuning._norm_kind(kind)]["dx"] = [row((b, h, v), 13.1, 12.76)]
+  assert explain(*args, impl="pallas_mosaic", mode="fast", interpret=True).config.products == ("gemm", "gemm")
+  table[tuning._norm_kind(kind)]["dx"] = [row((b, h, v), 15.6, 14.6)]
+  d = explain(*args, impl="pallas_mosaic", mode="fast", interpret=True, config=Config(products="gemm"))
+  assert d.config.products == ("gemm", "gemm")
 
 
 @pytest.mark.parametrize("design,w_layout,bias,smoothing", [
@@ -345,10 +377,12 @@ def test_fast_design_choice_and_errors():
   """The smaller buffer wins: B·V·2 bytes of stored logits, or H·V·4 of float32 dw + a c×V chunk of them."""
   assert op.fast_design(8192, 4096, 128256) == "logits"  # llama3-8b: 2.10 vs 3.15 GB
   assert op.fast_design(4096, 4096, 151936) == "logits"  # qwen3-8b: 1.24 vs 3.11 GB
-  assert op.fast_design(8192, 2304, 256000) == "logits"  # gemma2-2b: 4.19 vs 4.46 GB
+  assert op.fast_design(8192, 2304, 256000) == "tokens"  # gemma2-2b: 4.19 vs 3.41 GB
   assert op.fast_design(16384, 768, 50304) == "tokens"  # gpt2-small: 1.65 vs 0.26 GB
-  assert op.token_chunk(16384, 768) == 4096
-  assert op.token_chunk(1000, 768) == 256  # at most half the tokens
+  assert op.token_chunk(16384, 768, 50304) == 4096
+  assert op.token_chunk(1000, 768, 50304) == 256  # at most half the tokens
+  # a chunk of at most 1 GiB of bf16 logits: the extra memory stays near H·V·4 + 1 GiB at any number of tokens
+  assert op.token_chunk(32768, 4096, 128256) == 4096 and op.token_chunk(32768, 2304, 256000) == 2048
   args = (jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int))
   for design, match in (("big", "fast_design='big'"), ("chunked", "fast_design='chunked'.*impl='chunked'")):
     with pytest.raises(ValueError, match=match):

@@ -93,7 +93,4 @@ def dlogits_capped(zc, cols, labels, lse, coef, a, c, opts: _math.LossSpec):
   dz = p * bcast_rows(coef, shape) - jnp.where(cols == bcast_rows(labels, shape), bcast_rows(a, shape), 0.0)
   if opts.label_smoothing:
     dz = dz - bcast_rows(c, shape)
-  if opts.logit_softcap is not None:
-    r = zc * (1.0 / opts.logit_softcap)
-    dz = dz * (1.0 - r * r)
-  return dz
+  return _math.through_softcap(dz, zc, opts.logit_softcap)

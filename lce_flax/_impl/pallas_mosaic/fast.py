@@ -18,10 +18,10 @@ cap's derivative when there is one (:func:`.op.stores_probs`). The logit gradien
 factor ``σ = coef·exp(r - lse)`` per row, except at the label, whose exact value (B numbers) is written over E; so
 dx = σ·(E·wᵀ) and dw = (σ·x)ᵀ·E are the two products on E itself, with no pass over B×V between forward and
 backward (:func:`_grads_from_probs`). A row whose lse lies more than ``PROBS_GAP`` above its reference (60 nats)
-would leave E's range: the backward checks every row and, if any does, takes the recompute backward of :mod:`.op`
-for the whole call instead (``lax.cond``; warned once at run time). Otherwise (the kernels_ws forward, fp16, label
-smoothing, whose uniform term is no per-row factor under a soft cap) the tiles are stored shifted by their row max
-and one elementwise kernel turns them into dz in place (:func:`_dz_pass`).
+would leave E's range: the backward checks every row and, if any does, recomputes dz over E's buffer
+(:func:`.op.dz_into`; ``lax.cond``, warned once at run time) before the same two products. Otherwise (the
+kernels_ws forward, fp16, label smoothing, whose uniform term is no per-row factor under a soft cap) the tiles are
+stored shifted by their row max and one elementwise kernel turns them into dz in place (:func:`_dz_pass`).
 
 The ``custom_vjp`` around :func:`fast_forward` and :func:`fast_backward` is :func:`lce_flax._impl.base.fast`: only
 the reduced loss is differentiable (the per-token outputs' cotangents must be symbolic zeros).
@@ -147,7 +147,7 @@ def _warn_fallback():
     _warned_fallback = True
     warnings.warn(f"lce_flax (pallas_mosaic, fast mode): a row's lse lies more than {PROBS_GAP:g} nats above its "
                   f"reference logit (its largest logit at the labels of {REF_COLUMNS} tokens of the batch), beyond the "
-                  "range of the stored exponentials; this backward ran the recompute design instead (2·B·H·V more "
+                  "range of the stored exponentials; this backward recomputed dz over them instead (2·B·H·V more "
                   "FLOPs). Warned once.", RuntimeWarning, stacklevel=2)
 
 
@@ -169,55 +169,41 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   """(dx float32, dw ``dw_dtype``, dbias float32 or None) over the rows of ``xp`` from the stored exponentials;
   with ``dw_acc`` (float32, w's shape) the dw returned is ``dw_acc + dw``.
 
-  The decision is made on the device (``lax.cond``); the recompute branch runs once per gradient asked for.
-
   ``dz = coef·p - [v = y]·a`` (:func:`.epilogue.row_coefficients`; no smoothing) is ``σ·E`` off the label with
   ``σ = coef·exp(ref - lse)``; at the label the exact ``(coef·p_y - a)`` (times the cap's derivative) is written
   into E as ``dz_y / σ`` (one entry per row, in place). Then ``dx = σ·(E·wᵀ)`` and ``dw = (σ·x)ᵀ·E``: E's rounding
   error is relative, ~2⁻⁹ per entry, at any size (the shifted logits' grows with the distance to the max).
 
   E's largest entry is at most ``exp(lse - ref)`` and σ at least ``coef·exp(ref - lse)`` (ref is at most the row
-  max). If some row with a gradient has ``lse - ref > PROBS_GAP`` (σ·x would near bf16's smallest
-  normals) or a label entry that is not finite, the whole call takes the recompute backward (:func:`.op.grads`)
-  instead."""
+  max). If some row with a gradient has ``lse - ref > PROBS_GAP`` (σ·x would near bf16's smallest normals) or a
+  label entry that is not finite, the call recomputes dz instead, written over E (:func:`.op.dz_into`, 2·B·H·V
+  more FLOPs, one chunk of extra memory), with σ = 1: the decision is made on the device (``lax.cond``, warned
+  once at run time), and the same two products follow either way."""
   opts, v, layout = spec.opts, spec.opts.vocab_size, spec.w_layout
   e = st.e
   coef, a, _ = epilogue.row_coefficients(st.lse, yp, g_loss, g_lse, opts)
   sigma = coef * jnp.exp(st.ref - st.lse)
   hit = (yp >= 0) & (yp < v)
-  t = coef * jnp.exp(st.target - st.lse) - a
-  if opts.logit_softcap is not None:
-    u = st.target * (1.0 / opts.logit_softcap)
-    t = t * (1.0 - u * u)
+  t = _math.through_softcap(coef * jnp.exp(st.target - st.lse) - a, st.target, opts.logit_softcap)
   patch = (t / sigma).astype(e.dtype)
   needed = (coef != 0) | (a != 0)  # (NaN coef: an out-of-range label, whose gradient is NaN on either path)
   ok = jnp.all(~needed | ((st.lse - st.ref <= PROBS_GAP) & (~hit | jnp.isfinite(patch))))
   rows = jnp.arange(e.shape[0])
   e = e.at[rows, jnp.where(hit, yp, e.shape[1])].set(patch, mode="drop", unique_indices=True, indices_are_sorted=True)
 
-  def recompute():
+  def recompute(e):
     lean = op.plan(xp.shape[0], xp.shape[1], v, None, spec.interpret, "lean")
-    dx, dw, db = op.grads(xp, wp, bp, yp, st.lse, g_loss, g_lse, spec, lean)
-    return dx.astype(F32), dw.astype(dw_dtype), db
-
-  def fast_dx(e):
-    return _grad_x(e, wp, layout, p, spec.interpret) * sigma[:, None]
-
-  def fast_dw(e):
-    return _grad_w((xp.astype(F32) * sigma[:, None]).astype(xp.dtype), e, layout, p, spec.interpret, dw_dtype)
-
-  def fast_db(e):
-    return None if bp is None else jnp.einsum("b,bv->v", sigma.astype(e.dtype), e, preferred_element_type=F32)
+    return op.dz_into(e, xp, wp, bp, yp, st.lse, g_loss, g_lse, spec, lean), jnp.ones_like(sigma)
 
   lax.cond(ok, lambda: None, _note_fallback)  # the warning, on a cond of its own
-  if dw_acc is not None:  # one cond, the sum inside it (XLA adds the product into the carried buffer in place)
-    def add(g):
-      return g[0], dw_acc + g[1], g[2]
-    return lax.cond(ok, lambda e: add((fast_dx(e), fast_dw(e), fast_db(e))), lambda e: add(recompute()), e)
-  # one cond per gradient, so that one nobody asks for (a frozen head's dw) leaves the program with its product
-  dx = lax.cond(ok, fast_dx, lambda e: recompute()[0], e)
-  dw = lax.cond(ok, fast_dw, lambda e: recompute()[1], e)
-  db = None if bp is None else lax.cond(ok, fast_db, lambda e: recompute()[2], e)
+  # (the kept branch hands E through: XLA gives the cond's output E's own buffer, no copy)
+  e, sigma = lax.cond(ok, lambda e: (e, sigma), recompute, e)
+  dx = _grad_x(e, wp, layout, p, spec.interpret) * sigma[:, None]
+  dw = _grad_w((xp.astype(F32) * sigma[:, None]).astype(xp.dtype), e, layout, p, spec.interpret,
+               F32 if dw_acc is not None else dw_dtype)
+  if dw_acc is not None:  # (XLA adds the product into the carried buffer in place)
+    dw = dw_acc + dw
+  db = None if bp is None else jnp.einsum("b,bv->v", sigma.astype(e.dtype), e, preferred_element_type=F32)
   return dx, dw, db
 
 
@@ -244,15 +230,15 @@ def _stored_dz(xp, wp, bp, yp, wts, d: kernels.Dims, p: op.Plan, opts):
 
 
 def _grad_x(dz, wp, layout: str, p: op.Plan, interpret: bool):
-  """``dz · wᵀ`` ([B, H], float32): the GEMM of :mod:`.gemm` or XLA's (``Plan.products``)."""
-  if p.products == "gemm":
+  """``dz · wᵀ`` ([B, H], float32): the GEMM of :mod:`.gemm` or XLA's (``Plan.products[0]``)."""
+  if p.products[0] == "gemm":
     return gemm.gemm(dz, wp, transpose_b=layout == "hv", epilogue=gemm.Store(F32), role="dx", interpret=interpret)
   return common.grad_x(dz, wp, layout)
 
 
 def _grad_w(x, dz, layout: str, p: op.Plan, interpret: bool, out_dtype):
   """``xᵀ · dz`` ([H, V]; ``dzᵀ · x`` [V, H] for a [V, H] w) in ``out_dtype``: the GEMM of :mod:`.gemm` or XLA's."""
-  if p.products == "gemm":
+  if p.products[1] == "gemm":
     a, b = (x, dz) if layout == "hv" else (dz, x)
     return gemm.gemm(a, b, transpose_a=True, epilogue=gemm.Store(out_dtype), role="dw", interpret=interpret)
   return common.grad_w(x, dz, layout, out_dtype=out_dtype)

@@ -379,9 +379,7 @@ class RowStats(Part):
       out = zc - _rows(m_safe, zc.shape)
     else:  # exp(zc - ref) = exp(zc - max)·exp(max - ref): one exp per row
       out = e * _rows(jnp.exp(jnp.minimum(m_safe - r_smem[t.g], EXP_CLAMP)), zc.shape)
-      if self.opts.logit_softcap is not None:
-        u = zc * (1.0 / self.opts.logit_softcap)
-        out = out * (1.0 - u * u)
+      out = _math.through_softcap(out, zc, self.opts.logit_softcap)
     _store_subtiles(out, t, stored[0], buf)
 
 

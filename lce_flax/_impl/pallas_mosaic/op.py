@@ -105,9 +105,11 @@ class Config:
       :mod:`.kernels_ws`; None: yes where it applies (V a multiple of the GEMM's 128-column tile, H of 64, w
       read in place), else no. Not read by the lean design.
     products: who forms the fast designs' backward products dx = dz·wᵀ and, in the "logits" design, dw = xᵀ·dz:
-      ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS); None: ``"gemm"`` when the
-      forward runs on it in the "logits" design, else ``"xla"``. The "tokens" design adds each chunk's dw into its
-      float32 buffer with XLA's product either way (cuBLAS accumulates into the carried buffer in place).
+      ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS), both; None: in the
+      "logits" design with the forward on the GEMM, each product on the GEMM unless the tuning table measured
+      XLA's faster at its shape (:func:`.tuning.xla_faster`), else ``"xla"``. The "tokens" design adds each
+      chunk's dw into its float32 buffer with XLA's product either way (cuBLAS accumulates into the carried buffer
+      in place).
     stored: what the fast forward stores of each tile: ``"exponentials"`` (``exp(zc - r)`` against a reference logit
       r per row: the backward's products take them as they are, no pass over B×V; :mod:`.fast`) or
       ``"shifted"`` (logits shifted by their row max, turned into dz in place by a dz pass); None: exponentials
@@ -149,7 +151,7 @@ class Plan:
   token_chunk: int | None = None  # "tokens": tokens per chunk (None otherwise)
   fast_design: str | None = None  # None: the lean design
   gemm: GemmConfig | None = None  # fast designs: the forward on the GEMM of .gemm with this tiling (None: kernels_ws)
-  products: str | None = None  # fast designs: the backward products on "gemm" or "xla" (None: the lean design)
+  products: tuple[str, str] | None = None  # fast designs: (dx, dw) each on "gemm" or "xla" (None: the lean design)
   stored: str | None = None  # fast designs: Config.stored as asked (None: where it applies; see stores_probs)
 
   @property
@@ -160,23 +162,25 @@ class Plan:
 
 DZ_CHUNK_BYTES = 32 * 2**20
 TOKEN_CHUNK_MIN = 4096
+TOKEN_CHUNK_BYTES = 2**30
 
 
-def token_chunk(num_tokens: int, hidden: int, block_t: int = 128) -> int:
+def token_chunk(num_tokens: int, hidden: int, vocab: int, block_t: int = 128, itemsize: int = 2) -> int:
   """Tokens per chunk of the "tokens" design: a c×V buffer about the size of the H×V float32 dw it adds into
   (c ≈ 2H), but at least ``TOKEN_CHUNK_MIN`` tokens, which keeps the chunk's matmuls at the matmul rate
   (measured on an H100, gpt2-small: 1024 tokens 12.6 ms / 0.27 GB, 2048 11.5 / 0.38, 4096 9.7 / 0.58, 8192
-  9.1 / 1.01; the whole-batch "logits" design 9.0 / 1.68), and at most half the tokens; a power of two and a
-  multiple of ``block_t``."""
-  return max(block_t, pow2_floor(min(max(2 * hidden, TOKEN_CHUNK_MIN), max(num_tokens // 2, 1))))
+  9.1 / 1.01; the whole-batch "logits" design 9.0 / 1.68); at most half the tokens, and a chunk of at most
+  ``TOKEN_CHUNK_BYTES`` (1 GiB: 4096 tokens at V = 128256, 2048 at 256000), which bounds the extra memory by
+  H·V·4 + 1 GiB + O(B·H) at any number of tokens; a power of two and a multiple of ``block_t``."""
+  c = min(max(2 * hidden, TOKEN_CHUNK_MIN), max(num_tokens // 2, 1), TOKEN_CHUNK_BYTES // (max(vocab, 1) * itemsize))
+  return max(block_t, pow2_floor(max(c, 1)))
 
 
 def fast_design(num_tokens: int, hidden: int, vocab: int, itemsize: int = 2) -> str:
   """The design with the smaller buffer: ``"logits"`` (B·V·itemsize) or ``"tokens"`` (H·V·4 of float32 dw plus a
-  c×V chunk, c = :func:`token_chunk`). llama3-8b: 2.10 vs 3.15 GB, qwen3-8b 1.24 vs 3.11, gemma2-2b 4.19 vs
-  4.46 (logits); gpt2-small: 1.65 vs 0.57 GB (tokens)."""
-  del vocab  # both buffers are proportional to it
-  c = token_chunk(num_tokens, hidden)
+  c×V chunk, c = :func:`token_chunk`). llama3-8b: 2.10 vs 3.15 GB, qwen3-8b 1.24 vs 3.11 (logits); gemma2-2b 4.19
+  vs 3.41 and gpt2-small 1.65 vs 0.57 GB (tokens)."""
+  c = token_chunk(num_tokens, hidden, vocab, itemsize=itemsize)
   if c >= num_tokens:
     return "logits"
   return "logits" if num_tokens * itemsize <= 4 * hidden + c * itemsize else "tokens"
@@ -237,12 +241,12 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
       if c.token_chunk is not None:
         raise ValueError(f"token_chunk={c.token_chunk}: the 'logits' fast design has no chunk loop (it stores the "
                          "logits of all tokens at once); use fast_design='tokens' for chunks of tokens")
-      return _products(dataclasses.replace(tiles, fast_design=design))
-    chunk = c.token_chunk or token_chunk(num_tokens, hidden, bt)
+      return _products(dataclasses.replace(tiles, fast_design=design), c, tokens, hidden, vocab)
+    chunk = c.token_chunk or token_chunk(num_tokens, hidden, vocab, bt)
     if chunk % bt:
       raise ValueError(f"token_chunk={chunk} (tokens per chunk of the 'tokens' fast design) must be a multiple of "
                        f"block_t={bt}")
-    return _products(dataclasses.replace(tiles, token_chunk=chunk, fast_design=design))
+    return _products(dataclasses.replace(tiles, token_chunk=chunk, fast_design=design), c, tokens, hidden, vocab)
   chunk = c.vocab_chunk or min(max(pow2_floor(DZ_CHUNK_BYTES // (2 * tokens)), bv), 16384)
   if chunk % bv:
     raise ValueError(f"vocab_chunk={chunk} must be a positive multiple of block_v={bv}")
@@ -278,17 +282,21 @@ def _with_gemm(tiles: Plan, c: Config, num_tokens: int, hidden: int, vocab: int,
       if c.gemm:
         raise ValueError(f"gemm=True: {why}")
       cfg = None
-  return dataclasses.replace(tiles, gemm=cfg, products=c.products)
+  return dataclasses.replace(tiles, gemm=cfg)
 
 
-def _products(p: Plan) -> Plan:
-  """``products`` resolved: as asked, else on the GEMM where the forward runs on it, except in the "tokens" design,
-  whose chunk-sized dx products ran faster on XLA's GEMM on an H100 (gpt2-small, 4096-token chunks: 8.06 vs
-  8.77 ms for the whole step, ``benchmarks/results/h100-2026-11-24-fast-gemm/``)."""
-  if p.products is not None:
-    return p
-  on_gemm = p.gemm is not None and p.fast_design == "logits"
-  return dataclasses.replace(p, products="gemm" if on_gemm else "xla")
+def _products(p: Plan, c: Config, num_tokens: int, hidden: int, vocab: int) -> Plan:
+  """``products`` resolved, (dx, dw): both as asked; else XLA's in the "tokens" design, whose chunk-sized dx
+  products ran faster on XLA's GEMM on an H100 (gpt2-small, 4096-token chunks: 8.06 vs 8.77 ms for the whole step,
+  ``benchmarks/results/h100-2026-11-24-fast-gemm/``); else on the GEMM where the forward runs on it, but for a
+  product whose tuning-table row measured XLA's GEMM faster at this shape (:func:`.tuning.xla_faster`)."""
+  if c.products is not None:
+    return dataclasses.replace(p, products=(c.products, c.products))
+  if p.gemm is None or p.fast_design != "logits":
+    return dataclasses.replace(p, products=("xla", "xla"))
+  kind, rows = gemm_lib._device_kind(), cdiv(num_tokens, p.block_t) * p.block_t
+  on = lambda role, mnk: "xla" if tuning.xla_faster(role, *mnk, kind) else "gemm"
+  return dataclasses.replace(p, products=(on("dx", (rows, hidden, vocab)), on("dw", (hidden, vocab, rows))))
 
 
 PROBS_GAP = 60.0  # nats: the largest lse - reference logit the stored exponentials serve (see .fast)
@@ -406,7 +414,8 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
       notes.append(f"the stored tiles are exp(zc - r), r each row's largest logit at the labels of {REF_COLUMNS} "
                    "tokens of the batch: the backward's products take them as they are (dz = one factor per row, the "
                    f"B label entries written over), no pass over B×V; if some row's lse exceeds its r by more than "
-                   f"{PROBS_GAP:g}, that backward runs the recompute design instead (decided at run time, warned once)")
+                   f"{PROBS_GAP:g}, that backward recomputes dz over the stored tiles first (2·B·H·V more FLOPs; "
+                   "decided at run time, warned once)")
     else:
       how = "interpreted" if spec.interpret else "compiled by Pallas Triton"
       why = shifted_reason(p, spec.opts, dtype)
@@ -429,14 +438,17 @@ def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.
   else:
     why = gemm_refusal(tuning.DEFAULT, hidden, vocab)
     fwd = "forward: the warp-specialised kernel of kernels_ws.py" + (f" ({why})" if why else " (gemm=False)")
-  if p.products == "gemm":
-    dx = tuning.describe("dx", rows, hidden, vocab, kind)
-    prods = (f"backward products on the GEMM: {dx}" + ("" if p.fast_design == "tokens" else
-             f"; {tuning.describe('dw', hidden, vocab, rows, kind)}"))
-  else:
-    prods = "backward products dx = dz·wᵀ" + ("" if p.fast_design == "tokens" else ", dw = xᵀ·dz") + " by XLA (cuBLAS)"
+  def product(role, on, mnk):
+    if on == "gemm":
+      return f"on the GEMM: {tuning.describe(role, *mnk, kind)}"
+    why = tuning.xla_faster(role, *mnk, kind)
+    return "by XLA (cuBLAS)" + (f": {why}" if why else "")
+
+  prods = f"backward products: dx = dz·wᵀ {product('dx', p.products[0], (rows, hidden, vocab))}"
   if p.fast_design == "tokens":
     prods += "; each chunk's dw added into the float32 dw by XLA's product (in place)"
+  else:
+    prods += f"; dw = xᵀ·dz {product('dw', p.products[1], (hidden, vocab, rows))}"
   return [fwd, prods]
 
 
@@ -495,48 +507,80 @@ def _stats(x, w, bias, labels, spec, p) -> _math.RowStats:
   return _math.RowStats(*(a[:b] for a in st))
 
 
-def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
-  """The recompute backward over the columns of ``w`` for the given lse: (dx float32, dw, dbias float32)."""
+def _walk_chunks(vp: int, cw: int, step, carry):
+  """``step(start, lo, carry)`` over the column chunks ``[start, start + cw)`` that cover ``[0, vp)``: whole ones,
+  then a last one clamped to end at ``vp`` whose first ``lo`` columns the previous chunk did."""
+  n_full = vp // cw
+  tail = vp - n_full * cw
+  if n_full:
+    carry = lax.fori_loop(0, n_full, lambda k, cr: step(k * cw, 0, cr), carry)
+  if tail:
+    carry = step(vp - cw, n_full * cw - (vp - cw), carry)
+  return carry
+
+
+def _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
+  """The padded operands, their Dims, and ``dz_of(start)``: the logit gradient [rows, vocab_chunk] of the columns
+  from ``start`` (recomputed by the dz kernel) for the given lse and per-token cotangents."""
   opts = spec.opts
-  b, h = x.shape
-  v = common.vocab_size(w, spec.w_layout)
   xp, wp, bp, yp, d = prepare(x, w, bias, labels, spec, p)
-  pad = d.b - b
+  pad = d.b - x.shape[0]
   coef, a, c = epilogue.row_coefficients(lse, labels, g_loss, g_lse, opts)
   # Padding rows: lse = +inf makes p = 0, and zero coefficients keep them at dz = 0 exactly.
   lse_p = jnp.pad(lse, (0, pad), constant_values=jnp.inf)
   coef, a, c = (jnp.pad(t, (0, pad)) for t in (coef, a, c))
-  vaxis = spec.vocab_axis
   cw = p.vocab_chunk
-  n_full = d.vp // cw
-  tail = d.vp - n_full * cw
   dz_chunk = kernels_ws.dz_chunk_ws if p.warp_specialized else kernels.dz_chunk
 
-  def step(start, lo, carry):
-    """Chunk of columns [start, start + cw); its first ``lo`` columns were done by the previous chunk."""
-    dx, dw, db = carry
+  def dz_of(start):
     w_c = common.slice_vocab(wp, start, cw, spec.w_layout)
     b_c = None if bp is None else lax.dynamic_slice_in_dim(bp, start, cw)
     local = jnp.where(yp >= 0, yp - start, -1)  # chunk-local target column (-1: none)
-    dz = dz_chunk(xp, w_c, b_c, local, lse_p, coef, a, c, d, p, opts)
+    return dz_chunk(xp, w_c, b_c, local, lse_p, coef, a, c, d, p, opts), w_c
+
+  return xp, wp, bp, d, dz_of
+
+
+def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
+  """The recompute backward over the columns of ``w`` for the given lse: (dx float32, dw, dbias float32)."""
+  b, h = x.shape
+  v = common.vocab_size(w, spec.w_layout)
+  xp, wp, bp, d, dz_of = _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p)
+  vaxis = spec.vocab_axis
+
+  def step(start, lo, carry):
+    dx, dw, db = carry
+    dz, w_c = dz_of(start)
     # dw's columns are complete after this one matmul (overlap columns get the same values again).
     dw = lax.dynamic_update_slice_in_dim(dw, common.grad_w(xp, dz, spec.w_layout).astype(dw.dtype), start, vaxis)
     if db is not None:
       db = lax.dynamic_update_slice_in_dim(db, jnp.sum(dz.astype(F32), axis=0), start, 0)
     if lo:  # overlap columns must not reach dx twice
-      keep = jnp.arange(cw) >= lo
+      keep = jnp.arange(p.vocab_chunk) >= lo
       w_c = jnp.where(keep[None, :] if spec.w_layout == "hv" else keep[:, None], w_c, 0)
     dx = dx + common.grad_x(dz, w_c, spec.w_layout)
     return dx, dw, db
 
   carry = (jnp.zeros(xp.shape, F32), jnp.zeros_like(wp), None if bp is None else jnp.zeros(bp.shape, F32))
-  if n_full:
-    carry = lax.fori_loop(0, n_full, lambda k, cr: step(k * cw, 0, cr), carry)
-  if tail:
-    carry = step(d.vp - cw, n_full * cw - (d.vp - cw), carry)
-  dx, dw, db = carry
+  dx, dw, db = _walk_chunks(d.vp, p.vocab_chunk, step, carry)
   dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
   return dx[:b, :h], dw.astype(w.dtype), None if bias is None else db[:v]
+
+
+def dz_into(out, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p: Plan):
+  """The logit gradient of every row of ``x`` (rows a multiple of ``p.block_t``) over the columns of ``w``,
+  recomputed chunk by chunk (``p``: a lean plan) and written over ``out`` ([rows, columns of w], x's dtype) in
+  place: the fast designs' fallback (:mod:`.fast`), which then runs the same two products on it. 2·B·H·V FLOPs,
+  one [rows, vocab_chunk] chunk of extra memory."""
+  _, _, _, d, dz_of = _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p)
+  if d.b != out.shape[0] or d.vp != out.shape[1]:
+    raise ValueError(f"dz_into: out {out.shape} is not the padded [rows, vocab] = [{d.b}, {d.vp}]")
+
+  def step(start, lo, out):  # (overlap columns are written again with the same values)
+    del lo
+    return lax.dynamic_update_slice_in_dim(out, dz_of(start)[0].astype(out.dtype), start, 1)
+
+  return _walk_chunks(d.vp, p.vocab_chunk, step, out)
 
 
 def stats(x, w, bias, labels, spec: common.Spec, plan: Plan) -> _math.RowStats:

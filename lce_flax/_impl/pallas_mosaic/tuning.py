@@ -160,6 +160,25 @@ def select_row(role: str, m: int, n: int, k: int, device_kind: str) -> tuple[Gem
   return fit_role(role, DEFAULT), "default"
 
 
+# a bare product runs on XLA's GEMM instead where its table row measured ours slower than XLA's by more than this
+# (in one run, timed in alternation; closer than 3% is within the run-to-run spread and keeps ours)
+XLA_MARGIN = 1.03
+
+
+def xla_faster(role: str, m: int, n: int, k: int, device_kind: str) -> str | None:
+  """For a bare product (``dx`` or ``dw``): why XLA's GEMM runs it instead of ours at this shape (its table row's
+  ``vs_xla`` times, ours over XLA's above :data:`XLA_MARGIN`), else None (ours; also where no row has them)."""
+  rows = [(role, row) for row in load_table().get(_norm_kind(device_kind), {}).get(role, ())]
+  if not rows:
+    return None
+  _, row = _pick(rows, m, n, k)
+  t = row.get("vs_xla")
+  if not t or t["ours_ms"] <= XLA_MARGIN * t["xla_ms"]:
+    return None
+  b = "x".join(str(x) for x in row["bucket"])
+  return f"{role} {m}x{n}x{k} on XLA: {t['xla_ms']:.2f} vs {t['ours_ms']:.2f} ms ours (table: {device_kind}/{role}/{b})"
+
+
 def select_config(role: str, m: int, n: int, k: int, device_kind: str) -> GemmConfig:
   """The :class:`~.gemm.GemmConfig` for one GEMM of ``role`` with out [m, n] and contraction k on
   ``device_kind`` (``jax.devices()[0].device_kind``)."""
