@@ -19,7 +19,7 @@ factor ``σ = coef·exp(r - lse)`` per row, except at the label, whose exact val
 dx = σ·(E·wᵀ) and dw = (σ·x)ᵀ·E are the two products on E itself, with no pass over B×V between forward and
 backward (:func:`_grads_from_probs`). A row whose lse lies more than ``PROBS_GAP`` above its reference (60 nats)
 would leave E's range: the backward checks every row and, if any does, recomputes dz over E's buffer
-(:func:`.op.dz_into`; ``lax.cond``, warned once at run time) before the same two products. Otherwise (the
+(:func:`.op.dz_into`, decided on the device, warned once at run time) before the same two products. Otherwise (the
 kernels_ws forward, fp16, label smoothing, whose uniform term is no per-row factor under a soft cap) the tiles are
 stored shifted by their row max and one elementwise kernel turns them into dz in place (:func:`_dz_pass`).
 
@@ -177,8 +177,8 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   E's largest entry is at most ``exp(lse - ref)`` and σ at least ``coef·exp(ref - lse)`` (ref is at most the row
   max). If some row with a gradient has ``lse - ref > PROBS_GAP`` (σ·x would near bf16's smallest normals) or a
   label entry that is not finite, the call recomputes dz instead, written over E (:func:`.op.dz_into`, 2·B·H·V
-  more FLOPs, one chunk of extra memory), with σ = 1: the decision is made on the device (``lax.cond``, warned
-  once at run time), and the same two products follow either way."""
+  more FLOPs, one chunk of extra memory), with σ = 1: the decision is made on the device (a loop of zero trips
+  otherwise; warned once at run time), and the same two products follow either way."""
   opts, v, layout = spec.opts, spec.opts.vocab_size, spec.w_layout
   e = st.e
   coef, a, _ = epilogue.row_coefficients(st.lse, yp, g_loss, g_lse, opts)
@@ -191,13 +191,10 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   rows = jnp.arange(e.shape[0])
   e = e.at[rows, jnp.where(hit, yp, e.shape[1])].set(patch, mode="drop", unique_indices=True, indices_are_sorted=True)
 
-  def recompute(e):
-    lean = op.plan(xp.shape[0], xp.shape[1], v, None, spec.interpret, "lean")
-    return op.dz_into(e, xp, wp, bp, yp, st.lse, g_loss, g_lse, spec, lean), jnp.ones_like(sigma)
-
   lax.cond(ok, lambda: None, _note_fallback)  # the warning, on a cond of its own
-  # (the kept branch hands E through: XLA gives the cond's output E's own buffer, no copy)
-  e, sigma = lax.cond(ok, lambda e: (e, sigma), recompute, e)
+  lean = op.plan(xp.shape[0], xp.shape[1], v, None, spec.interpret, "lean")
+  e = op.dz_into(e, xp, wp, bp, yp, st.lse, g_loss, g_lse, spec, lean, when=~ok)  # (in place; no trip if ok)
+  sigma = jnp.where(ok, sigma, 1.0)
   dx = _grad_x(e, wp, layout, p, spec.interpret) * sigma[:, None]
   dw = _grad_w((xp.astype(F32) * sigma[:, None]).astype(xp.dtype), e, layout, p, spec.interpret,
                F32 if dw_acc is not None else dw_dtype)

@@ -165,22 +165,30 @@ TOKEN_CHUNK_MIN = 4096
 TOKEN_CHUNK_BYTES = 2**30
 
 
+def _fast_chunk(num_tokens: int, hidden: int) -> int:
+  """The chunk the "tokens" design runs at full speed: about 2H tokens (a c×V buffer the size of the H×V float32
+  dw it adds into), at least ``TOKEN_CHUNK_MIN``, at most half the tokens."""
+  return min(max(2 * hidden, TOKEN_CHUNK_MIN), max(num_tokens // 2, 1))
+
+
 def token_chunk(num_tokens: int, hidden: int, vocab: int, block_t: int = 128, itemsize: int = 2) -> int:
-  """Tokens per chunk of the "tokens" design: a c×V buffer about the size of the H×V float32 dw it adds into
-  (c ≈ 2H), but at least ``TOKEN_CHUNK_MIN`` tokens, which keeps the chunk's matmuls at the matmul rate
-  (measured on an H100, gpt2-small: 1024 tokens 12.6 ms / 0.27 GB, 2048 11.5 / 0.38, 4096 9.7 / 0.58, 8192
-  9.1 / 1.01; the whole-batch "logits" design 9.0 / 1.68); at most half the tokens, and a chunk of at most
+  """Tokens per chunk of the "tokens" design: :func:`_fast_chunk`, whose ``TOKEN_CHUNK_MIN`` keeps the chunk's
+  matmuls at the matmul rate (measured on an H100, gpt2-small: 1024 tokens 12.6 ms / 0.27 GB, 2048 11.5 / 0.38,
+  4096 9.7 / 0.58, 8192 9.1 / 1.01; the whole-batch "logits" design 9.0 / 1.68), but a chunk of at most
   ``TOKEN_CHUNK_BYTES`` (1 GiB: 4096 tokens at V = 128256, 2048 at 256000), which bounds the extra memory by
   H·V·4 + 1 GiB + O(B·H) at any number of tokens; a power of two and a multiple of ``block_t``."""
-  c = min(max(2 * hidden, TOKEN_CHUNK_MIN), max(num_tokens // 2, 1), TOKEN_CHUNK_BYTES // (max(vocab, 1) * itemsize))
+  c = min(_fast_chunk(num_tokens, hidden), TOKEN_CHUNK_BYTES // (max(vocab, 1) * itemsize))
   return max(block_t, pow2_floor(max(c, 1)))
 
 
 def fast_design(num_tokens: int, hidden: int, vocab: int, itemsize: int = 2) -> str:
-  """The design with the smaller buffer: ``"logits"`` (B·V·itemsize) or ``"tokens"`` (H·V·4 of float32 dw plus a
-  c×V chunk, c = :func:`token_chunk`). llama3-8b: 2.10 vs 3.15 GB, qwen3-8b 1.24 vs 3.11 (logits); gemma2-2b 4.19
-  vs 3.41 and gpt2-small 1.65 vs 0.57 GB (tokens)."""
-  c = token_chunk(num_tokens, hidden, vocab, itemsize=itemsize)
+  """``"logits"`` (a B×V buffer) unless the "tokens" design at its full-speed chunk (:func:`_fast_chunk`: H·V·4
+  of float32 dw plus a c×V chunk) holds less: llama3-8b 2.10 vs 3.15 GB, qwen3-8b 1.24 vs 3.11, gemma2-2b 4.19 vs
+  4.46 (logits); gpt2-small 1.65 vs 0.57 GB, and every LLM head at 32768 tokens (tokens). Smaller chunks hold less
+  but run slower: at gemma2-2b, 8192 tokens, 2048-token chunks took 49.6 ms (3.44 GB) against the "logits"
+  design's 45.5 ms on an H100, ``benchmarks/results/h100-2026-11-24-r4-fallback/``."""
+  del vocab  # both buffers are proportional to it
+  c = pow2_floor(max(_fast_chunk(num_tokens, hidden), 1))
   if c >= num_tokens:
     return "logits"
   return "logits" if num_tokens * itemsize <= 4 * hidden + c * itemsize else "tokens"
@@ -567,20 +575,27 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   return dx[:b, :h], dw.astype(w.dtype), None if bias is None else db[:v]
 
 
-def dz_into(out, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p: Plan):
-  """The logit gradient of every row of ``x`` (rows a multiple of ``p.block_t``) over the columns of ``w``,
-  recomputed chunk by chunk (``p``: a lean plan) and written over ``out`` ([rows, columns of w], x's dtype) in
-  place: the fast designs' fallback (:mod:`.fast`), which then runs the same two products on it. 2·B·H·V FLOPs,
-  one [rows, vocab_chunk] chunk of extra memory."""
+def dz_into(out, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p: Plan, when):
+  """If ``when`` (a bool scalar, known at run time), the logit gradient of every row of ``x`` (rows a multiple of
+  ``p.block_t``) over the columns of ``w``, recomputed chunk by chunk (``p``: a lean plan) and written over ``out``
+  ([rows, columns of w], x's dtype); else ``out`` as it is. The fast designs' fallback (:mod:`.fast`), which then
+  runs the same two products on it: 2·B·H·V FLOPs, one [rows, vocab_chunk] chunk of extra memory.
+
+  A ``while_loop`` of ``when ? chunks : 0`` trips, ``out`` its carry, updated in place: a ``lax.cond`` handing
+  ``out`` through its kept branch made XLA's GPU backend give the cond's output a buffer of its own (a copy of
+  B×V: 4.20 GB at llama3-8b on an H100 against 2.1, ``benchmarks/results/h100-2026-11-24-r4-fallback/``)."""
   _, _, _, d, dz_of = _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p)
   if d.b != out.shape[0] or d.vp != out.shape[1]:
     raise ValueError(f"dz_into: out {out.shape} is not the padded [rows, vocab] = [{d.b}, {d.vp}]")
+  cw = p.vocab_chunk
+  trips = jnp.where(when, cdiv(d.vp, cw), 0)
 
-  def step(start, lo, out):  # (overlap columns are written again with the same values)
-    del lo
-    return lax.dynamic_update_slice_in_dim(out, dz_of(start)[0].astype(out.dtype), start, 1)
+  def body(carry):  # the last chunk is clamped to end at vp (its overlap columns are written again, same values)
+    k, out = carry
+    start = jnp.minimum(k * cw, d.vp - cw)
+    return k + 1, lax.dynamic_update_slice_in_dim(out, dz_of(start)[0].astype(out.dtype), start, 1)
 
-  return _walk_chunks(d.vp, p.vocab_chunk, step, out)
+  return lax.while_loop(lambda c: c[0] < trips, body, (jnp.int32(0), out))[1]
 
 
 def stats(x, w, bias, labels, spec: common.Spec, plan: Plan) -> _math.RowStats:
