@@ -47,9 +47,13 @@ class LossOptions:
       ``"lean"`` recomputes them in the backward (8·B·H·V FLOPs, O(B) residuals); None: fast where the
       implementation has a fast design, else lean; with ``reduction="none"`` (per-token cotangents) fast only
       where that design forms dz in its backward (``"pallas_mosaic"``'s ``"logits"``), else lean.
+      ``mode="fast"`` with ``reduction="none"`` runs that design (and ``"xla"``, whose autodiff takes any
+      cotangent) and never lean: where the implementation (``"auto"``'s pick) has none, a ``ValueError`` at trace
+      time names it and what to use instead (``lce_flax.explain`` says which design runs and why).
     token_chunk: tokens per chunk, for the designs that loop over chunks of tokens (the fast designs of
-      ``"chunked"`` and ``"pallas_mosaic"``'s ``"tokens"``); setting it makes ``mode=None`` fast, and ``"auto"``
-      picks a design that honours it. None: chosen by shape.
+      ``"chunked"`` and ``"pallas_mosaic"``'s ``"tokens"``, none of which takes per-token cotangents:
+      ``reduction="none"`` refuses it); setting it makes ``mode=None`` fast, and ``"auto"`` picks a design that
+      honours it. None: chosen by shape.
     vocab_chunk: vocabulary columns per chunk, for the designs that loop over the vocabulary (every lean
       design but ``"xla"``'s); setting it makes ``mode=None`` lean. None: chosen by shape. At most one of the two
       may be set, and neither together with ``config`` (set the chunk inside it).
@@ -104,9 +108,6 @@ class LossOptions:
       raise ValueError(f"impl={self.impl!r} is not one of {IMPLS}")
     if self.mode not in (None, "fast", "lean"):
       raise ValueError(f"mode={self.mode!r} is not one of ('fast', 'lean', None)")
-    if self.mode == "fast" and self.reduction == "none":
-      raise ValueError("reduction='none' needs per-token cotangents, which mode='fast' cannot take; use "
-                       "mode='lean' (or mode=None)")
     for name in ("token_chunk", "vocab_chunk"):
       val = getattr(self, name)
       if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val <= 0):
@@ -136,7 +137,8 @@ class LossOptions:
   @property
   def design_mode(self) -> Mode:
     """The mode asked for: ``mode``, or, when it is None, lean for ``reduction="none"`` (per-token cotangents) or
-    a ``vocab_chunk`` (a loop over the vocabulary), else fast."""
+    a ``vocab_chunk`` (a loop over the vocabulary), else fast. (``reduction="none"`` with ``mode=None`` still runs
+    a fast design where one takes per-token cotangents; with ``mode="fast"`` only such a design runs.)"""
     if self.mode is not None:
       return self.mode
     return "lean" if self.reduction == "none" or self.vocab_chunk is not None else "fast"

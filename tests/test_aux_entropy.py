@@ -45,7 +45,9 @@ CASES = {
 
 
 def _pairs():
-  """(variant, case) pairs that can run: a fast design takes no per-token cotangents (reduction='none')."""
+  """(variant, case) pairs that can run: chunked's fast design takes no per-token cotangents, so mode='fast' with
+  reduction='none' refuses it (tests/test_dispatch.py); pallas_mosaic's 'logits' design takes them (mode=None runs
+  it for 'none' too)."""
   return [(n, c) for n in VARIANTS for c in CASES
           if not (CASES[c][2] == "none" and VARIANTS[n][1].get("mode") == "fast")]
 

@@ -78,6 +78,78 @@ def test_reduction_none_runs_a_fast_design_that_takes_token_cotangents(fake_gpu)
   assert (chosen.mode, chosen.name) == ("lean", "recompute")
 
 
+def test_fast_mode_with_reduction_none_says_which_design_runs(fake_gpu):
+  """mode='fast' with reduction='none' runs the fast design that takes per-token cotangents (Hopper's 'logits'),
+  picked as for mode=None (also where the sizes' default is 'tokens'), and explain() names it and why; where there
+  is none (a design or token chunk chosen, float32 inputs, a split vocabulary, no fast design) the error says why
+  and what to use instead."""
+  fake_gpu((9, 0))
+  gpt2 = dict(x=S((16384, 768), jnp.bfloat16), w=S((768, 50304), jnp.bfloat16))
+  fast_none = dict(mode="fast", reduction="none")
+  for impl in ("pallas_mosaic", "auto"):
+    d = explain(**gpt2, impl=impl, **fast_none)
+    assert (d.impl, d.mode, d.name) == ("pallas_mosaic", "fast", "logits") and d.config.token_cotangents
+    assert d.memory_bytes >= 16384 * 50304 * 2  # it holds the B×V logits, and says so
+    assert any(n.startswith("mode='fast', reduction='none': the 'logits' fast design forms dz in its backward")
+               and "mode='lean' takes less" in n for n in d.notes), d.notes
+    llama = explain(**LLAMA, impl=impl, **fast_none)
+    assert llama.name == "logits" and any(n.startswith("mode='fast', reduction='none'") for n in llama.notes)
+    assert not any("mode='lean' takes less" in n for n in llama.notes)
+  start = r"^mode='fast' with reduction='none' needs a fast design that takes per-token cotangents, and "
+  with pytest.raises(ValueError, match=start + r"impl='pallas_mosaic' has none here: config fast_design='tokens' "
+                                               r"chooses its 'tokens' fast design.*drop config fast_design='tokens'"):
+    explain(**gpt2, impl="pallas_mosaic", config=lce_flax.PallasMosaicConfig(fast_design="tokens"), **fast_none)
+  # no design both loops over tokens and takes per-token cotangents (auto: every candidate skipped but the last)
+  with pytest.raises(ValueError, match=start + r"impl='pallas_mosaic' has none here: token_chunk=4096 chooses its "
+                                               r"'tokens' fast design.*no token loop.*drop token_chunk=4096"):
+    explain(**LLAMA, impl="pallas_mosaic", token_chunk=4096, **fast_none)
+  with pytest.raises(ValueError, match=start + r"impl='auto' \(which picks 'chunked' here\).*token_chunk=4096 is for "
+                                               r"the fast designs that loop over tokens.*skipped: pallas_mosaic: .*"
+                                               r"token_chunk=4096 chooses its 'tokens' fast design.*no token loop"):
+    explain(**LLAMA, token_chunk=4096, **fast_none)
+  f32 = dict(x=S((8192, 4096), jnp.float32), w=S((4096, 128256), jnp.float32))
+  with pytest.raises(ValueError, match=start + r"impl='auto' \(which picks 'chunked' here\) has none here: its "
+                                               r"'token_chunks' fast design forms the gradients in its forward.*"
+                                               r"skipped: pallas_mosaic: .*WGMMA.*impl='pallas_mosaic' on a Hopper"):
+    explain(**f32, **fast_none)
+  with pytest.raises(ValueError, match=start + r"impl='pallas_mosaic' has none here: w's vocabulary is split over 2"):
+    explain(**LLAMA, impl="pallas_mosaic", vocab_shards=2, **fast_none)
+  d = explain(**LLAMA, impl="xla", **fast_none)  # autodiff takes any cotangent: one computation for both modes
+  assert (d.mode, d.name) == ("fast", "autodiff") and any("autodiff" in n and "per-token" in n for n in d.notes)
+  fake_gpu((8, 0))
+  with pytest.raises(ValueError, match=start + r"impl='pallas_triton' has none here: it has no fast design; use "
+                                               r"mode=None or mode='lean'"):
+    explain(**LLAMA, impl="pallas_triton", **fast_none)
+
+
+@pytest.mark.parametrize("impl,kw", [("chunked", {}), ("pallas_triton", dict(interpret=True)), ("auto", {}),
+                                     ("chunked", dict(token_chunk=16)),
+                                     ("pallas_mosaic", dict(interpret=True, token_chunk=64))])
+def test_fast_mode_with_reduction_none_refuses_at_trace_time(impl, kw):
+  """mode='fast' with reduction='none' where the impl (auto's pick on CPU: chunked) has no fast design that takes
+  per-token cotangents: a ValueError at trace time, under jit and eagerly, naming reduction='none', the impl and
+  what to use instead; never a silent lean run."""
+  (x, w, y, _), _ = make_inputs(90, (37,), 64, 301, jnp.bfloat16)
+  f = lambda x, w: linear_cross_entropy(x, w, y, mode="fast", reduction="none", impl=impl, **kw)
+  who = rf"impl='{impl}'" if impl != "auto" else r"impl='auto' \(which picks 'chunked' here\)"
+  match = (rf"^mode='fast' with reduction='none' needs a fast design that takes per-token cotangents, and {who} has "
+           r"none here: .*use mode=None or mode='lean'")
+  with pytest.raises(ValueError, match=match) as e:
+    jax.jit(lambda x, w: jax.vjp(f, x, w)[0]).trace(x, w)
+  if "token_chunk" in kw:
+    assert f"token_chunk={kw['token_chunk']}" in str(e.value) and "vocab_chunk" in str(e.value)
+  with pytest.raises(ValueError, match=match):
+    f(x, w)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_fast_mode_with_reduction_none_on_xla_is_autodiff(dtype):
+  """impl='xla' is JAX's autodiff (one computation for both modes): mode='fast' with reduction='none' runs it, and
+  the per-token losses and the vjp of a random per-token cotangent equal the float64 oracle's."""
+  check_impl("xla", seed=91 + (dtype == jnp.float32), batch_shape=(3, 13), h=24, v=301, dtype=dtype, bias=True,
+             where=True, reduction="none", options=dict(z_loss=1e-3, logit_softcap=5.0), mode="fast")
+
+
 def test_sm80_lean_kernels_and_fast_fallback_are_visible(fake_gpu):
   fake_gpu((8, 0))
   assert explain(**LLAMA, mode="lean").impl == "pallas_triton"
@@ -262,9 +334,19 @@ def test_auto_honours_every_chunk_option(fake_gpu, device, option, dtype, mode, 
     fake_gpu(DEVICES[device])
   x, w = (S(a.shape, jnp.dtype(dtype)) for a in SHAPES[shape].values())
   kw = dict(CHUNK_OPTIONS[option], mode=mode, reduction=reduction, vocab_shards=shards)
-  if mode == "fast" and reduction == "none":  # no design at all, whatever the chunk
-    with pytest.raises(ValueError, match="reduction='none' needs per-token cotangents"):
+  if mode == "fast" and reduction == "none" and option != "vocab_chunk":  # (vocab_chunk: refused as for a mean)
+    # only a fast design that takes per-token cotangents runs (Hopper's 'logits', bf16, one device); else an error
+    # naming what auto picks (the last candidate: the others are skipped), never a silent lean run
+    if (device, dtype, option, shards) == ("sm90", "bfloat16", "none", 1):
+      d = explain(x, w, **kw)
+      assert (d.impl, d.mode, d.name) == ("pallas_mosaic", "fast", "logits") and base.takes_token_cotangents(d.config)
+      assert any(n.startswith("mode='fast', reduction='none': the 'logits' fast design") for n in d.notes), d.notes
+      return
+    with pytest.raises(ValueError, match=r"^mode='fast' with reduction='none' needs a fast design that takes "
+                                         r"per-token cotangents, and impl='auto' \(which picks 'chunked' here\)") as e:
       explain(x, w, **kw)
+    if option == "token_chunk":
+      assert "token_chunk=256" in str(e.value) and "vocab_chunk" in str(e.value)
     return
   try:
     d = explain(x, w, **kw)

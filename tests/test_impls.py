@@ -36,6 +36,7 @@ class Variant:
   low_precision_only: bool = False  # Mosaic's WGMMA takes bf16/fp16 only
   sizes: tuple = ()  # check_impl's h and batch_shape where the tiles need them
   gpu_only: bool = False
+  token_cotangents: bool = False  # its fast design forms dz in its backward: mode='fast' takes reduction='none'
 
   def kwargs(self):
     kw = dict(mode=self.mode, config=self.config)
@@ -56,7 +57,7 @@ VARIANTS = {
                                   True, (("h", 128), ("batch_shape", (101,)))),
     "pallas_mosaic:fast_logits": Variant("pallas_mosaic", "fast",
                                          lce_flax.PallasMosaicConfig(**_MOSAIC_SMALL, fast_design="logits"),
-                                         True, (("h", 128), ("batch_shape", (101,)))),
+                                         True, (("h", 128), ("batch_shape", (101,))), token_cotangents=True),
     "pallas_mosaic:fast_tokens": Variant("pallas_mosaic", "fast",
                                          lce_flax.PallasMosaicConfig(**_MOSAIC_SMALL, fast_design="tokens",
                                                                      token_chunk=64),
@@ -65,7 +66,8 @@ VARIANTS = {
     "pallas_mosaic:fast_logits_gemm": Variant("pallas_mosaic", "fast",
                                               lce_flax.PallasMosaicConfig(**_MOSAIC_SMALL, fast_design="logits",
                                                                           gemm=True),
-                                              True, (("h", 128), ("v", 384), ("batch_shape", (101,)))),
+                                              True, (("h", 128), ("v", 384), ("batch_shape", (101,))),
+                                              token_cotangents=True),
     "pallas_mosaic:fast_tokens_gemm": Variant("pallas_mosaic", "fast",
                                               lce_flax.PallasMosaicConfig(**_MOSAIC_SMALL, fast_design="tokens",
                                                                           token_chunk=64, gemm=True,
@@ -101,9 +103,11 @@ def _run(name, case, dtype):
 
 
 def _pairs(names):
-  """(variant, case) pairs that can run: ``reduction="none"`` takes per-token cotangents, which fast designs refuse
+  """(variant, case) pairs that can run: ``reduction="none"`` takes per-token cotangents, which ``mode="fast"`` runs
+  only on a fast design that forms dz in its backward (``Variant.token_cotangents``); the others refuse it
   (``test_fast_refuses_per_token_cotangents``), so those pairs are not generated rather than skipped."""
-  return [(n, c) for n in names for c in CASES if not (CASES[c][2] == "none" and VARIANTS[n].mode == "fast")]
+  return [(n, c) for n in names for c in CASES
+          if not (CASES[c][2] == "none" and VARIANTS[n].mode == "fast" and not VARIANTS[n].token_cotangents)]
 
 
 CPU_VARIANTS = [n for n, v in VARIANTS.items() if not v.gpu_only]
@@ -115,13 +119,45 @@ def test_against_oracle(name, case, dtype):
   _run(name, case, dtype)
 
 
-@pytest.mark.parametrize("name", [n for n in CPU_VARIANTS if VARIANTS[n].mode == "fast"])
+@pytest.mark.parametrize("name", [n for n in CPU_VARIANTS if VARIANTS[n].mode == "fast"
+                                  and not VARIANTS[n].token_cotangents])
 def test_fast_refuses_per_token_cotangents(name):
+  """mode='fast' with reduction='none' on a fast design that forms the gradients in its forward (one scalar
+  cotangent): a ValueError at trace time naming the impl, never a silent lean run."""
   v = VARIANTS[name]
-  with pytest.raises(ValueError, match="reduction='none' needs per-token cotangents"):
-    lce_flax.linear_cross_entropy(jnp.ones((4, 128), jnp.bfloat16), jnp.ones((128, 256), jnp.bfloat16),
-                                  jnp.zeros(4, jnp.int32), impl=v.impl, mode=v.mode, reduction="none",
-                                  config=v.config)
+  args = (jnp.ones((4, 128), jnp.bfloat16), jnp.ones((128, 256), jnp.bfloat16), jnp.zeros(4, jnp.int32))
+  f = lambda x, w, y: lce_flax.linear_cross_entropy(x, w, y, impl=v.impl, mode=v.mode, reduction="none",
+                                                    config=v.config)
+  with pytest.raises(ValueError, match=rf"mode='fast' with reduction='none' needs a fast design that takes "
+                                       rf"per-token cotangents, and impl='{v.impl}' has none here: .*mode='lean'"):
+    jax.jit(f).trace(*args)
+
+
+@pytest.mark.parametrize("case", ["default_logits", "default_tokens"])
+def test_fast_mode_per_token_losses_run_the_logits_design(case):
+  """mode='fast', reduction='none', impl='pallas_mosaic' (interpret mode, bf16): the 'logits' fast design runs,
+  also where the sizes' default fast design is 'tokens' (B=300, H=64: the per-token design is picked, as with
+  mode=None), and explain() says so; the per-token losses, aux and the vjp of a random float32 [B] cotangent
+  (dx, dw, dbias) equal the float64 oracle's, with ragged B, ignored and masked tokens and a bias. The first case
+  stores shifted logits (label smoothing: a dz pass), the second the exponentials (V=384: the GEMM forward)."""
+  from lce_flax import explain
+
+  batch, h, v, w_layout, options, cfg = {
+      "default_logits": ((101,), 128, 301, "hv", OPTIONS["all"], _MOSAIC_SMALL),
+      "default_tokens": ((300,), 64, 384, "vh", dict(z_loss=1e-3, logit_softcap=5.0), dict(_MOSAIC_SMALL, block_t=128)),
+  }[case]
+  config = lce_flax.PallasMosaicConfig(**cfg)
+  sds = jax.ShapeDtypeStruct
+  x, w = sds((*batch, h), jnp.bfloat16), sds((h, v) if w_layout == "hv" else (v, h), jnp.bfloat16)
+  kw = dict(interpret=True, config=config, w_layout=w_layout)
+  default = explain(x, w, impl="pallas_mosaic", mode="fast", **kw).name
+  assert default == case.removeprefix("default_")
+  d = explain(x, w, impl="pallas_mosaic", mode="fast", reduction="none", **kw, **options)
+  assert (d.impl, d.mode, d.name) == ("pallas_mosaic", "fast", "logits") and d.config.token_cotangents
+  note = [n for n in d.notes if n.startswith("mode='fast', reduction='none': the 'logits' fast design forms dz")]
+  assert len(note) == 1 and ("the default fast design of these sizes takes none" in note[0]) == (default == "tokens")
+  check_impl("pallas_mosaic", seed=200 + len(case), batch_shape=batch, h=h, v=v, dtype=jnp.bfloat16, bias=True,
+             where=True, reduction="none", options=options, mode="fast", **kw)
 
 
 @pytest.mark.parametrize("name", [n for n in CPU_VARIANTS if VARIANTS[n].mode != "fast"])

@@ -269,7 +269,10 @@ def dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opt
   ``shards`` > 1: the vocabulary is split over that many devices (the vocab-parallel head); the design is that of
   one shard's V/shards columns, and only backends registered with ``vocab_parallel_fast`` have a fast design
   there. A chunk option (``token_chunk`` / ``vocab_chunk``) is honoured or refused: ``impl="auto"`` skips a design
-  that refuses it (and says so), an explicit impl raises ``ValueError`` naming the option and the impl."""
+  that refuses it (and says so), an explicit impl raises ``ValueError`` naming the option and the impl.
+  ``reduction="none"`` with ``mode=None`` runs a fast design that takes per-token cotangents where the backend has
+  one (:func:`_per_token_fast`), else lean; with ``mode="fast"`` only such a design runs (or ``"xla"``'s autodiff):
+  where there is none, ``ValueError`` (:func:`_token_cotangents_error`; auto skips such a candidate but the last)."""
   interpret = _device.default_interpret() if opts.interpret is None else bool(opts.interpret)
   spec = common.Spec(opts.spec(vocab), w_layout, interpret)
   shard_spec = spec if shards == 1 else common.Spec(opts.spec(vocab // shards), w_layout, interpret)
@@ -280,13 +283,18 @@ def dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opt
   chunk = next(((f, v) for f in ("token_chunk", "vocab_chunk") if (v := getattr(opts, f)) is not None), None)
   notes, reasons = [], []
   per_token = opts.mode is None and opts.reduction == "none" and chunk is None
+  # mode='fast' with reduction='none': only a fast design that takes per-token cotangents runs (never lean)
+  fast_tokens = opts.mode == "fast" and opts.reduction == "none"
   what = "fast design" if shards == 1 else f"vocab-parallel fast design (V split over {shards} devices)"
   for i, name in enumerate(names):
     last = i == len(names) - 1
     entry = REGISTRY[name]
+    config = opts.config
+    # (mode='fast', reduction='none' where this impl has no fast design that takes per-token cotangents)
+    refuse = functools.partial(_token_cotangents_error, name, entry, opts=opts, shards=shards, auto=auto,
+                               last=last, reasons=reasons)
     try:
       check_supported(name, spec, platform, dtype)
-      config = opts.config
       if chunk is not None:
         field, val = chunk
         if field not in entry.backend.Config.__dataclass_fields__:
@@ -298,6 +306,8 @@ def dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opt
       # (the oracle's autodiff is one computation for both modes)
       has_fast = shards == 1 and entry.autodiff or entry.has_fast and (shards == 1 or entry.vocab_parallel_fast)
       if not has_fast and want == "fast":
+        if fast_tokens:
+          raise refuse(None, config)
         if opts.mode == "fast" and not auto:
           raise ValueError(f"mode='fast': impl={name!r} has no {what}; use mode='lean' (or mode=None)")
         if auto and (not last or chunk is not None):
@@ -308,9 +318,23 @@ def dispatch(num_tokens: int, hidden: int, vocab: int, dtype, w_layout: str, opt
         if per_token and entry.has_fast and shards == 1:
           design = _per_token_fast(entry, num_tokens, hidden, shard_spec, dtype, config) or design
       except ValueError as e:  # under auto the only value given to a design is the chunk option: a design that
+        if fast_tokens and _chooses_scalar_fast(name, entry, config, shards):  # (the refusal says more)
+          raise refuse(None, config) from e
         if not auto or chunk is None:  # refuses it is skipped, like a backend that cannot run
           raise
         raise NotImplementedError(f"{e} (impl={name!r} refuses it)") from e
+      if fast_tokens:
+        default = design
+        if shards > 1:
+          raise refuse(default, config)
+        if entry.autodiff:  # the oracle: JAX's autodiff takes any cotangent (one computation for both modes)
+          design = _with_notes(design, "mode='fast', reduction='none': JAX's autodiff through the stored logits "
+                                       "takes the per-token cotangents (the same computation as mode='lean' here)")
+        else:
+          design = _per_token_fast(entry, num_tokens, hidden, shard_spec, dtype, config, default,
+                                   "mode='fast', reduction='none'")
+          if design is None:
+            raise refuse(default, config)
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
       continue
@@ -348,12 +372,14 @@ def _entropy_note(design: common.Design, num_tokens: int, hidden: int, columns: 
                              + num_tokens * hidden * 4, notes=(*design.notes, note))
 
 
-def _per_token_fast(entry: Entry, num_tokens: int, hidden: int, spec: common.Spec, dtype, config
-                    ) -> common.Design | None:
-  """For ``reduction="none"`` with ``mode=None``: a fast design of the backend that forms dz in its backward (and
-  so takes per-token cotangents): its default one, else the one its ``per_token_config`` names; None when it has
-  none (the lean design runs). A config the fast design refuses (e.g. one with a lean ``vocab_chunk``) keeps the
-  lean design."""
+def _per_token_fast(entry: Entry, num_tokens: int, hidden: int, spec: common.Spec, dtype, config,
+                    default: common.Design | None = None, asked: str = "reduction='none'") -> common.Design | None:
+  """For ``reduction="none"``: a fast design of the backend that forms dz in its backward (and so takes per-token
+  cotangents): its default one, else the one its ``per_token_config`` names; None when it has none (with
+  ``mode=None`` the lean design runs; with ``mode='fast'`` dispatch raises). A config the fast design refuses (e.g.
+  one with a lean ``vocab_chunk``) keeps the lean design. ``default``: the backend's fast design for ``config``
+  where the caller has formed it already (``mode='fast'``: its config errors raised); ``asked``: what the note
+  names as the reason."""
   def fast_design(cfg):
     try:
       design = entry.backend.design(num_tokens, hidden, spec, dtype, "fast", cfg)
@@ -361,7 +387,10 @@ def _per_token_fast(entry: Entry, num_tokens: int, hidden: int, spec: common.Spe
       return None
     return design if takes_token_cotangents(design.config) else None
 
-  design = fast_design(config)
+  if default is not None:
+    design = default if takes_token_cotangents(default.config) else None
+  else:
+    design = fast_design(config)
   note = "forms dz in its backward, so it takes the per-token cotangents"
   if design is None and hasattr(entry.backend, "per_token_config"):
     other = entry.backend.per_token_config(config)
@@ -371,7 +400,61 @@ def _per_token_fast(entry: Entry, num_tokens: int, hidden: int, spec: common.Spe
                f"{design.memory_bytes / 2**30:.2f} GiB, mode='lean' takes less)")
   if design is None:
     return None
-  return dataclasses.replace(design, notes=(*design.notes, f"reduction='none': the {design.name!r} fast design {note}"))
+  return dataclasses.replace(design, notes=(*design.notes, f"{asked}: the {design.name!r} fast design {note}"))
+
+
+def _token_cotangent_impls() -> list[str]:
+  """The implementations with a fast design that takes per-token cotangents where their default one does not (the
+  backends with a ``per_token_config``: ``"pallas_mosaic"``)."""
+  return [n for n, e in REGISTRY.items() if hasattr(e.backend, "per_token_config")]
+
+
+def _chooses_scalar_fast(name: str, entry: Entry, config, shards: int) -> bool:
+  """Whether ``config`` (a token chunk, a fast design) chose a fast design of ``name`` that takes no per-token
+  cotangents where the backend has one that does (its ``per_token_config`` keeps the user's choice: None)."""
+  return shards == 1 and name in _token_cotangent_impls() and entry.backend.per_token_config(config) is None
+
+
+def _token_cotangents_error(name: str, entry: Entry, default: common.Design | None, config, *, opts: LossOptions,
+                            shards: int, auto: bool, last: bool, reasons: list[str]) -> Exception:
+  """The error of ``mode='fast'`` with ``reduction='none'`` where impl ``name`` has no fast design that takes
+  per-token cotangents (``default``: its fast design for ``config``, None where it has none), saying why and what to
+  do instead: a ``ValueError``, or under ``impl='auto'`` a ``NotImplementedError`` that skips a candidate but the
+  last (the user asked for fast: auto never falls back to lean here)."""
+  takers = _token_cotangent_impls()
+  chosen = None  # the option that chose a fast design that takes none, where the backend has one that would
+  if _chooses_scalar_fast(name, entry, config, shards):
+    cfg = config or entry.backend.Config()
+    chosen = (f"token_chunk={opts.token_chunk}" if opts.token_chunk is not None else
+              f"config token_chunk={cfg.token_chunk}" if getattr(cfg, "token_chunk", None) is not None else
+              f"config fast_design={getattr(cfg, 'fast_design', None)!r}")
+  if shards > 1:
+    why = (f"w's vocabulary is split over {shards} devices, where no fast design takes them ("
+           + (f"its vocab-parallel {default.name!r} design forms the gradients in its forward, for one scalar "
+              "cotangent)" if default is not None else "it has no vocab-parallel fast design)"))
+  elif chosen is not None:
+    which = "a fast design that loops over tokens" if default is None else f"its {default.name!r} fast design"
+    why = (f"{chosen} chooses {which}, which forms the gradients in its forward, for one scalar cotangent; its fast "
+           "design that takes them stores the logits of all tokens at once (it has no token loop)")
+  elif default is None:
+    why = "it has no fast design"
+  else:
+    why = f"its {default.name!r} fast design forms the gradients in its forward, for one scalar cotangent"
+  if opts.token_chunk is not None and chosen is None:
+    why += (f" (and token_chunk={opts.token_chunk} is for the fast designs that loop over tokens, none of which takes "
+            "per-token cotangents)")
+  if auto and not last:
+    return NotImplementedError(f"mode='fast' with reduction='none': {why}")
+  impl = f"impl={name!r}" if not auto else f"impl='auto' (which picks {name!r} here)"
+  todo = [f"drop {chosen}"] if chosen is not None else []
+  todo.append("use mode=None or mode='lean' (a lean design takes any per-token cotangent"
+              + ("; vocab_chunk sets its chunk)" if opts.token_chunk is not None else ")"))
+  if shards == 1 and name not in takers:
+    todo.append(" or ".join(f"impl={t!r}" for t in takers) + " on a Hopper GPU with bf16/fp16 inputs (its "
+                "'logits' fast design forms dz in its backward)")
+  skipped = f" (skipped: {'; '.join(reasons)})" if reasons else ""
+  return ValueError(f"mode='fast' with reduction='none' needs a fast design that takes per-token cotangents, and "
+                    f"{impl} has none here: {why}{skipped}; {', or '.join(todo)}")
 
 
 # ------------------------------------------------------------------------------------------------ the lean vjp
