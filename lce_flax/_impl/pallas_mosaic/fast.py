@@ -192,7 +192,7 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   e = e.at[rows, jnp.where(hit, yp, e.shape[1])].set(patch, mode="drop", unique_indices=True, indices_are_sorted=True)
 
   lax.cond(ok, lambda: None, _note_fallback)  # the warning, on a cond of its own
-  lean = op.plan(xp.shape[0], xp.shape[1], v, None, spec.interpret, "lean")
+  lean = op.plan(xp.shape[0], xp.shape[1], v, op.Config(block_t=p.block_t), spec.interpret, "lean")  # (rows as padded)
   e = op.dz_into(e, xp, wp, bp, yp, st.lse, g_loss, g_lse, spec, lean, when=~ok)  # (in place; no trip if ok)
   sigma = jnp.where(ok, sigma, 1.0)
   dx = _grad_x(e, wp, layout, p, spec.interpret) * sigma[:, None]
