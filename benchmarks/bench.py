@@ -219,7 +219,7 @@ def _lce_variants(name: str, modes: tuple[str, ...], interpret: bool = False) ->
 # ``low_memory``: a third logits pass instead of the B×H float32 dx accumulator (≤ 64 MB at the LLM shapes).
 # ``pallas_mosaic:<design>``: its fast design named; ``:kernels_ws``: the fast forward on the warp-specialised kernel
 # of kernels_ws.py instead of the persistent GEMM; ``:xla_products`` / ``:gemm_products``: both backward products
-# on XLA's GEMMs / on ours (the default picks each by the tuning table);
+# on XLA's GEMMs / on ours (the default picks each by the tuning table); ``:tokens8192``: chunks of 8192 tokens;
 # ``:shifted``: the stored tiles as logits shifted by their row max and a dz pass (not the exponentials).
 CONFIG_VARIANTS = {"pallas_triton:low_memory": ("pallas_triton", "PallasTritonConfig", {"low_memory": True}),
                    "triton:low_memory": ("triton", "TritonConfig", {"low_memory": True}),
@@ -228,6 +228,8 @@ CONFIG_VARIANTS = {"pallas_triton:low_memory": ("pallas_triton", "PallasTritonCo
                    "pallas_mosaic:kernels_ws": ("pallas_mosaic", "PallasMosaicConfig", {"gemm": False}),
                    "pallas_mosaic:xla_products": ("pallas_mosaic", "PallasMosaicConfig", {"products": "xla"}),
                    "pallas_mosaic:gemm_products": ("pallas_mosaic", "PallasMosaicConfig", {"products": "gemm"}),
+                   "pallas_mosaic:tokens8192": ("pallas_mosaic", "PallasMosaicConfig",
+                                                {"fast_design": "tokens", "token_chunk": 8192}),
                    "pallas_mosaic:shifted": ("pallas_mosaic", "PallasMosaicConfig", {"stored": "shifted"})}
 
 

@@ -196,10 +196,11 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   e = op.dz_into(e, xp, wp, bp, yp, st.lse, g_loss, g_lse, spec, lean, when=~ok)  # (in place; no trip if ok)
   sigma = jnp.where(ok, sigma, 1.0)
   dx = _grad_x(e, wp, layout, p, spec.interpret) * sigma[:, None]
-  dw = _grad_w((xp.astype(F32) * sigma[:, None]).astype(xp.dtype), e, layout, p, spec.interpret,
-               F32 if dw_acc is not None else dw_dtype)
-  if dw_acc is not None:  # (XLA adds the product into the carried buffer in place)
-    dw = dw_acc + dw
+  xs = (xp.astype(F32) * sigma[:, None]).astype(xp.dtype)
+  if dw_acc is not None:  # XLA's product, added into the carried buffer in place (see .op._products)
+    dw = dw_acc + common.grad_w(xs, e, layout)
+  else:
+    dw = _grad_w(xs, e, layout, p, spec.interpret, dw_dtype)
   db = None if bp is None else jnp.einsum("b,bv->v", sigma.astype(e.dtype), e, preferred_element_type=F32)
   return dx, dw, db
 

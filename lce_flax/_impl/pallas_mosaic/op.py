@@ -294,17 +294,20 @@ def _with_gemm(tiles: Plan, c: Config, num_tokens: int, hidden: int, vocab: int,
 
 
 def _products(p: Plan, c: Config, num_tokens: int, hidden: int, vocab: int) -> Plan:
-  """``products`` resolved, (dx, dw): both as asked; else XLA's in the "tokens" design, whose chunk-sized dx
-  products ran faster on XLA's GEMM on an H100 (gpt2-small, 4096-token chunks: 8.06 vs 8.77 ms for the whole step,
-  ``benchmarks/results/h100-2026-11-24-fast-gemm/``); else on the GEMM where the forward runs on it, but for a
-  product whose tuning-table row measured XLA's GEMM faster at this shape (:func:`.tuning.xla_faster`)."""
+  """``products`` resolved, (dx, dw): both as asked; else XLA's where the forward is not on the GEMM; else on the
+  GEMM, but for a product whose tuning-table row measured XLA's GEMM faster at its shape (:func:`.tuning.xla_faster`;
+  the "tokens" design's dx at the chunk's shape). The "tokens" design's dw is XLA's product whatever is asked: it
+  adds each chunk's xᵀ·dz into the carried float32 dw in place (cuBLAS accumulates into it), where the GEMM's
+  output would be a second H×V float32 buffer and an add."""
+  tokens = p.fast_design == "tokens"
   if c.products is not None:
-    return dataclasses.replace(p, products=(c.products, c.products))
-  if p.gemm is None or p.fast_design != "logits":
+    return dataclasses.replace(p, products=(c.products, "xla" if tokens else c.products))
+  if p.gemm is None:
     return dataclasses.replace(p, products=("xla", "xla"))
-  kind, rows = gemm_lib._device_kind(), cdiv(num_tokens, p.block_t) * p.block_t
+  kind, rows = gemm_lib._device_kind(), p.token_chunk or cdiv(num_tokens, p.block_t) * p.block_t
   on = lambda role, mnk: "xla" if tuning.xla_faster(role, *mnk, kind) else "gemm"
-  return dataclasses.replace(p, products=(on("dx", (rows, hidden, vocab)), on("dw", (hidden, vocab, rows))))
+  return dataclasses.replace(p, products=(on("dx", (rows, hidden, vocab)),
+                                          "xla" if tokens else on("dw", (hidden, vocab, rows))))
 
 
 PROBS_GAP = 60.0  # nats: the largest lse - reference logit the stored exponentials serve (see .fast)
@@ -402,7 +405,9 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
           else "one warpgroup")
   tiles = f"{p.block_t}×{p.block_v}×{p.block_k} tiles ({kind}), {p.num_splits} vocabulary splits in the forward"
   if p.gemm is not None:
-    tiles = f"forward on the persistent GEMM ({p.gemm.short()}), dz pass in {p.block_t}×{p.gemm.tile_n} blocks"
+    tiles = f"forward on the persistent GEMM ({p.gemm.short()})"
+    if p.fast_design is not None and not stores_probs(p, spec.opts, dtype):
+      tiles += f", dz pass in {p.block_t}×{p.gemm.tile_n} blocks"
   if p.fast_design is None:
     name, chunking = "recompute", f"{tiles}; backward: vocabulary chunks of {p.vocab_chunk} columns"
   elif p.fast_design == "logits":
@@ -449,7 +454,7 @@ def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.
   def product(role, on, mnk):
     if on == "gemm":
       return f"on the GEMM: {tuning.describe(role, *mnk, kind)}"
-    why = tuning.xla_faster(role, *mnk, kind)
+    why = tuning.xla_faster(role, *mnk, kind) if p.gemm is not None else None
     return "by XLA (cuBLAS)" + (f": {why}" if why else "")
 
   prods = f"backward products: dx = dz·wᵀ {product('dx', p.products[0], (rows, hidden, vocab))}"
