@@ -294,11 +294,13 @@ def _with_gemm(tiles: Plan, c: Config, num_tokens: int, hidden: int, vocab: int,
 
 
 def _products(p: Plan, c: Config, num_tokens: int, hidden: int, vocab: int) -> Plan:
-  """``products`` resolved, (dx, dw): both as asked; else XLA's where the forward is not on the GEMM; else on the
-  GEMM, but for a product whose tuning-table row measured XLA's GEMM faster at its shape (:func:`.tuning.xla_faster`;
-  the "tokens" design's dx at the chunk's shape). The "tokens" design's dw is XLA's product whatever is asked: it
-  adds each chunk's xᵀ·dz into the carried float32 dw in place (cuBLAS accumulates into it), where the GEMM's
-  output would be a second H×V float32 buffer and an add."""
+  """``products`` resolved, (dx, dw): both as asked; else XLA's where the forward is not on the GEMM or the design
+  is "tokens" (its chunk-sized dx ran faster on XLA's GEMM on an H100 at gpt2-small, 4096-token chunks: 6.97 vs
+  7.15 ms for the whole step, ``benchmarks/results/h100-2026-11-24-r4-fallback/``; equal at llama3-8b with 32768
+  tokens); else on the GEMM, but for a product whose tuning-table row measured XLA's GEMM faster at its shape
+  (:func:`.tuning.xla_faster`). The "tokens" design's dw is XLA's product whatever is asked: it adds each chunk's
+  xᵀ·dz into the carried float32 dw in place (cuBLAS accumulates into it), where the GEMM's output would be a
+  second H×V float32 buffer and an add."""
   tokens = p.fast_design == "tokens"
   if c.products is not None:
     return dataclasses.replace(p, products=(c.products, "xla" if tokens else c.products))
@@ -306,8 +308,9 @@ def _products(p: Plan, c: Config, num_tokens: int, hidden: int, vocab: int) -> P
     return dataclasses.replace(p, products=("xla", "xla"))
   kind, rows = gemm_lib._device_kind(), p.token_chunk or cdiv(num_tokens, p.block_t) * p.block_t
   on = lambda role, mnk: "xla" if tuning.xla_faster(role, *mnk, kind) else "gemm"
-  return dataclasses.replace(p, products=(on("dx", (rows, hidden, vocab)),
-                                          "xla" if tokens else on("dw", (hidden, vocab, rows))))
+  if tokens:  # chunk-sized products: XLA's dx measured faster (gpt2-small: 6.97 vs 7.15 ms for the whole step)
+    return dataclasses.replace(p, products=("xla", "xla"))
+  return dataclasses.replace(p, products=(on("dx", (rows, hidden, vocab)), on("dw", (hidden, vocab, rows))))
 
 
 PROBS_GAP = 60.0  # nats: the largest lse - reference logit the stored exponentials serve (see .fast)
