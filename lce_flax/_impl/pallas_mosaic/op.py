@@ -34,8 +34,8 @@ Backward (recompute, bounded memory)
   epilogue is the factored form of :func:`lce_flax._math.dlogits`, see :func:`.epilogue.row_coefficients`), then
   two XLA matmuls give ``dw[chunk] = xᵀ dz`` (complete, written once) and ``dx += dz wᵀ[chunk]`` (float32
   accumulator). FLOPs 2·B·H·V (forward) + 2·B·H·V (recompute) + 4·B·H·V (gradients) = 8·B·H·V.
-  Extra memory: dz (B·chunk·2 bytes: 32 MiB at B=8192, chunk 2048), the float32 dx (B·H·4) and XLA's product of
-  the same size, one chunk of w.
+  Extra memory: dz (B·chunk·2 bytes: 32 MiB at B=8192, chunk 2048), the float32 dx (B·H·4; each chunk's product
+  is added into it in place, one loop over all chunks), one chunk of w.
 
 Fast mode (``mode="fast"``, 6·B·H·V, a bounded buffer; :mod:`.fast`)
   The forward kernel also writes every logit tile, shifted by its row max, in the input dtype, plus the maxima
@@ -366,7 +366,8 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
   """Bound on the extra memory of forward + backward (this file's and :mod:`.fast`'s accounting, a bias
   included): the padded copies of x and w (when the shape needs them), the forward's partial stats, and
 
-  * lean: dz (B·chunk·itemsize), the float32 dx and XLA's product of it (2·B·H·4), one chunk of w;
+  * lean: dz (B·chunk·itemsize), the float32 dx (B·H·4: each chunk's product is added into it in place), one chunk
+    of w;
   * "logits": the stored tiles, turned into dz in place (B·V·itemsize), their row maxima (B·⌈V/bv⌉·4), the
     bias column sums per row block, the backward's float32 dx product (B·H·4) and x scaled by the cotangent;
   * "tokens" (c tokens per chunk): the float32 dw (H·V·4), one chunk's stored tiles, maxima and bias sums
@@ -384,7 +385,7 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
   mem += 2 * hp * vp * itemsize if (hp, vp) != (hidden, vocab) else 0  # padded w and its padded gradient
   nvt = vp // bv if p.fast_design and not probs else 0
   if p.fast_design is None:
-    return mem + bp * p.vocab_chunk * itemsize + 2 * bp * hp * 4 + hp * p.vocab_chunk * itemsize
+    return mem + bp * p.vocab_chunk * itemsize + bp * hp * 4 + hp * p.vocab_chunk * itemsize
   rows = bp if p.fast_design == "logits" else p.token_chunk
   sums = 0 if probs else rows // bt * vp * 4  # the dz pass's bias column sums per row block
   if probs:  # the recompute backward's dz and w chunks, should it run
@@ -523,16 +524,13 @@ def _stats(x, w, bias, labels, spec, p) -> _math.RowStats:
   return _math.RowStats(*(a[:b] for a in st))
 
 
-def _walk_chunks(vp: int, cw: int, step, carry):
-  """``step(start, lo, carry)`` over the column chunks ``[start, start + cw)`` that cover ``[0, vp)``: whole ones,
-  then a last one clamped to end at ``vp`` whose first ``lo`` columns the previous chunk did."""
-  n_full = vp // cw
-  tail = vp - n_full * cw
-  if n_full:
-    carry = lax.fori_loop(0, n_full, lambda k, cr: step(k * cw, 0, cr), carry)
-  if tail:
-    carry = step(vp - cw, n_full * cw - (vp - cw), carry)
-  return carry
+def _chunk(k, vp: int, cw: int):
+  """Chunk ``k`` of the ``cdiv(vp, cw)`` column chunks ``[start, start + cw)`` that cover ``[0, vp)``: (start, lo),
+  the last one clamped to end at ``vp``, its first ``lo`` columns done by the previous chunk (0 for the others).
+  One loop takes them all: a separate last step made XLA keep its dx product beside the accumulator (an unfused
+  add: 134 MB more at llama3-8b, ``benchmarks/probe_hlo.py --mode lean``)."""
+  start = jnp.minimum(k * cw, vp - cw)
+  return start, k * cw - start
 
 
 def _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
@@ -564,21 +562,22 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   xp, wp, bp, d, dz_of = _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p)
   vaxis = spec.vocab_axis
 
-  def step(start, lo, carry):
+  cw = p.vocab_chunk
+
+  def step(k, carry):
     dx, dw, db = carry
+    start, lo = _chunk(k, d.vp, cw)
     dz, w_c = dz_of(start)
     # dw's columns are complete after this one matmul (overlap columns get the same values again).
     dw = lax.dynamic_update_slice_in_dim(dw, common.grad_w(xp, dz, spec.w_layout).astype(dw.dtype), start, vaxis)
     if db is not None:
       db = lax.dynamic_update_slice_in_dim(db, jnp.sum(dz.astype(F32), axis=0), start, 0)
-    if lo:  # overlap columns must not reach dx twice
-      keep = jnp.arange(p.vocab_chunk) >= lo
-      w_c = jnp.where(keep[None, :] if spec.w_layout == "hv" else keep[:, None], w_c, 0)
-    dx = dx + common.grad_x(dz, w_c, spec.w_layout)
-    return dx, dw, db
+    keep = jnp.arange(cw) >= lo  # overlap columns must not reach dx twice
+    w_c = jnp.where(keep[None, :] if spec.w_layout == "hv" else keep[:, None], w_c, 0)
+    return dx + common.grad_x(dz, w_c, spec.w_layout), dw, db  # (cuBLAS adds into the carried dx in place)
 
   carry = (jnp.zeros(xp.shape, F32), jnp.zeros_like(wp), None if bp is None else jnp.zeros(bp.shape, F32))
-  dx, dw, db = _walk_chunks(d.vp, p.vocab_chunk, step, carry)
+  dx, dw, db = lax.fori_loop(0, cdiv(d.vp, cw), step, carry)
   dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
   return dx[:b, :h], dw.astype(w.dtype), None if bias is None else db[:v]
 
@@ -598,9 +597,9 @@ def dz_into(out, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p: P
   cw = p.vocab_chunk
   trips = jnp.where(when, cdiv(d.vp, cw), 0)
 
-  def body(carry):  # the last chunk is clamped to end at vp (its overlap columns are written again, same values)
+  def body(carry):  # (the last chunk's overlap columns are written again, with the same values)
     k, out = carry
-    start = jnp.minimum(k * cw, d.vp - cw)
+    start, _ = _chunk(k, d.vp, cw)
     return k + 1, lax.dynamic_update_slice_in_dim(out, dz_of(start)[0].astype(out.dtype), start, 1)
 
   return lax.while_loop(lambda c: c[0] < trips, body, (jnp.int32(0), out))[1]
