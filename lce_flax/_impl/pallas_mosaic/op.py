@@ -362,12 +362,16 @@ def supported(spec: common.Spec, platform: str, dtype=None) -> None:
     check_dtype(dtype)
 
 
+# the workspace XLA's GPU backend gives its cuBLAS-Lt GEMMs (``s8[33554432]`` in the compiled HLO), counted as temp
+CUBLAS_WORKSPACE = 32 * 2**20
+
+
 def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: int, probs: bool = False) -> int:
   """Bound on the extra memory of forward + backward (this file's and :mod:`.fast`'s accounting, a bias
   included): the padded copies of x and w (when the shape needs them), the forward's partial stats, and
 
-  * lean: dz (B·chunk·itemsize), the float32 dx (B·H·4: each chunk's product is added into it in place), one chunk
-    of w;
+  * lean: dz (B·chunk·itemsize), the float32 dx (B·H·4: each chunk's product is added into it in place), three
+    [H, chunk] buffers (the chunk of w, its copy with the overlap columns masked for dx, the chunk's dw product);
   * "logits": the stored tiles, turned into dz in place (B·V·itemsize), their row maxima (B·⌈V/bv⌉·4), the
     bias column sums per row block, the backward's float32 dx product (B·H·4) and x scaled by the cotangent;
   * "tokens" (c tokens per chunk): the float32 dw (H·V·4), one chunk's stored tiles, maxima and bias sums
@@ -375,17 +379,19 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
 
   With stored exponentials (``probs``, :func:`stores_probs`) there are no maxima and no bias sums per row block, and
   the backward may take the recompute design instead (decided at run time): its chunk of dz and of w are added.
+  Every design also calls XLA's GEMMs, whose cuBLAS workspace (``CUBLAS_WORKSPACE``, 32 MiB) XLA counts as temp.
   """
   bt, bv, bk = p.block_t, p.block_v, p.block_k
   bp, hp = cdiv(num_tokens, bt) * bt, cdiv(hidden, bk) * bk
   mult = bv if p.fast_design else 64  # the stores need whole tiles; a bias pads to 64 columns (see prepare)
   vp = max(cdiv(vocab, mult) * mult, bv * (2 if p.warp_specialized else 1))
   mem = 16 * p.num_splits * (2 if p.warp_specialized else 1) * bp + 2 * vp * 4  # stats; f32 bias and dbias
+  mem += CUBLAS_WORKSPACE
   mem += bp * hp * itemsize if (bp, hp) != (num_tokens, hidden) else 0
   mem += 2 * hp * vp * itemsize if (hp, vp) != (hidden, vocab) else 0  # padded w and its padded gradient
   nvt = vp // bv if p.fast_design and not probs else 0
   if p.fast_design is None:
-    return mem + bp * p.vocab_chunk * itemsize + bp * hp * 4 + hp * p.vocab_chunk * itemsize
+    return mem + bp * p.vocab_chunk * itemsize + bp * hp * 4 + 3 * hp * p.vocab_chunk * itemsize
   rows = bp if p.fast_design == "logits" else p.token_chunk
   sums = 0 if probs else rows // bt * vp * 4  # the dz pass's bias column sums per row block
   if probs:  # the recompute backward's dz and w chunks, should it run
