@@ -51,6 +51,7 @@ import importlib
 import importlib.metadata
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -219,7 +220,8 @@ def _lce_variants(name: str, modes: tuple[str, ...], interpret: bool = False) ->
 # ``low_memory``: a third logits pass instead of the B×H float32 dx accumulator (≤ 64 MB at the LLM shapes).
 # ``pallas_mosaic:<design>``: its fast design named; ``:kernels_ws``: the fast forward on the warp-specialised kernel
 # of kernels_ws.py instead of the persistent GEMM; ``:xla_products`` / ``:gemm_products``: both backward products
-# on XLA's GEMMs / on ours (the default picks each by the tuning table); ``:tokens8192``: chunks of 8192 tokens;
+# on XLA's GEMMs / on ours (the default picks each by the tuning table); ``:tokens<N>`` (any N, a multiple of 128):
+# the "tokens" design in chunks of N tokens;
 # ``:shifted``: the stored tiles as logits shifted by their row max and a dz pass (not the exponentials).
 CONFIG_VARIANTS = {"pallas_triton:low_memory": ("pallas_triton", "PallasTritonConfig", {"low_memory": True}),
                    "triton:low_memory": ("triton", "TritonConfig", {"low_memory": True}),
@@ -228,13 +230,25 @@ CONFIG_VARIANTS = {"pallas_triton:low_memory": ("pallas_triton", "PallasTritonCo
                    "pallas_mosaic:kernels_ws": ("pallas_mosaic", "PallasMosaicConfig", {"gemm": False}),
                    "pallas_mosaic:xla_products": ("pallas_mosaic", "PallasMosaicConfig", {"products": "xla"}),
                    "pallas_mosaic:gemm_products": ("pallas_mosaic", "PallasMosaicConfig", {"products": "gemm"}),
-                   "pallas_mosaic:tokens8192": ("pallas_mosaic", "PallasMosaicConfig",
-                                                {"fast_design": "tokens", "token_chunk": 8192}),
                    "pallas_mosaic:shifted": ("pallas_mosaic", "PallasMosaicConfig", {"stored": "shifted"})}
 
 
+_TOKEN_CHUNK_VARIANT = re.compile(r"pallas_mosaic:tokens(\d+)")
+
+
+def _config_of(name: str):
+  """(impl, config class, fields) of a configuration row: :data:`CONFIG_VARIANTS` or ``pallas_mosaic:tokens<N>``;
+  None for any other name."""
+  if name in CONFIG_VARIANTS:
+    return CONFIG_VARIANTS[name]
+  m = _TOKEN_CHUNK_VARIANT.fullmatch(name)
+  if m:
+    return "pallas_mosaic", "PallasMosaicConfig", {"fast_design": "tokens", "token_chunk": int(m.group(1))}
+  return None
+
+
 def _config_variant(name: str, interpret: bool = False) -> Variant:
-  impl, cls, fields = CONFIG_VARIANTS[name]
+  impl, cls, fields = _config_of(name)
   tag = name.split(":", 1)[1]
   try:
     config = getattr(lce_flax, cls)(**fields)
@@ -299,7 +313,7 @@ def make_variants(impls: list[str] | None, modes: tuple[str, ...],
     impls = default_impls(tokamax is not None)
   known = [*BASELINES, "auto", *lce_flax.IMPLEMENTATIONS, *CONFIG_VARIANTS, *TOKAMAX_IMPLS]
   for name in impls:
-    if name not in known:
+    if name not in known and _config_of(name) is None:
       raise ValueError(f"--impls: {name!r} is not one of {known}")
   variants = []
   for name in impls:
@@ -307,7 +321,7 @@ def make_variants(impls: list[str] | None, modes: tuple[str, ...],
       variants.append(_plain_variant(name))
     elif name in TOKAMAX_IMPLS:
       variants.append(_tokamax_variant(name, tokamax, reason))
-    elif name in CONFIG_VARIANTS:
+    elif _config_of(name) is not None:
       variants.append(_config_variant(name, interpret))
     else:
       variants.extend(_lce_variants(name, modes, interpret))
