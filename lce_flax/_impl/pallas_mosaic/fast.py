@@ -272,22 +272,31 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
     refs = _reference(xp, wp, bp, yp, spec.w_layout, opts, d.v) if probs else jnp.zeros((d.b,), F32)
     refs = jnp.pad(refs, (0, pad)).reshape(n, chunk)
 
-    def body(carry, rows):
-      dw, db = carry
-      xc, yc, wc, rc = rows
+    def step(i, dw, db, dx):
+      """Chunk ``i``: its TokenOut, and dw, dbias and the dx rows with its share added. ``dw`` None (the first
+      chunk): its float32 product is the dw, so no buffer of zeros is written and read (2.1 GB twice at llama3-8b)."""
+      xc, yc, wc, rc = (lax.dynamic_index_in_dim(t, i, keepdims=False) for t in (xs, ys, ws, refs))
       if probs:
         out, st = _stored_probs(xc, wp, bp, yc, dc, p, opts, spec.w_layout, ref=rc)
-        dx, dw, dbc = _grads_from_probs(st, xc, wp, bp, yc, wc, jnp.zeros_like(wc), spec, p, F32, dw_acc=dw)
+        dxc, dw, dbc = _grads_from_probs(st, xc, wp, bp, yc, wc, jnp.zeros_like(wc), spec, p, F32, dw_acc=dw)
       else:
         out, dz, dbc = _stored_dz(xc, wp, bp, yc, wc, dc, p, opts)
-        # (XLA's float32 product added into dw: cuBLAS accumulates into the carried buffer in place)
-        dw = dw + common.grad_w(xc, dz, spec.w_layout)
-        dx = _grad_x(dz, wp, spec.w_layout, p, spec.interpret)
-      return (dw, None if db is None else db + dbc), (dx.astype(xp.dtype), out)
+        g = common.grad_w(xc, dz, spec.w_layout)
+        dw = g if dw is None else dw + g  # (XLA's float32 product added into dw in place: cuBLAS's beta = 1)
+        dxc = _grad_x(dz, wp, spec.w_layout, p, spec.interpret)
+      db = dbc if db is None else db + dbc
+      return out, dw, db, lax.dynamic_update_index_in_dim(dx, dxc.astype(xp.dtype), i, 0)
 
-    init = (jnp.zeros(wp.shape, F32), None if bp is None else jnp.zeros(bp.shape, F32))
-    (dw, db), (dx, out) = lax.scan(body, init, (xs, ys, ws, refs))
-    out = jax.tree.map(lambda t: t.reshape(n * chunk), out)
+    out0, dw, db, dx = step(0, None, None, jnp.zeros((n, chunk, d.h), xp.dtype))
+    outs = jax.tree.map(lambda t: jnp.zeros((n, *t.shape), t.dtype).at[0].set(t), out0)
+
+    def body(i, carry):
+      outs, dw, db, dx = carry
+      out, dw, db, dx = step(i, dw, db, dx)
+      return jax.tree.map(lambda a, t: lax.dynamic_update_index_in_dim(a, t, i, 0), outs, out), dw, db, dx
+
+    outs, dw, db, dx = lax.fori_loop(1, n, body, (outs, dw, db, dx))
+    out = jax.tree.map(lambda t: t.reshape(n * chunk), outs)
     res = (dx.reshape(n * chunk, d.h), dw, db)
   out = _math.TokenOut(*(t[:b] for t in out))
   total = jnp.sum(weights.astype(F32) * out.loss)
