@@ -119,6 +119,15 @@ def bench_example(a_mk, b_kn, quick):
   return best
 
 
+def save_probe(out: str, rows: list[dict], rounds: int) -> None:
+  """``out/results.json``: a probe's rows with the device, versions, date and commit (``LCE_FLAX_COMMIT``)."""
+  os.makedirs(out, exist_ok=True)
+  meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
+              commit=os.environ.get("LCE_FLAX_COMMIT"), rounds=rounds, rows=rows)
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(meta, f, indent=1)
+
+
 def interleaved(fns, rounds=3):
   """Median ms of each (fn, args) in ``fns``, timed in alternation (so clock drift favours none of them)."""
   ts = {name: [] for name in fns}

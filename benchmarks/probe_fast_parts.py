@@ -18,7 +18,6 @@ with each step's compiled temporary bytes. One JSON line per measurement; ``--ou
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -31,7 +30,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lce_flax  # noqa: E402
-from benchmarks.bench_gemm import SHAPES, interleaved  # noqa: E402
+from benchmarks.bench_gemm import SHAPES, interleaved, save_probe  # noqa: E402
 from lce_flax import _math  # noqa: E402
 from lce_flax._impl.pallas_mosaic import fast  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
@@ -110,12 +109,8 @@ def main():
   ap.add_argument("--shapes", default="llama3-8b,gemma2-2b,qwen3-8b")
   ap.add_argument("--rounds", type=int, default=3)
   args = ap.parse_args()
-  os.makedirs(args.out, exist_ok=True)
   rows = [r for name in args.shapes.split(",") for r in measure(name, args.rounds)]
-  meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
-              commit=os.environ.get("LCE_FLAX_COMMIT"), rounds=args.rounds, rows=rows)
-  with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump(meta, f, indent=1)
+  save_probe(args.out, rows, args.rounds)
 
 
 if __name__ == "__main__":

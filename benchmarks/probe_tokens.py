@@ -21,7 +21,6 @@ One JSON line per piece; ``--out`` gets ``results.json`` (device, versions, date
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -34,7 +33,7 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lce_flax  # noqa: E402
-from benchmarks.bench_gemm import interleaved  # noqa: E402
+from benchmarks.bench_gemm import interleaved, save_probe  # noqa: E402
 from lce_flax import _math  # noqa: E402
 from lce_flax._impl import common  # noqa: E402
 from lce_flax._impl.pallas_mosaic import fast  # noqa: E402
@@ -135,11 +134,7 @@ def main():
     row = dict(B=b, H=h, V=v, chunk=args.chunk, piece=name, ms=round(t, 3))
     rows.append(row)
     print(json.dumps(row), flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
-              commit=os.environ.get("LCE_FLAX_COMMIT"), rounds=args.rounds, rows=rows)
-  with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump(meta, f, indent=1)
+  save_probe(args.out, rows, args.rounds)
 
 
 if __name__ == "__main__":
