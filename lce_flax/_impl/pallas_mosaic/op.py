@@ -377,8 +377,9 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
   * "tokens" (c tokens per chunk): the float32 dw (H·V·4), one chunk's stored tiles, maxima and bias sums
     (c·V·itemsize + c·⌈V/bv⌉·4 + ...), its float32 dx product (c·H·4), and x padded to whole chunks.
 
-  With stored exponentials (``probs``, :func:`stores_probs`) there are no maxima and no bias sums per row block, and
-  the backward may take the recompute design instead (decided at run time): its chunk of dz and of w are added.
+  With stored exponentials (``probs``, :func:`stores_probs`) there are no maxima and no bias sums per row block, the
+  reference logits of every token are one [B, 256] float32 product, and the backward may take the recompute design
+  instead (decided at run time): its chunk of dz and of w are added.
   Every design also calls XLA's GEMMs, whose cuBLAS workspace (``CUBLAS_WORKSPACE``, 32 MiB) XLA counts as temp.
   """
   bt, bv, bk = p.block_t, p.block_v, p.block_k
@@ -394,9 +395,9 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
     return mem + bp * p.vocab_chunk * itemsize + bp * hp * 4 + 3 * hp * p.vocab_chunk * itemsize
   rows = bp if p.fast_design == "logits" else p.token_chunk
   sums = 0 if probs else rows // bt * vp * 4  # the dz pass's bias column sums per row block
-  if probs:  # the recompute backward's dz and w chunks, should it run
+  if probs:  # the reference logits' [B, REF_COLUMNS] float32 product; the recompute's dz and w chunks, should it run
     chunk = plan(rows, hidden, vocab, None, False, "lean").vocab_chunk
-    mem += (rows + hp) * chunk * itemsize
+    mem += bp * min(REF_COLUMNS, bp) * 4 + (rows + hp) * chunk * itemsize
   if p.fast_design == "logits":
     return mem + bp * vp * itemsize + bp * nvt * 4 + sums + bp * hp * (4 + itemsize)
   c = p.token_chunk
