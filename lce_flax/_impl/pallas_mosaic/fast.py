@@ -269,14 +269,15 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
     dc = dataclasses.replace(d, b=chunk)
     # the reference logits of all chunks at once: one gather of w's columns, not one per chunk (8 of them took
     # 1.16 ms at llama3-8b, 32768 tokens, on an H100: benchmarks/results/h100-2026-11-24-r5-tokens/)
-    refs = _reference(xp, wp, bp, yp, spec.w_layout, opts, d.v) if probs else jnp.zeros((d.b,), F32)
-    refs = jnp.pad(refs, (0, pad)).reshape(n, chunk)
+    if probs:
+      refs = jnp.pad(_reference(xp, wp, bp, yp, spec.w_layout, opts, d.v), (0, pad)).reshape(n, chunk)
 
     def step(i, dw, db, dx):
       """Chunk ``i``: its TokenOut, and dw, dbias and the dx rows with its share added. ``dw`` None (the first
       chunk): its float32 product is the dw, so no buffer of zeros is written and read (2.1 GB twice at llama3-8b)."""
-      xc, yc, wc, rc = (lax.dynamic_index_in_dim(t, i, keepdims=False) for t in (xs, ys, ws, refs))
+      xc, yc, wc = (lax.dynamic_index_in_dim(t, i, keepdims=False) for t in (xs, ys, ws))
       if probs:
+        rc = lax.dynamic_index_in_dim(refs, i, keepdims=False)
         out, st = _stored_probs(xc, wp, bp, yc, dc, p, opts, spec.w_layout, ref=rc)
         dxc, dw, dbc = _grads_from_probs(st, xc, wp, bp, yc, wc, jnp.zeros_like(wc), spec, p, F32, dw_acc=dw)
       else:
