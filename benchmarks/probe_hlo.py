@@ -1,17 +1,20 @@
 """Compiles one fwd+bwd step of the head on this GPU and reports what XLA made of it: the optimized HLO's GEMM
 custom calls (and whether each accumulates into an operand: cuBLAS ``beta`` = 1), Mosaic calls, while loops and
-conditionals (each a device→host read of its predicate), copies of large buffers, and the temp memory.
+conditionals (each a device→host read of its predicate), copies of large buffers, the temp memory and (with
+``--buffers``) the buffers XLA's buffer assignment holds at the peak (from its dump, ``--xla_dump_to``).
 
-  python benchmarks/probe_hlo.py --shape llama3-8b-32k --out DIR [--mode lean]
+  python benchmarks/probe_hlo.py --shape llama3-8b-32k --out DIR [--mode lean] [--buffers]
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +30,11 @@ def main():
   ap.add_argument("--shape", default="llama3-8b-32k")
   ap.add_argument("--out", required=True)
   ap.add_argument("--mode", default=None, help="fast or lean (default: the op's own choice)")
+  ap.add_argument("--buffers", action="store_true", help="also report the buffers live at the peak")
   a = ap.parse_args()
+  dump = tempfile.mkdtemp() if a.buffers else None
+  if dump:  # read when the backend starts (below, at the first compile)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"
   shape = next(s for p in shapes_lib.PRESETS.values() for s in p.shapes if s.name == a.shape)
   b, h, v = shape.B, shape.H, shape.V
   sds = jax.ShapeDtypeStruct
@@ -59,9 +66,22 @@ def main():
       whiles=sum(" while(" in ln for ln in text.splitlines()),
       conditionals=sum(" conditional(" in ln for ln in text.splitlines()),
       big_copies=[ln.strip()[:200] for ln in text.splitlines() if " copy(" in ln and nbytes(ln) >= big])
+  if dump:
+    report["peak_buffers"] = _peak_buffers(dump)
   print(json.dumps(report, indent=1))
   with open(os.path.join(a.out, f"{name}.json"), "w") as fh:
     json.dump(report, fh, indent=1)
+
+
+def _peak_buffers(dump: str) -> list[str]:
+  """The "peak buffers" section of the largest module's buffer assignment in an XLA dump (sizes and the HLO
+  values that hold them), or the file names found if there is none."""
+  files = sorted(glob.glob(os.path.join(dump, "*buffer-assignment.txt")), key=os.path.getsize)
+  if not files:
+    return sorted(os.listdir(dump))[:50]
+  lines = open(files[-1]).read().splitlines()
+  start = next((i for i, ln in enumerate(lines) if "peak buffers" in ln.lower()), None)
+  return [os.path.basename(files[-1])] + (lines[start:start + 120] if start is not None else lines[-120:])
 
 
 if __name__ == "__main__":

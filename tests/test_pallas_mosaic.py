@@ -412,10 +412,10 @@ def test_design_protocol():
   spec = common.Spec(_math.LossSpec(vocab_size=128256))
   lean = pallas_mosaic.design(8192, 4096, spec, jnp.bfloat16, "lean", None)
   assert (lean.impl, lean.mode, lean.name) == ("pallas_mosaic", "lean", "recompute")
-  assert lean.config == op.plan(8192, 4096, 128256) and "chunks of 2048 columns" in lean.chunking
-  # dz (B·chunk·2) + the float32 dx (B·H·4; each product added into it in place) + three [H, chunk] buffers + the
+  assert lean.config == op.plan(8192, 4096, 128256) and "chunks of 1536 columns" in lean.chunking
+  # dz (B·chunk·2) + the float32 dx (B·H·4; each product added into it in place) + two [H, chunk] buffers + the
   # cuBLAS workspace + stats and bias
-  floor = 8192 * 2048 * 2 + 8192 * 4096 * 4 + 3 * 4096 * 2048 * 2 + op.CUBLAS_WORKSPACE
+  floor = 8192 * 1536 * 2 + 8192 * 4096 * 4 + 2 * 4096 * 1536 * 2 + op.CUBLAS_WORKSPACE
   assert floor <= lean.memory_bytes <= floor + 8 * 2**20
   fast = pallas_mosaic.design(8192, 4096, spec, jnp.bfloat16, "fast", None)
   assert (fast.name, fast.config.fast_design, fast.config.token_chunk) == ("logits", "logits", None)
@@ -463,7 +463,11 @@ def test_supported_and_plan():
       linear_cross_entropy(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int),
                            impl="pallas_mosaic", interpret=False)
   p = op.plan(8192, 4096, 128256)
-  assert (p.block_t, p.block_v, p.block_k) == (128, 128, 64) and p.vocab_chunk == 2048
+  assert (p.block_t, p.block_v, p.block_k) == (128, 128, 64) and p.vocab_chunk == 1536
+  # lean's chunk of dz fits beside the cuBLAS workspace in the 64 MB it may hold beside its float32 dx
+  for tokens in (4096, 8192, 16384):
+    chunk = op.plan(tokens, 4096, 128256).vocab_chunk
+    assert chunk % 256 == 0 and tokens * chunk * 2 + op.CUBLAS_WORKSPACE + op.LEAN_RESERVE <= 64 * 10**6
   assert 64 * p.num_splits >= 8 * 132  # about 8 waves of forward CTAs
   with pytest.raises(ValueError, match="block_v=96"):
     op.plan(64, 64, 1000, Config(block_v=96))

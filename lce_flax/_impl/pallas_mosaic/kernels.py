@@ -233,17 +233,18 @@ def forward(x, w, bias, labels, d: Dims, p, opts):
 # ------------------------------------------------------------------------------------------------ backward
 
 
-def _dz_body(x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref, vec_smem, y_smem, b_smem, o_smem,
-             bars, *, d: Dims, p, opts: _math.LossSpec):
-  """One [block_t, block_v] tile of the logit gradient of the chunk handed in as ``w_ref``."""
+def _dz_body(x_ref, w_ref, b_ref, y_ref, lo_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref, vec_smem, y_smem, b_smem,
+             o_smem, bars, *, d: Dims, p, opts: _math.LossSpec):
+  """One [block_t, block_v] tile of the logit gradient of the chunk handed in as ``w_ref``; zero in the columns
+  before ``lo_ref``'s (chunk-local, one per row: the columns a previous chunk already did)."""
   bt, bv = p.block_t, p.block_v
   t = lax.axis_index("tile")
   i = lax.axis_index("row")
   r0 = i * bt
   c0 = t * bv
   rows = pl.ds(r0, bt)
-  pairs = [(y_ref.at[rows], y_smem)] + [(ref.at[rows], vec_smem.at[k])
-                                        for k, ref in enumerate((lse_ref, coef_ref, a_ref, c_ref))]
+  pairs = [(y_ref.at[rows], y_smem.at[0]), (lo_ref.at[rows], y_smem.at[1])] + [
+      (ref.at[rows], vec_smem.at[k]) for k, ref in enumerate((lse_ref, coef_ref, a_ref, c_ref))]
   if d.has_bias:
     pairs.append((b_ref.at[pl.ds(c0, bv)], b_smem))
   _fetch(pairs, bars)
@@ -251,25 +252,27 @@ def _dz_body(x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref
   z = _logit_tile(x_ref.at[rows], w_window(w_ref, c0, bv, d), d, p)
   if d.has_bias:
     z = z + epilogue.bcast_cols(_load_vec(b_smem, _COL, p, d), shape)
-  labels = _load_vec(y_smem, _ROW, p, d)  # already shifted to chunk-local column ids
+  labels, lo = (_load_vec(y_smem.at[k], _ROW, p, d) for k in range(2))  # chunk-local column ids
   lse, coef, a, c = (_load_vec(vec_smem.at[k], _ROW, p, d) for k in range(4))
   cols = _iota(shape, 1, p, d) + c0
   dz = epilogue.epilogue_dlogits(z, cols, labels, lse, coef, a, c, opts)
+  dz = jnp.where(cols >= epilogue.bcast_rows(lo, shape), dz, 0.0)
   o_smem[...] = dz.astype(o_smem.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem, dz_ref.at[rows, pl.ds(c0, bv)])
   plgpu.wait_smem_to_gmem(0)
 
 
-def dz_chunk(x, w_c, b_c, labels_local, lse, coef, a, c, d: Dims, p, opts):
-  """dz [d.b, width] (x.dtype) of the chunk whose head columns are ``w_c`` (width a multiple of block_v)."""
+def dz_chunk(x, w_c, b_c, labels_local, lo, lse, coef, a, c, d: Dims, p, opts):
+  """dz [d.b, width] (x.dtype) of the chunk whose head columns are ``w_c`` (width a multiple of block_v), zero in
+  each row's columns before ``lo`` (int32 [d.b], chunk-local)."""
   width = w_c.shape[0] if d.w_layout == "vh" else w_c.shape[1]
   bt, bv = p.block_t, p.block_v
-  scratch = [plgpu.SMEM((4, bt), F32), plgpu.SMEM((bt,), jnp.int32),
+  scratch = [plgpu.SMEM((4, bt), F32), plgpu.SMEM((2, bt), jnp.int32),
              plgpu.SMEM((bv,), F32) if d.has_bias else None,
              plgpu.SMEM((bt, bv), x.dtype, transforms=transforms(bv * 2)[1]),
-             plgpu.Barrier(num_barriers=6 if d.has_bias else 5)]
-  body = common.absent_refs(functools.partial(_dz_body, d=d, p=p, opts=opts), *([] if d.has_bias else [2, 11]))
+             plgpu.Barrier(num_barriers=7 if d.has_bias else 6)]
+  body = common.absent_refs(functools.partial(_dz_body, d=d, p=p, opts=opts), *([] if d.has_bias else [2, 12]))
   kern = _kernel(body, jax.ShapeDtypeStruct((d.b, width), x.dtype), scratch, (width // bv, d.b // bt),
                  ("tile", "row"), d, p)
-  return kern(*common.present(x, w_c, b_c, labels_local, lse, coef, a, c))
+  return kern(*common.present(x, w_c, b_c, labels_local, lo, lse, coef, a, c))

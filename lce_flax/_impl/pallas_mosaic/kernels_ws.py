@@ -159,9 +159,10 @@ def forward_ws(x, w, bias, labels, d: base.Dims, p, opts):
 # ------------------------------------------------------------------------------------------------ backward
 
 
-def _dz_ws_body(x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref, *, d: base.Dims, p,
+def _dz_ws_body(x_ref, w_ref, b_ref, y_ref, lo_ref, lse_ref, coef_ref, a_ref, c_ref, dz_ref, *, d: base.Dims, p,
                 opts: _math.LossSpec, width: int):
-  """The logit gradient of the chunk handed in as ``w_ref`` ([d.b, width]), tile pair by tile pair.
+  """The logit gradient of the chunk handed in as ``w_ref`` ([d.b, width]), tile pair by tile pair; zero in the
+  columns before ``lo_ref``'s (chunk-local, one per row).
 
   Persistent: one CTA per SM walks the (row block, tile pair) grid with ``plgpu.nd_loop``, tile pairs fastest, so
   the CTAs in flight share a few row blocks of x and the chunk of w stays in L2; each tile's dz store (SMEM → TMA)
@@ -172,7 +173,7 @@ def _dz_ws_body(x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_
   # the two dz output tiles take 2·bt·bv·2 bytes of SMEM: one pipeline stage fewer than the forward
   make, mma = _ws_pipeline(d, p, max(2, p.num_stages - 1))
   shape = (bt, bv)
-  nvec = 5 + d.has_bias
+  nvec = 6 + d.has_bias
 
   def scope(allocs, vec_smem, y_smem, b_smem, o_smem, bars):
     @plgpu.nd_loop((d.b // bt, width // (2 * bv)), collective_axes="sm")
@@ -184,7 +185,7 @@ def _dz_ws_body(x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_
       def ctx(eval_pipeline):
         g = lax.axis_index("wg")
         c0g = c0 + g * bv
-        pairs = [(y_ref.at[rows], y_smem.at[g])] + [
+        pairs = [(y_ref.at[rows], y_smem.at[g, 0]), (lo_ref.at[rows], y_smem.at[g, 1])] + [
             (ref.at[rows], vec_smem.at[g, k]) for k, ref in enumerate((lse_ref, coef_ref, a_ref, c_ref))]
         if d.has_bias:
           pairs.append((b_ref.at[pl.ds(c0g, bv)], b_smem.at[g]))
@@ -200,7 +201,8 @@ def _dz_ws_body(x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_
             z = z + epilogue.bcast_cols(b_smem[g], shape)
           cols = lax.broadcasted_iota(jnp.int32, shape, 1) + c0g
           lse, coef, a, c = (vec_smem[g, k] for k in range(4))
-          dz = epilogue.epilogue_dlogits(z, cols, y_smem[g], lse, coef, a, c, opts)
+          dz = epilogue.epilogue_dlogits(z, cols, y_smem[g, 0], lse, coef, a, c, opts)
+          dz = jnp.where(cols >= epilogue.bcast_rows(y_smem[g, 1], shape), dz, 0.0)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's copy has read o_smem[g]
           o_smem[g] = dz.astype(o_smem.dtype)
           plgpu.commit_smem()
@@ -214,13 +216,13 @@ def _dz_ws_body(x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, dz_
 
   _, otr = base.transforms(bv * 2)
   pl.run_scoped(scope, make(_ignore, _ignore).get_allocations(x_ref.at[pl.ds(0, bt)], _w_window_ws(w_ref, 0, d, p)),
-                plgpu.SMEM((2, 4, bt), F32), plgpu.SMEM((2, bt), jnp.int32),
+                plgpu.SMEM((2, 4, bt), F32), plgpu.SMEM((2, 2, bt), jnp.int32),
                 plgpu.SMEM((2, bv), F32) if d.has_bias else None,
                 plgpu.SMEM((2, bt, bv), dz_ref.dtype, transforms=otr),
                 plgpu.Barrier(num_barriers=2 * nvec), collective_axes="wg")
 
 
-def dz_chunk_ws(x, w_c, b_c, labels_local, lse, coef, a, c, d: base.Dims, p, opts):
+def dz_chunk_ws(x, w_c, b_c, labels_local, lo, lse, coef, a, c, d: base.Dims, p, opts):
   """Warp-specialised :func:`.kernels.dz_chunk` (width a multiple of 2·block_v)."""
   width = w_c.shape[0] if d.w_layout == "vh" else w_c.shape[1]
   tiles = (d.b // p.block_t) * (width // (2 * p.block_v))
@@ -229,4 +231,4 @@ def dz_chunk_ws(x, w_c, b_c, labels_local, lse, coef, a, c, d: base.Dims, p, opt
   kern = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((d.b, width), x.dtype),
                       grid=(min(_device.num_sms(), tiles),), grid_names=("sm",), num_threads=3, thread_name="wg",
                       compiler_params=_WARPGROUP)
-  return kern(*common.present(x, w_c, b_c, labels_local, lse, coef, a, c))
+  return kern(*common.present(x, w_c, b_c, labels_local, lo, lse, coef, a, c))

@@ -160,7 +160,10 @@ class Plan:
     return self.fast_design == "logits"
 
 
-DZ_CHUNK_BYTES = 32 * 2**20
+# Lean mode's memory beside its float32 dx (B·H·4): one [B, vocab_chunk] chunk of dz, XLA's cuBLAS workspace
+# (CUBLAS_WORKSPACE), the O(B) vectors (64 bytes a token) and a reserve for what else XLA holds at the peak.
+LEAN_EXTRA_BYTES = 64 * 10**6
+LEAN_RESERVE = 4 * 2**20
 TOKEN_CHUNK_MIN = 4096
 TOKEN_CHUNK_BYTES = 2**30
 
@@ -202,8 +205,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   128×128 tiles (one warpgroup holds a 64 KB float32 accumulator: 128 registers per thread with the epilogue's
   temporaries), 64-deep steps, 4 stages (32 KB of SMEM per stage; 48 KB with warp specialisation);
   ``num_splits`` for ~8 waves of CTAs over the SMs (H100, llama3-8b forward: 4 splits 14.3 ms, 8 splits 14.7 ms,
-  16 splits 13.8 ms); lean ``vocab_chunk``: ``DZ_CHUNK_BYTES`` of bf16 dz, a power of two in [block_v, 16384], at
-  most the (block-rounded) vocabulary; fast: :func:`fast_design` and :func:`token_chunk`.
+  16 splits 13.8 ms); lean ``vocab_chunk``: :func:`lean_chunk`; fast: :func:`fast_design` and :func:`token_chunk`.
   """
   c = config or Config()
   common.check_positive(c, ("block_t", "block_v", "block_k", "num_stages", "num_splits", "vocab_chunk",
@@ -255,7 +257,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
       raise ValueError(f"token_chunk={chunk} (tokens per chunk of the 'tokens' fast design) must be a multiple of "
                        f"block_t={bt}")
     return _products(dataclasses.replace(tiles, token_chunk=chunk, fast_design=design), c, tokens, hidden, vocab)
-  chunk = c.vocab_chunk or min(max(pow2_floor(DZ_CHUNK_BYTES // (2 * tokens)), bv), 16384)
+  chunk = c.vocab_chunk or lean_chunk(tokens, bv * (2 if ws else 1))
   if chunk % bv:
     raise ValueError(f"vocab_chunk={chunk} must be a positive multiple of block_v={bv}")
   chunk = min(chunk, (vp // bv) * bv)
@@ -263,6 +265,14 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
     chunk = cdiv(chunk, 2 * bv) * 2 * bv  # whole CTA tiles (2 warpgroups × block_v) per chunk
     chunk = min(chunk, (max(vp, 2 * bv) // (2 * bv)) * 2 * bv)
   return dataclasses.replace(tiles, vocab_chunk=chunk)
+
+
+def lean_chunk(num_tokens: int, step: int) -> int:
+  """Lean mode's vocabulary columns per chunk: the bf16 [B, chunk] dz that fits in ``LEAN_EXTRA_BYTES`` beside the
+  cuBLAS workspace, the per-token vectors and ``LEAN_RESERVE``; a multiple of ``step`` (the kernel's column tile)
+  in [step, 16384]. 1536 at 8192 tokens, 3072 at 4096, 768 at 16384."""
+  room = LEAN_EXTRA_BYTES - CUBLAS_WORKSPACE - LEAN_RESERVE - 64 * num_tokens
+  return min(max(room // (2 * num_tokens) // step * step, step), 16384)
 
 
 def per_token_config(config: Config | None) -> Config | None:
@@ -370,8 +380,8 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
   """Bound on the extra memory of forward + backward (this file's and :mod:`.fast`'s accounting, a bias
   included): the padded copies of x and w (when the shape needs them), the forward's partial stats, and
 
-  * lean: dz (B·chunk·itemsize), the float32 dx (B·H·4: each chunk's product is added into it in place), three
-    [H, chunk] buffers (the chunk of w, its copy with the overlap columns masked for dx, the chunk's dw product);
+  * lean: dz (B·chunk·itemsize), the float32 dx (B·H·4: each chunk's product is added into it in place), two
+    [H, chunk] buffers (the chunk of w, should XLA copy it for cuBLAS, and the chunk's dw product);
   * "logits": the stored tiles, turned into dz in place (B·V·itemsize), their row maxima (B·⌈V/bv⌉·4), the
     bias column sums per row block, the backward's float32 dx product (B·H·4) and x scaled by the cotangent;
   * "tokens" (c tokens per chunk): the float32 dw (H·V·4), one chunk's stored tiles, maxima and bias sums
@@ -392,7 +402,7 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
   mem += 2 * hp * vp * itemsize if (hp, vp) != (hidden, vocab) else 0  # padded w and its padded gradient
   nvt = vp // bv if p.fast_design and not probs else 0
   if p.fast_design is None:
-    return mem + bp * p.vocab_chunk * itemsize + bp * hp * 4 + 3 * hp * p.vocab_chunk * itemsize
+    return mem + bp * p.vocab_chunk * itemsize + bp * hp * 4 + 2 * hp * p.vocab_chunk * itemsize
   rows = bp if p.fast_design == "logits" else p.token_chunk
   sums = 0 if probs else rows // bt * vp * 4  # the dz pass's bias column sums per row block
   if probs:  # the reference logits' [B, REF_COLUMNS] float32 product; the recompute's dz and w chunks, should it run
@@ -541,8 +551,9 @@ def _chunk(k, vp: int, cw: int):
 
 
 def _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
-  """The padded operands, their Dims, and ``dz_of(start)``: the logit gradient [rows, vocab_chunk] of the columns
-  from ``start`` (recomputed by the dz kernel) for the given lse and per-token cotangents."""
+  """The padded operands, their Dims, and ``dz_of(start, lo)``: the logit gradient [rows, vocab_chunk] of the
+  columns from ``start`` (recomputed by the dz kernel) for the given lse and per-token cotangents, zero in the
+  chunk's first ``lo`` columns."""
   opts = spec.opts
   xp, wp, bp, yp, d = prepare(x, w, bias, labels, spec, p)
   pad = d.b - x.shape[0]
@@ -553,11 +564,12 @@ def _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   cw = p.vocab_chunk
   dz_chunk = kernels_ws.dz_chunk_ws if p.warp_specialized else kernels.dz_chunk
 
-  def dz_of(start):
+  def dz_of(start, lo):
     w_c = common.slice_vocab(wp, start, cw, spec.w_layout)
     b_c = None if bp is None else lax.dynamic_slice_in_dim(bp, start, cw)
     local = jnp.where(yp >= 0, yp - start, -1)  # chunk-local target column (-1: none)
-    return dz_chunk(xp, w_c, b_c, local, lse_p, coef, a, c, d, p, opts), w_c
+    first = jnp.full(yp.shape, lo, jnp.int32)  # (a row vector: the kernels fetch per-row values only)
+    return dz_chunk(xp, w_c, b_c, local, first, lse_p, coef, a, c, d, p, opts), w_c
 
   return xp, wp, bp, d, dz_of
 
@@ -574,13 +586,15 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   def step(k, carry):
     dx, dw, db = carry
     start, lo = _chunk(k, d.vp, cw)
-    dz, w_c = dz_of(start)
-    # dw's columns are complete after this one matmul (overlap columns get the same values again).
-    dw = lax.dynamic_update_slice_in_dim(dw, common.grad_w(xp, dz, spec.w_layout).astype(dw.dtype), start, vaxis)
+    # dz is zero in the overlap columns (done by the previous chunk), so that they do not reach dx twice; dw and db
+    # hold zeros in the chunk's other columns, so adding the chunk's products completes them exactly.
+    dz, w_c = dz_of(start, lo)
+    dw_c = common.slice_vocab(dw, start, cw, spec.w_layout)
+    dw = lax.dynamic_update_slice_in_dim(dw, dw_c + common.grad_w(xp, dz, spec.w_layout).astype(dw.dtype), start,
+                                         vaxis)
     if db is not None:
-      db = lax.dynamic_update_slice_in_dim(db, jnp.sum(dz.astype(F32), axis=0), start, 0)
-    keep = jnp.arange(cw) >= lo  # overlap columns must not reach dx twice
-    w_c = jnp.where(keep[None, :] if spec.w_layout == "hv" else keep[:, None], w_c, 0)
+      db_c = lax.dynamic_slice_in_dim(db, start, cw)
+      db = lax.dynamic_update_slice_in_dim(db, db_c + jnp.sum(dz.astype(F32), axis=0), start, 0)
     return dx + common.grad_x(dz, w_c, spec.w_layout), dw, db  # (cuBLAS adds into the carried dx in place)
 
   carry = (jnp.zeros(xp.shape, F32), jnp.zeros_like(wp), None if bp is None else jnp.zeros(bp.shape, F32))
@@ -607,7 +621,7 @@ def dz_into(out, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p: P
   def body(carry):  # (the last chunk's overlap columns are written again, with the same values)
     k, out = carry
     start, _ = _chunk(k, d.vp, cw)
-    return k + 1, lax.dynamic_update_slice_in_dim(out, dz_of(start)[0].astype(out.dtype), start, 1)
+    return k + 1, lax.dynamic_update_slice_in_dim(out, dz_of(start, 0)[0].astype(out.dtype), start, 1)
 
   return lax.while_loop(lambda c: c[0] < trips, body, (jnp.int32(0), out))[1]
 
