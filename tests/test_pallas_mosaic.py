@@ -412,10 +412,10 @@ def test_design_protocol():
   spec = common.Spec(_math.LossSpec(vocab_size=128256))
   lean = pallas_mosaic.design(8192, 4096, spec, jnp.bfloat16, "lean", None)
   assert (lean.impl, lean.mode, lean.name) == ("pallas_mosaic", "lean", "recompute")
-  assert lean.config == op.plan(8192, 4096, 128256) and "chunks of 1536 columns" in lean.chunking
+  assert lean.config == op.plan(8192, 4096, 128256) and "chunks of 1792 columns" in lean.chunking
   # dz (B·chunk·2) + the float32 dx (B·H·4; each product added into it in place) + two [H, chunk] buffers + the
   # cuBLAS workspace + stats and bias
-  floor = 8192 * 1536 * 2 + 8192 * 4096 * 4 + 2 * 4096 * 1536 * 2 + op.CUBLAS_WORKSPACE
+  floor = 8192 * 1792 * 2 + 8192 * 4096 * 4 + 2 * 4096 * 1792 * 2 + op.CUBLAS_WORKSPACE
   assert floor <= lean.memory_bytes <= floor + 8 * 2**20
   fast = pallas_mosaic.design(8192, 4096, spec, jnp.bfloat16, "fast", None)
   assert (fast.name, fast.config.fast_design, fast.config.token_chunk) == ("logits", "logits", None)
@@ -463,11 +463,13 @@ def test_supported_and_plan():
       linear_cross_entropy(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 10), jnp.bfloat16), jnp.zeros(4, int),
                            impl="pallas_mosaic", interpret=False)
   p = op.plan(8192, 4096, 128256)
-  assert (p.block_t, p.block_v, p.block_k) == (128, 128, 64) and p.vocab_chunk == 1536
-  # lean's chunk of dz fits beside the cuBLAS workspace in the 64 MB it may hold beside its float32 dx
-  for tokens in (4096, 8192, 16384):
-    chunk = op.plan(tokens, 4096, 128256).vocab_chunk
-    assert chunk % 256 == 0 and tokens * chunk * 2 + op.CUBLAS_WORKSPACE + op.LEAN_RESERVE <= 64 * 10**6
+  assert (p.block_t, p.block_v, p.block_k) == (128, 128, 64) and p.vocab_chunk == 1792
+  # lean's chunk buffers (dz [B, c], two [H, c]) fit in the 64 MB it may hold beside its float32 dx, with the
+  # cuBLAS workspace where the x gradient's buffer cannot hold it
+  for tokens, hidden, chunk in ((4096, 4096, 2304), (8192, 2304, 2304), (16384, 768, 512), (32768, 4096, 512)):
+    assert op.plan(tokens, hidden, 256000).vocab_chunk == chunk
+    workspace = op.CUBLAS_WORKSPACE if tokens * hidden * 2 < op.CUBLAS_WORKSPACE else 0
+    assert (tokens + 2 * hidden) * chunk * 2 + workspace + op.LEAN_RESERVE + 64 * tokens <= 64 * 10**6
   assert 64 * p.num_splits >= 8 * 132  # about 8 waves of forward CTAs
   with pytest.raises(ValueError, match="block_v=96"):
     op.plan(64, 64, 1000, Config(block_v=96))
@@ -529,6 +531,19 @@ def test_gpu_fast_memory_within_its_bound(design):
     assert temp < 1.5 * b * v * 2, temp
   if design == "lean":  # one float32 dx, not two (the dx products add into it in place)
     assert temp < bound - op.CUBLAS_WORKSPACE + b * h * 4, (temp, bound)
+
+
+@pytest.mark.gpu(min_cc=(9, 0))
+@pytest.mark.parametrize("b,h,v", [(16384, 768, 50304), (8192, 4096, 128256), (4096, 4096, 151936),
+                                   (8192, 2304, 256000)], ids=["gpt2-small", "llama3-8b", "qwen3-8b", "gemma2-2b"])
+def test_gpu_lean_memory_at_llm_shapes(b, h, v):
+  """Lean mode's compiled forward + backward holds at most B·H·4 + 64 MB of temporaries at the LLM heads (its
+  float32 dx, one chunk's dz and [H, chunk] buffers, the cuBLAS workspace, O(B) vectors)."""
+  sds = jax.ShapeDtypeStruct
+  args = (sds((b, h), jnp.bfloat16), sds((h, v), jnp.bfloat16), sds((b,), jnp.int32))
+  f = lambda x, w, y: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", reduction="sum")
+  temp = jax.jit(jax.grad(f, (0, 1))).lower(*args).compile().memory_analysis().temp_size_in_bytes
+  assert temp <= b * h * 4 + 64 * 10**6, (temp, b * h * 4 + 64 * 10**6)
 
 
 @pytest.mark.gpu(min_cc=(9, 0))

@@ -160,8 +160,9 @@ class Plan:
     return self.fast_design == "logits"
 
 
-# Lean mode's memory beside its float32 dx (B·H·4): one [B, vocab_chunk] chunk of dz, XLA's cuBLAS workspace
-# (CUBLAS_WORKSPACE), the O(B) vectors (64 bytes a token) and a reserve for what else XLA holds at the peak.
+# Lean mode's memory beside its float32 dx (B·H·4): one [B, vocab_chunk] chunk of dz and two [H, vocab_chunk]
+# buffers, XLA's cuBLAS workspace (CUBLAS_WORKSPACE), the O(B) vectors (64 bytes a token) and a reserve for what
+# else XLA holds at the peak.
 LEAN_EXTRA_BYTES = 64 * 10**6
 LEAN_RESERVE = 4 * 2**20
 TOKEN_CHUNK_MIN = 4096
@@ -257,7 +258,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
       raise ValueError(f"token_chunk={chunk} (tokens per chunk of the 'tokens' fast design) must be a multiple of "
                        f"block_t={bt}")
     return _products(dataclasses.replace(tiles, token_chunk=chunk, fast_design=design), c, tokens, hidden, vocab)
-  chunk = c.vocab_chunk or lean_chunk(tokens, bv * (2 if ws else 1))
+  chunk = c.vocab_chunk or lean_chunk(tokens, hidden, bv * (2 if ws else 1))
   if chunk % bv:
     raise ValueError(f"vocab_chunk={chunk} must be a positive multiple of block_v={bv}")
   chunk = min(chunk, (vp // bv) * bv)
@@ -267,12 +268,17 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   return dataclasses.replace(tiles, vocab_chunk=chunk)
 
 
-def lean_chunk(num_tokens: int, step: int) -> int:
-  """Lean mode's vocabulary columns per chunk: the bf16 [B, chunk] dz that fits in ``LEAN_EXTRA_BYTES`` beside the
-  cuBLAS workspace, the per-token vectors and ``LEAN_RESERVE``; a multiple of ``step`` (the kernel's column tile)
-  in [step, 16384]. 1536 at 8192 tokens, 3072 at 4096, 768 at 16384."""
-  room = LEAN_EXTRA_BYTES - CUBLAS_WORKSPACE - LEAN_RESERVE - 64 * num_tokens
-  return min(max(room // (2 * num_tokens) // step * step, step), 16384)
+def lean_chunk(num_tokens: int, hidden: int, step: int) -> int:
+  """Lean mode's vocabulary columns per chunk: what fits in ``LEAN_EXTRA_BYTES`` beside the per-token vectors and
+  ``LEAN_RESERVE`` of the chunk's three bf16 buffers: dz [B, chunk], the chunk of w that XLA copies for cuBLAS and
+  the chunk's dw product (both [H, chunk]: a chunk of columns of an [H, V] head is strided); and of XLA's cuBLAS
+  workspace where the x gradient's buffer (B·H·2 bytes, written last) cannot hold it, as XLA's buffer assignment
+  places it there when it fits. A multiple of ``step`` (the kernel's column tile) in [step, 16384]: at
+  llama3-8b's 8192×4096 1792 columns, gemma2-2b's 8192×2304 2304, qwen3-8b's 4096×4096 2304, gpt2-small's
+  16384×768 512 (H100, ``benchmarks/probe_hlo.py --buffers``)."""
+  workspace = 0 if num_tokens * hidden * 2 >= CUBLAS_WORKSPACE else CUBLAS_WORKSPACE
+  room = LEAN_EXTRA_BYTES - LEAN_RESERVE - 64 * num_tokens - workspace
+  return min(max(room // (2 * (num_tokens + 2 * hidden)) // step * step, step), 16384)
 
 
 def per_token_config(config: Config | None) -> Config | None:
