@@ -221,7 +221,7 @@ def _lce_variants(name: str, modes: tuple[str, ...], interpret: bool = False) ->
 # ``pallas_mosaic:<design>``: its fast design named; ``:kernels_ws``: the fast forward on the warp-specialised kernel
 # of kernels_ws.py instead of the persistent GEMM; ``:xla_products`` / ``:gemm_products``: both backward products
 # on XLA's GEMMs / on ours (the default picks each by the tuning table); ``:tokens<N>`` (any N, a multiple of 128):
-# the "tokens" design in chunks of N tokens;
+# the "tokens" design in chunks of N tokens; ``:lean<N>`` (a multiple of 256): lean mode in chunks of N columns;
 # ``:shifted``: the stored tiles as logits shifted by their row max and a dz pass (not the exponentials).
 CONFIG_VARIANTS = {"pallas_triton:low_memory": ("pallas_triton", "PallasTritonConfig", {"low_memory": True}),
                    "triton:low_memory": ("triton", "TritonConfig", {"low_memory": True}),
@@ -234,16 +234,20 @@ CONFIG_VARIANTS = {"pallas_triton:low_memory": ("pallas_triton", "PallasTritonCo
 
 
 _TOKEN_CHUNK_VARIANT = re.compile(r"pallas_mosaic:tokens(\d+)")
+_VOCAB_CHUNK_VARIANT = re.compile(r"pallas_mosaic:lean(\d+)")
 
 
 def _config_of(name: str):
-  """(impl, config class, fields) of a configuration row: :data:`CONFIG_VARIANTS` or ``pallas_mosaic:tokens<N>``;
-  None for any other name."""
+  """(impl, config class, fields) of a configuration row: :data:`CONFIG_VARIANTS`, ``pallas_mosaic:tokens<N>`` or
+  ``pallas_mosaic:lean<N>``; None for any other name."""
   if name in CONFIG_VARIANTS:
     return CONFIG_VARIANTS[name]
   m = _TOKEN_CHUNK_VARIANT.fullmatch(name)
   if m:
     return "pallas_mosaic", "PallasMosaicConfig", {"fast_design": "tokens", "token_chunk": int(m.group(1))}
+  m = _VOCAB_CHUNK_VARIANT.fullmatch(name)
+  if m:
+    return "pallas_mosaic", "PallasMosaicConfig", {"vocab_chunk": int(m.group(1))}
   return None
 
 
@@ -254,7 +258,7 @@ def _config_variant(name: str, interpret: bool = False) -> Variant:
     config = getattr(lce_flax, cls)(**fields)
   except Exception as e:  # noqa: BLE001 - e.g. the backend's optional dependency is missing
     return Variant(impl, tag, None, 10, f"{type(e).__name__}: {e}")
-  return _lce_variant(impl, None, interpret, config=config, tag=tag)
+  return _lce_variant(impl, "lean" if "vocab_chunk" in fields else None, interpret, config=config, tag=tag)
 
 
 def _plain_variant(name: str) -> Variant:
@@ -314,7 +318,8 @@ def make_variants(impls: list[str] | None, modes: tuple[str, ...],
   known = [*BASELINES, "auto", *lce_flax.IMPLEMENTATIONS, *CONFIG_VARIANTS, *TOKAMAX_IMPLS]
   for name in impls:
     if name not in known and _config_of(name) is None:
-      raise ValueError(f"--impls: {name!r} is not one of {known}")
+      raise ValueError(f"--impls: {name!r} is not one of {known}, 'pallas_mosaic:tokens<N>' or "
+                       "'pallas_mosaic:lean<N>'")
   variants = []
   for name in impls:
     if name in BASELINES:

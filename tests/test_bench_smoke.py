@@ -158,8 +158,19 @@ def test_results_without_baseline_use_the_floor():
 
 
 def test_unknown_impl_is_an_error():
-  with pytest.raises(ValueError, match="--impls"):
+  with pytest.raises(ValueError, match="--impls: 'nope' .*'pallas_mosaic:tokens<N>' or 'pallas_mosaic:lean<N>'"):
     bench.make_variants(["nope"], ("fast",))
+
+
+def test_chunk_rows_name_their_design():
+  """``pallas_mosaic:tokens<N>`` is the "tokens" fast design in chunks of N tokens, ``pallas_mosaic:lean<N>`` lean
+  mode in chunks of N vocabulary columns; explain() of each reports that chunk."""
+  tok, lean = bench.make_variants(["pallas_mosaic:tokens256", "pallas_mosaic:lean512"], ("fast",), interpret=True)[0]
+  shape = shapes.Shape("t", 1000, 64, 5000)
+  assert (tok.mode, lean.mode) == ("tokens256", "lean512")
+  assert tok.explain(shape).config.token_chunk == 256
+  d = lean.explain(shape)
+  assert (d.mode, d.config.vocab_chunk) == ("lean", 512)
 
 
 def test_tokamax_optional():
