@@ -269,16 +269,23 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
 
 
 def lean_chunk(num_tokens: int, hidden: int, step: int) -> int:
-  """Lean mode's vocabulary columns per chunk: what fits in ``LEAN_EXTRA_BYTES`` beside the per-token vectors and
-  ``LEAN_RESERVE`` of the chunk's three bf16 buffers: dz [B, chunk], the chunk of w that XLA copies for cuBLAS and
-  the chunk's dw product (both [H, chunk]: a chunk of columns of an [H, V] head is strided); and of XLA's cuBLAS
-  workspace where the x gradient's buffer (B·H·2 bytes, written last) cannot hold it, as XLA's buffer assignment
-  places it there when it fits. A multiple of ``step`` (the kernel's column tile) in [step, 16384]: at
-  llama3-8b's 8192×4096 1792 columns, gemma2-2b's 8192×2304 2304, qwen3-8b's 4096×4096 2304, gpt2-small's
-  16384×768 512 (H100, ``benchmarks/probe_hlo.py --buffers``)."""
-  workspace = 0 if num_tokens * hidden * 2 >= CUBLAS_WORKSPACE else CUBLAS_WORKSPACE
-  room = LEAN_EXTRA_BYTES - LEAN_RESERVE - 64 * num_tokens - workspace
-  return min(max(room // (2 * (num_tokens + 2 * hidden)) // step * step, step), 16384)
+  """Lean mode's vocabulary columns per chunk: the most that keep its buffers within ``LEAN_EXTRA_BYTES`` beside
+  the per-token vectors and ``LEAN_RESERVE``; a multiple of ``step`` (the kernel's column tile) in [step, 16384].
+
+  Per chunk XLA holds three bf16 buffers: dz [B, chunk], the chunk of w it copies for cuBLAS and the chunk's dw
+  product (both [H, chunk]: a chunk of columns of an [H, V] head is strided); and its cuBLAS workspace. The x
+  gradient's own buffer (B·H·2 bytes, written last) is idle until the end, and XLA's buffer assignment puts the
+  workspace there when it is larger, else dz when that fits (``benchmarks/probe_hlo.py --buffers``, H100). So:
+  1792 columns at llama3-8b's 8192×4096, 2304 at gemma2-2b's 8192×2304, 1536 at qwen3-8b's 4096×4096, 768 at
+  gpt2-small's 16384×768 (memory measured in ``benchmarks/results/h100-2026-11-24-r6-lean``)."""
+  room = LEAN_EXTRA_BYTES - LEAN_RESERVE - 64 * num_tokens
+  out = num_tokens * hidden * 2
+  if out > CUBLAS_WORKSPACE:  # the workspace goes into the x gradient's buffer
+    chunk = room // (2 * (num_tokens + 2 * hidden))
+  else:  # all in temp, or dz in the x gradient's buffer (chunk ≤ H)
+    room -= CUBLAS_WORKSPACE
+    chunk = max(room // (2 * (num_tokens + 2 * hidden)), min(hidden, room // (4 * hidden)))
+  return min(max(chunk // step * step, step), 16384)
 
 
 def per_token_config(config: Config | None) -> Config | None:
