@@ -531,8 +531,8 @@ def test_gpu_fast_memory_within_its_bound(design):
   assert temp <= 1.1 * bound, (temp, bound)
   if design == "logits":
     assert temp < 1.5 * b * v * 2, temp
-  if design == "lean":  # one float32 dx, not two (the dx products add into it in place)
-    assert temp < bound - op.CUBLAS_WORKSPACE + b * h * 4, (temp, bound)
+  if design == "lean":  # one float32 dx, not two (the dx products add into it in place): a second would not fit
+    assert temp <= bound < temp + b * h * 4, (temp, bound)
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
