@@ -32,10 +32,12 @@ Backward (recompute, bounded memory)
   ``vocab_chunk`` columns; per chunk one persistent Mosaic kernel (a CTA per SM looping over the chunk's tiles)
   recomputes the chunk's logit tiles and writes the logit gradient ``dz`` [B, chunk] in the input dtype (its
   epilogue is the factored form of :func:`lce_flax._math.dlogits`, see :func:`.epilogue.row_coefficients`), then
-  two XLA matmuls give ``dw[chunk] = xᵀ dz`` (complete, written once) and ``dx += dz wᵀ[chunk]`` (float32
-  accumulator). FLOPs 2·B·H·V (forward) + 2·B·H·V (recompute) + 4·B·H·V (gradients) = 8·B·H·V.
-  Extra memory: dz (B·chunk·2 bytes: 32 MiB at B=8192, chunk 2048), the float32 dx (B·H·4; each chunk's product
-  is added into it in place, one loop over all chunks), one chunk of w.
+  two XLA matmuls give ``dw[chunk] += xᵀ dz`` (into zeros: complete after one chunk) and ``dx += dz wᵀ[chunk]``
+  (float32 accumulator); dz is zero in the clamped last chunk's columns that the chunk before did.
+  FLOPs 2·B·H·V (forward) + 2·B·H·V (recompute) + 4·B·H·V (gradients) = 8·B·H·V.
+  Extra memory: the float32 dx (B·H·4; each chunk's product is added into it in place, one loop over all chunks),
+  dz (B·chunk·2 bytes: 28 MiB at B=8192, chunk 1792), XLA's copy of the chunk of w and the chunk's dw product
+  (H·chunk·2 each), its cuBLAS workspace; :func:`lean_chunk` keeps them within B·H·4 + 64 MB.
 
 Fast mode (``mode="fast"``, 6·B·H·V, a bounded buffer; :mod:`.fast`)
   The forward kernel also writes every logit tile, shifted by its row max, in the input dtype, plus the maxima
