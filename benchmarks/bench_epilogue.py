@@ -8,9 +8,11 @@ the forward GEMM of ``lce_flax/_impl/pallas_mosaic/gemm.py`` (the tuning table's
   stats           ``RowStats``: the lean forward
   store           ``RowStats(store=True)``: the fast forward
   store_cap       ``store`` with a soft cap of 30 (gemma2's; the op runs it without approx_math)
+  exp             ``RowStats(store=True, ref=0)``: the stored exponentials (the op's fast forward)
   *_fast          the same with the approximate ``exp`` (``approx_math``)
 
-One JSON line per measurement; ``--out`` gets ``results.json`` with device, versions and date.
+``--variants`` picks some of them. One JSON line per measurement; ``--out`` gets ``results.json`` with device,
+versions and date.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def variants():
       "store": fwd(G.RowStats, plain, store=True),
       "store_fast": fwd(G.RowStats, plain, approx=True, store=True),
       "store_cap": fwd(G.RowStats, capped, store=True),
+      "exp_fast": jax.jit(lambda x, w, y: G.gemm(
+          x, w, epilogue=G.RowStats(y, plain, store=True, ref=jnp.zeros(y.shape, jnp.float32)), role="fwd_store",
+          approx_math=True)),
   }
 
 
@@ -56,6 +61,7 @@ def main():
   ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/epilogue-local"))
   ap.add_argument("--shapes", default="llama3-8b,gemma2-2b,gpt2-small,qwen3-8b")
   ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   kind = jax.devices()[0].device_kind
@@ -69,7 +75,13 @@ def main():
     w = (0.02 * jax.random.normal(k[1], (h, v), jnp.float32)).astype(jnp.bfloat16)
     y = jax.random.randint(k[2], (b,), 0, v, jnp.int32)
     fns = {}
-    for vname, f in variants().items():
+    chosen = variants()
+    if args.variants:
+      unknown = set(args.variants.split(",")) - set(chosen)
+      if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {', '.join(chosen)}")
+      chosen = {n: chosen[n] for n in args.variants.split(",")}
+    for vname, f in chosen.items():
       a = (x, w, y)
       try:
         print(f"# {name} {vname}", file=sys.stderr, flush=True)

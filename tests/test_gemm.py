@@ -101,16 +101,21 @@ def _stats_ref(z, labels, cap, n):
   return lse, tgt, zc.sum(1)
 
 
+# N ragged against the 128-column tiles (per-element masks), and N a whole number of tiles (no masks)
+STATS_N = [N, 384]
+
+
+@pytest.mark.parametrize("n", STATS_N)
 @pytest.mark.parametrize("cap", [None, 5.0])
-def test_twin_row_stats(cap):
+def test_twin_row_stats(cap, n):
   rng = np.random.default_rng(2)
-  a, b, ref = _operands(rng, LAYOUTS["x.w"])
-  labels = jnp.asarray(rng.integers(0, N, M), jnp.int32).at[3].set(-1)
+  a, b, ref = _operands(rng, LAYOUTS["x.w"], n=n)
+  labels = jnp.asarray(rng.integers(0, n, M), jnp.int32).at[3].set(-1)
   opts = G.StatsOptions(cap, True)
   st = G.gemm(a, b, epilogue=G.RowStats(labels, opts), config=TWIN, interpret=True)
   assert st.shape == (4, 3, 256)
   rs = G.merge_row_stats(st, M)
-  lse_ref, tgt_ref, zsum_ref = _stats_ref(ref, np.asarray(labels), cap, N)
+  lse_ref, tgt_ref, zsum_ref = _stats_ref(ref, np.asarray(labels), cap, n)
   lse = np.asarray(rs.m, np.float64) + np.log(np.asarray(rs.s, np.float64))
   np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(np.asarray(rs.target), tgt_ref, rtol=1e-5, atol=1e-4)
@@ -152,14 +157,15 @@ def test_twin_row_stats_shifted_store_and_bias(cap):
     G.gemm(a, b, epilogue=G.RowStats(labels, opts, bias=bias[:10]), config=TWIN, interpret=True)
 
 
+@pytest.mark.parametrize("n", STATS_N)
 @pytest.mark.parametrize("cap,bias", [(None, False), (5.0, True)])
-def test_twin_row_stats_stored_exponentials(cap, bias):
+def test_twin_row_stats_stored_exponentials(cap, bias, n):
   """``RowStats(store=True, ref=r)``: the same statistics, and each tile stored as ``exp(zc - r)`` times the cap's
   derivative ``1 - (zc/cap)²``, with bf16's relative rounding at every size (the entries span ~e^±20 here)."""
   rng = np.random.default_rng(13)
-  a, b, ref = _operands(rng, LAYOUTS["x.w"])
-  bias_v = jnp.asarray(rng.standard_normal(N), jnp.float32) if bias else None
-  labels = jnp.asarray(rng.integers(0, N, M), jnp.int32).at[5].set(-1)
+  a, b, ref = _operands(rng, LAYOUTS["x.w"], n=n)
+  bias_v = jnp.asarray(rng.standard_normal(n), jnp.float32) if bias else None
+  labels = jnp.asarray(rng.integers(0, n, M), jnp.int32).at[5].set(-1)
   z = ref + (np.asarray(bias_v, np.float64)[None, :] if bias else 0.0)
   zc = cap * np.tanh(z / cap) if cap else z
   r = zc[np.arange(M), np.maximum(np.asarray(labels), 0)] + rng.normal(0, 3, M)  # any reference near the row
@@ -168,18 +174,18 @@ def test_twin_row_stats_stored_exponentials(cap, bias):
                  config=TWIN, interpret=True)
   assert e.shape == (M, 384) and e.dtype == BF
   want = np.exp(zc - r[:, None]) * ((1 - (zc / cap) ** 2) if cap else 1.0)
-  got = _f64(e[:, :N])
+  got = _f64(e[:, :n])
   # formed as exp(zc - max)·exp(max - r) per tile: exact to bf16 where zc is within 80 of its tile's max (else
   # p < e^-80, and the first factor underflows to 0) and the max within 75 of r (exp(max - r) is clamped at e^80)
-  tile_max = np.repeat(np.asarray(st[0, :, :M], np.float64).T, 128, axis=1)[:, :N]
+  tile_max = np.repeat(np.asarray(st[0, :, :M], np.float64).T, 128, axis=1)[:, :n]
   inside = (zc - tile_max > -80) & (tile_max - r[:, None] < 75)
   if cap:  # (and 1 - (zc/cap)² is float32's cancellation where zc saturates the cap, as in every design's dz)
     inside &= 1 - (zc / cap) ** 2 > 1e-2
   assert inside.mean() > 0.3 and np.all(got[~inside & (zc - tile_max < -90)] == 0)
   assert np.abs(got[inside] / want[inside] - 1).max() < 2**-8 + 1e-5
-  np.testing.assert_array_equal(_f64(e[:, N:]), 0.0)  # the columns past N
+  np.testing.assert_array_equal(_f64(e[:, n:]), 0.0)  # the columns past n
   rs = G.merge_row_stats(st, M)
-  lse_ref, tgt_ref, _ = _stats_ref(z, np.asarray(labels), cap, N)
+  lse_ref, tgt_ref, _ = _stats_ref(z, np.asarray(labels), cap, n)
   np.testing.assert_allclose(np.asarray(rs.m, np.float64) + np.log(np.asarray(rs.s, np.float64)), lse_ref,
                              rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(np.asarray(rs.target), tgt_ref, rtol=1e-5, atol=1e-4)
@@ -270,6 +276,12 @@ def test_gpu_kernel_lowers_for_cuda(cfg):
        SDS((m, k), BF), SDS((k, n), BF), y, SDS((n,), jnp.float32), vec),
       (lambda a, b, y, r: G.gemm(a, b, epilogue=G.RowStats(y, store=True, ref=r), approx_math=True,
                                  config=tuning.fit_role("fwd_store", cfg)), SDS((m, k), BF), SDS((k, n), BF), y, vec),
+      # N a whole number of tiles: the statistics without per-element masks
+      (lambda a, b, y: G.merge_row_stats(G.gemm(a, b, epilogue=G.RowStats(y, G.StatsOptions(30.0, True)),
+                                                config=cfg), m).s, SDS((m, k), BF), SDS((k, 2176), BF), y),
+      (lambda a, b, y, r: G.gemm(a, b, epilogue=G.RowStats(y, store=True, ref=r), approx_math=True,
+                                 config=tuning.fit_role("fwd_store", cfg)),
+       SDS((m, k), BF), SDS((k, 2176), BF), y, vec),
       (lambda z, w, l, c, a, y: G.gemm(z, w, transpose_b=True, prologue=G.DzFromLogits(l, c, a, y),
                                        config=tuning.fit_role("dx_prologue", cfg)),
        SDS((m, n), BF), SDS((k, n), BF), vec, vec, vec, y),
@@ -348,10 +360,12 @@ def test_gpu_products(name, cfg):
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
-@pytest.mark.parametrize("base", [tuning.DEFAULT, tuning.PINGPONG, tuning.PINGPONG_WS], ids=lambda c: c.schedule)
-def test_gpu_hooks(base):
+@pytest.mark.parametrize("n", [2112, 2176])  # ragged; 17 whole tiles (a 2-CTA cluster overhangs N by one tile)
+@pytest.mark.parametrize("base", [tuning.DEFAULT, tuning.PINGPONG, tuning.PINGPONG_WS,
+                                  G.GemmConfig(wg_split="m", cluster="n")], ids=lambda c: c.short())
+def test_gpu_hooks(base, n):
   rng = np.random.default_rng(8)
-  m, n, k = 1000, 2112, 576
+  m, k = 1000, 576
   a, b, ref = _operands(rng, LAYOUTS["x.w"], m, n, k)
   labels = jnp.asarray(rng.integers(0, n, m), jnp.int32)
   opts = G.StatsOptions(30.0, True)

@@ -14,11 +14,30 @@ here against :func:`lce_flax._math.tile_stats`, :func:`~lce_flax._math.merge_sta
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 
 from lce_flax import _math
 from lce_flax._impl.common import F32
+
+LOG2E = math.log2(math.e)
+
+
+def approx_exp(opts) -> bool:
+  """Whether a kernel's epilogue may run on the hardware's approximate units (``approx_math``): its ``exp2`` is then
+  ``ex2.approx`` (relative error ~2⁻²², as Triton's ``exp``), several times cheaper than the accurate library
+  routine. Not with a soft cap: Mosaic's approximate ``tanh`` (~5e-4 relative) is too coarse for it."""
+  return opts.logit_softcap is None
+
+
+def exp_shifted(z, shift):
+  """``exp(z - shift)`` of a tile ``z`` [bt, bv] and a per-row ``shift`` [bt], as ``2^(z·log2e - shift·log2e)``: one
+  fused multiply-add per element before the ``exp2`` instead of a subtraction and a multiplication. Rounding
+  ``shift·log2e`` once per row scales that row's exponentials by ``1 ± |shift|·2⁻²⁴``, the relative size of the
+  float32 rounding the logits themselves carry."""
+  return jnp.exp2(z * LOG2E - bcast_rows(shift * LOG2E, z.shape))
 
 
 def bcast_rows(v, shape):
@@ -31,16 +50,33 @@ def bcast_cols(v, shape):
   return lax.broadcast_in_dim(v, shape, [1])
 
 
-def epilogue_stats(zc, cols, valid, labels, opts: _math.LossSpec):
-  """``_math.tile_stats`` of the capped tile ``zc`` [bt, bv]; ``cols``/``valid`` are [bt, bv], labels [bt]."""
-  masked = jnp.where(valid, zc, -jnp.inf)
+def capped_stats(zc, valid, opts):
+  """``(max, Σexp(zc - max), Σzc, exp(zc - max))`` of the rows of the capped tile ``zc`` [bt, bv] over its ``valid``
+  columns (the last: the tile of exponentials, 0 in the invalid columns). ``valid`` None: every column counts and
+  no per-element mask is formed (a tile that lies inside the vocabulary). ``opts``: anything with
+  ``needs_logit_sum``."""
+  masked = zc if valid is None else jnp.where(valid, zc, -jnp.inf)
   m = masked.max(axis=1)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
-  s = jnp.exp(masked - bcast_rows(m_safe, zc.shape)).sum(axis=1)
-  hit = valid & (cols == bcast_rows(labels, zc.shape))
-  target = jnp.where(hit, zc, 0.0).sum(axis=1)
-  zsum = jnp.where(valid, zc, 0.0).sum(axis=1) if opts.needs_logit_sum else jnp.zeros_like(m)
-  return _math.RowStats(m, s, target, zsum)
+  e = exp_shifted(masked, m_safe)
+  if not opts.needs_logit_sum:
+    zsum = jnp.zeros_like(m)
+  else:
+    zsum = (zc if valid is None else jnp.where(valid, zc, 0.0)).sum(axis=1)
+  return m, e.sum(axis=1), zsum, e
+
+
+def target_logit(zc, cols, valid, labels):
+  """Each row's capped logit at its label's column (``cols`` [bt, bv] global column ids, ``labels`` [bt]), if the
+  tile holds it, else 0; ``valid`` None: all columns count."""
+  hit = cols == bcast_rows(labels, zc.shape)
+  return jnp.where(hit if valid is None else valid & hit, zc, 0.0).sum(axis=1)
+
+
+def epilogue_stats(zc, cols, valid, labels, opts: _math.LossSpec):
+  """``_math.tile_stats`` of the capped tile ``zc`` [bt, bv]; ``cols``/``valid`` are [bt, bv], labels [bt]."""
+  m, s, zsum, _ = capped_stats(zc, valid, opts)
+  return _math.RowStats(m, s, target_logit(zc, cols, valid, labels), zsum)
 
 
 def shifted_logits(zc, m):
@@ -89,7 +125,7 @@ def epilogue_dlogits(z, cols, labels, lse, coef, a, c, opts: _math.LossSpec):
 def dlogits_capped(zc, cols, labels, lse, coef, a, c, opts: _math.LossSpec):
   """:func:`epilogue_dlogits` of the already capped tile ``zc``."""
   shape = zc.shape
-  p = jnp.exp(zc - bcast_rows(lse, shape))
+  p = exp_shifted(zc, lse)
   dz = p * bcast_rows(coef, shape) - jnp.where(cols == bcast_rows(labels, shape), bcast_rows(a, shape), 0.0)
   if opts.label_smoothing:
     dz = dz - bcast_rows(c, shape)

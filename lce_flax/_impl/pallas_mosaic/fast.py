@@ -92,12 +92,11 @@ def _stored(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts, ref=None):
     stats, (zb, mt) = op.run_forward(xp, wp, bp, yp, d, p, opts)
     return stats, zb, mt, d, p
   # the forward on the GEMM of :mod:`.gemm`, its statistics epilogue storing the tiles (of the GEMM's tile_n); its
-  # exp on the hardware's ex2.approx (relative error ~1e-7, as in Triton's kernels; 13-28% off this GEMM's time at
-  # the LLM shapes but qwen3-8b's, benchmarks/results/h100-2026-11-24-epilogue/), unless a soft cap needs tanh,
-  # whose approximate form is too coarse
+  # exp on the hardware's ex2.approx where epilogue.approx_exp allows (13-28% off this GEMM's time at the LLM shapes
+  # but qwen3-8b's, benchmarks/results/h100-2026-11-24-epilogue/)
   cfg = p.gemm
   st, zb = gemm.gemm(xp, wp, transpose_b=d.w_layout == "vh", config=cfg, interpret=d.interpret,
-                     approx_math=opts.logit_softcap is None,
+                     approx_math=epilogue.approx_exp(opts),
                      epilogue=gemm.RowStats(yp, opts, store=True, bias=bp, ref=ref))
   mt = None if ref is not None else st[0, :zb.shape[1] // cfg.tile_n, :d.b]
   return gemm.merge_row_stats(st, d.b), zb, mt, *_read_as(d, p, zb.shape[1])

@@ -68,7 +68,7 @@ from jax.experimental import pallas as pl
 
 from lce_flax import _device, _math
 from lce_flax._impl.common import F32, cdiv
-from lce_flax._impl.pallas_mosaic import tuning
+from lce_flax._impl.pallas_mosaic import epilogue, tuning
 from lce_flax._impl.pallas_mosaic.tuning import SCHEDULES, GemmConfig  # noqa: F401  (part of this module's API)
 
 _SUPPORTED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -255,25 +255,9 @@ def _rows(v, shape):
   return lax.broadcast_in_dim(v, shape, [0])
 
 
-def _capped_stats(zc, valid, opts):
-  """``(max, Σexp(zc - max), Σzc, exp(zc - max))`` of the rows of the capped tile ``zc`` over its ``valid``
-  columns (the last: the tile of exponentials, 0 in the invalid columns)."""
-  masked = jnp.where(valid, zc, -jnp.inf)
-  m = masked.max(axis=1)
-  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-  e = jnp.exp(masked - _rows(m_safe, zc.shape))
-  zsum = jnp.where(valid, zc, 0.0).sum(axis=1) if opts.needs_logit_sum else jnp.zeros_like(m)
-  return m, e.sum(axis=1), zsum, e
-
-
 # exp(max - ref) of the stored exponentials is clamped here (e^80 ≈ 5.5e34: finite in bf16; fp16 overflows past
 # e^11, so its stores should take the shifted form)
 EXP_CLAMP = 80.0
-
-
-def _target(zc, cols, valid, labels):
-  """Each row's capped logit at its label's column, if the tile holds it (else 0)."""
-  return jnp.where(valid & (cols == _rows(labels, zc.shape)), zc, 0.0).sum(axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,12 +342,20 @@ class RowStats(Part):
     if b_smem is not None:
       z = z + lax.broadcast_in_dim(b_smem[t.g], z.shape, [1])
     cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
-    valid = cols < t.prob.n
+    # where N is a multiple of tile_n a tile lies wholly inside N or (a cluster's overhang) wholly past it: no
+    # per-element mask, and a tile past N (its columns zeros) is dropped below as a whole
+    whole = t.prob.n % t.cfg.tile_n == 0
+    valid = None if whole else cols < t.prob.n
     zc = _math.softcap(z, self.opts.logit_softcap)
     # the target logit first: then zc is dead once the exponentials are formed (unless a cap's derivative or the
     # shifted store needs it), so one float32 tile, not two, stays live through the statistics' stores
-    tgt = _target(zc, cols, valid, y_smem[t.g]) if self.target else None
-    m, s, zsum, e = _capped_stats(zc, valid, self.opts)
+    tgt = epilogue.target_logit(zc, cols, valid, y_smem[t.g]) if self.target else None
+    m, s, zsum, e = epilogue.capped_stats(zc, valid, self.opts)
+    if whole:
+      past = t.col0 >= t.prob.n
+      m = m + jnp.where(past, -jnp.inf, 0.0)
+      keep = jnp.where(past, 0.0, 1.0)
+      s, zsum = s * keep, zsum * keep
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's statistics have left st_smem
     st_smem[t.g, 0] = m
     st_smem[t.g, 1] = s
@@ -434,7 +426,7 @@ class DzFromLogits:
     shape = z.shape
     row = lambda v: _rows(v, shape)
     cols = lax.broadcasted_iota(jnp.int32, shape, 1) + k0
-    dz = jnp.exp(z - row(v_smem[t.g, 0])) * row(v_smem[t.g, 1])
+    dz = epilogue.exp_shifted(z, v_smem[t.g, 0]) * row(v_smem[t.g, 1])
     dz = dz - jnp.where(cols == row(y_smem[t.g]), row(v_smem[t.g, 2]), 0.0)
     return jnp.where(cols < t.prob.k, dz, 0.0)
 

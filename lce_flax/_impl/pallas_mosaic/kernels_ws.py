@@ -31,7 +31,10 @@ from lce_flax._impl.common import F32, cdiv
 from lce_flax._impl.pallas_mosaic import epilogue
 from lce_flax._impl.pallas_mosaic import kernels as base
 
-_WARPGROUP = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+def _params(opts):
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                              approx_math=epilogue.approx_exp(opts))
 
 
 def _ws_pipeline(d: base.Dims, p, stages: int):
@@ -151,7 +154,7 @@ def forward_ws(x, w, bias, labels, d: base.Dims, p, opts):
   ns = p.num_splits
   body = common.absent_refs(functools.partial(_fwd_ws_body, d=d, p=p, opts=opts), *base.absent_gmem(d))
   kern = plgpu.kernel(body, out_type=base.out_types(d, p, 2 * ns, x.dtype), grid=(ns, d.b // p.block_t),
-                      grid_names=("split", "row"), num_threads=3, thread_name="wg", compiler_params=_WARPGROUP)
+                      grid_names=("split", "row"), num_threads=3, thread_name="wg", compiler_params=_params(opts))
   st, *stored = kern(*common.present(x, w, bias, labels))
   return common.merge_splits(st), (tuple(stored) if d.store else None)
 
@@ -230,5 +233,5 @@ def dz_chunk_ws(x, w_c, b_c, labels_local, lo, lse, coef, a, c, d: base.Dims, p,
                             *([] if d.has_bias else [2]))
   kern = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((d.b, width), x.dtype),
                       grid=(min(_device.num_sms(), tiles),), grid_names=("sm",), num_threads=3, thread_name="wg",
-                      compiler_params=_WARPGROUP)
+                      compiler_params=_params(opts))
   return kern(*common.present(x, w_c, b_c, labels_local, lo, lse, coef, a, c))
