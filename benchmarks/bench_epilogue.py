@@ -11,13 +11,15 @@ the forward GEMM of ``lce_flax/_impl/pallas_mosaic/gemm.py`` (the tuning table's
   exp             ``RowStats(store=True, ref=0)``: the stored exponentials (the op's fast forward)
   *_fast          the same with the approximate ``exp`` (``approx_math``)
 
-``--variants`` picks some of them. One JSON line per measurement; ``--out`` gets ``results.json`` with device,
-versions and date.
+``--variants`` picks some of them; ``--store-configs "epi_slots=3;stages=3,epi_n=128"`` adds ``exp_fast`` once per
+given change to the tuning table's ``fwd_store`` config (named ``exp_fast[epi_slots=3]`` and so on). One JSON line
+per measurement; ``--out`` gets ``results.json`` with device, versions and date.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -56,12 +58,30 @@ def variants():
   }
 
 
+def store_config_variants(spec: str, b: int, h: int, v: int, kind: str) -> dict:
+  """``exp_fast`` with the table's fwd_store config changed as each ``;``-separated ``field=value,...`` says."""
+  base = tuning.select_config("fwd_store", b, v, h, kind)
+  out = {}
+  for item in filter(None, spec.split(";")):
+    changes = {}
+    for kv in item.split(","):
+      key, val = kv.split("=")
+      changes[key] = int(val) if val.isdigit() else (None if val == "None" else val)
+    cfg = dataclasses.replace(base, **changes)
+    out[f"exp_fast[{item}]"] = jax.jit(lambda x, w, y, cfg=cfg: G.gemm(
+        x, w, epilogue=G.RowStats(y, G.StatsOptions(), store=True, ref=jnp.zeros(y.shape, jnp.float32)), config=cfg,
+        approx_math=True))
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/epilogue-local"))
   ap.add_argument("--shapes", default="llama3-8b,gemma2-2b,gpt2-small,qwen3-8b")
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
+  ap.add_argument("--store-configs", default="", help="';'-separated changes to the fwd_store config, each timed "
+                  "as an exp_fast variant (e.g. 'epi_slots=3;stages=3,epi_n=128')")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   kind = jax.devices()[0].device_kind
@@ -81,6 +101,7 @@ def main():
       if unknown:
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {', '.join(chosen)}")
       chosen = {n: chosen[n] for n in args.variants.split(",")}
+    chosen.update(store_config_variants(args.store_configs, b, h, v, kind))
     for vname, f in chosen.items():
       a = (x, w, y)
       try:
@@ -90,11 +111,20 @@ def main():
       except Exception as e:  # noqa: BLE001
         rows.append(dict(shape=name, variant=vname, error=f"{type(e).__name__}: {e}"[:400]))
         print(json.dumps(rows[-1]), flush=True)
+    same = {}  # each config variant's outputs against exp_fast's (the same math and rounding: equal bit for bit)
+    if "exp_fast" in fns:
+      want = fns["exp_fast"][0](x, w, y)
+      for vname in fns:
+        if vname.startswith("exp_fast["):
+          got = fns[vname][0](x, w, y)
+          same[vname] = all(bool(jnp.array_equal(g, r)) for g, r in zip(got, want))
+      del want
     t = interleaved(fns, rounds=args.rounds)
     cfg = tuning.select_row("fwd", b, v, h, kind)
     for vname, ms in t.items():
       rows.append(dict(shape=name, variant=vname, ms=round(ms, 3), tflops=round(2 * b * h * v / ms / 1e9, 1),
-                       vs_bare=round(ms / t["bare"], 3) if "bare" in t else None, fwd_config=cfg[0].short()))
+                       vs_bare=round(ms / t["bare"], 3) if "bare" in t else None, fwd_config=cfg[0].short(),
+                       **({"equals_exp_fast": same[vname]} if vname in same else {})))
       print(json.dumps(rows[-1]), flush=True)
     del x, w, y, fns
   with open(os.path.join(args.out, "results.json"), "w") as f:

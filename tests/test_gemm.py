@@ -81,6 +81,32 @@ def test_twin_one_subtile_per_tile():
   assert _rel(out, ref + np.asarray(c, np.float64)) < 1e-5
 
 
+@pytest.mark.parametrize("slots,epi_n", [(3, 32), (4, 64), (3, 128)])
+def test_twin_store_slots(slots, epi_n):
+  """More SMEM slots for the stored sub-tiles (``epi_slots``), their count dividing the sub-tiles of a tile or not
+  (4 and 2 of 32 and 64 columns, 1 of 128 against 3 slots): every tile lands, also where a slot's last reader was
+  in the previous tile; the fast forward's stored exponentials beside the statistics too."""
+  rng = np.random.default_rng(5)
+  a, b, ref = _operands(rng, LAYOUTS["x.w"])
+  cfg = dataclasses.replace(TWIN, epi_n=epi_n, epi_slots=slots)
+  assert _rel(G.gemm(a, b, epilogue=G.Store(jnp.float32), config=cfg, interpret=True), ref) < 1e-5
+  labels = jnp.asarray(rng.integers(0, N, M), jnp.int32)
+  r = jnp.asarray(ref.max(1), jnp.float32)
+  _, e = G.gemm(a, b, epilogue=G.RowStats(labels, store=True, ref=r), config=cfg, interpret=True)
+  want = np.exp(ref - np.asarray(r, np.float64)[:, None])
+  assert np.abs(_f64(e[:, :N]) / want - 1)[want > 1e-30].max() < 2**-8 + 1e-5
+
+
+def test_store_slot_waits():
+  """The wait before a slot is rewritten counts the stores issued since its last reader, across the tile boundary."""
+  got = lambda n, s: [G._copies_since_slot(q, n, s) for q in range(n)]
+  assert got(8, 2) == [1] * 8
+  assert got(8, 3) == [1, 1, 4, 2, 2, 2, 2, 2]  # slot 2's last reader: sub-tile 5 of the previous tile
+  assert got(1, 2) == [0] and got(3, 2) == [0, 2, 1] and got(2, 3) == [1, 1]
+  with pytest.raises(ValueError, match="epi_slots=1"):
+    G.GemmConfig(epi_slots=1).validate()
+
+
 def test_twin_accumulate_into_c():
   rng = np.random.default_rng(1)
   a, b, ref = _operands(rng, LAYOUTS["xT.dz"], m=320, k=200)
@@ -247,7 +273,7 @@ def _f32_stats(cfg):
   return dataclasses.replace(cfg, stages={"pingpong": 2, "pingpong_ws": 4}.get(cfg.schedule, 3))
 
 
-@pytest.mark.parametrize("cfg", [G.GemmConfig(), G.GemmConfig(wg_split="m", cluster="n"),
+@pytest.mark.parametrize("cfg", [G.GemmConfig(), G.GemmConfig(wg_split="m", cluster="n", epi_n=32, epi_slots=3),
                                  G.GemmConfig(cluster="m", order_minor="m", order_width=8), tuning.PINGPONG,
                                  tuning.PINGPONG_WS],
                          ids=lambda c: c.short())

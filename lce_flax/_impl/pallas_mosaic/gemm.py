@@ -160,7 +160,8 @@ def _subtiles(cfg: GemmConfig):
 @dataclasses.dataclass(frozen=True)
 class Store(Part):
   """Stores the accumulator as ``dtype`` (the operands' dtype when None) [M, N]: each ``epi_m × epi_n``
-  sub-tile goes registers → SMEM (two slots, alternating) → TMA, so a copy drains while the next is written."""
+  sub-tile goes registers → SMEM (``epi_slots`` slots in turn) → TMA, so copies drain while the next are
+  written."""
 
   dtype: Any = None
 
@@ -171,7 +172,7 @@ class Store(Part):
     return (jax.ShapeDtypeStruct((prob.m, prob.n), self._dt(prob)),)
 
   def smem(self, prob, cfg):
-    return (plgpu.SMEM((prob.nwg, 2, cfg.epi_m, cfg.epi_n), self._dt(prob),
+    return (plgpu.SMEM((prob.nwg, cfg.epi_slots, cfg.epi_m, cfg.epi_n), self._dt(prob),
                        transforms=_transforms(self._dt(prob), cfg.epi_n)),)
 
   def apply(self, z, t, ins, outs, smem):
@@ -179,16 +180,26 @@ class Store(Part):
     _store_subtiles(z, t, out, buf)
 
 
+def _copies_since_slot(q: int, n: int, slots: int) -> int:
+  """How many of a tile's stores were issued after the one that last read the slot of sub-tile ``q`` (of ``n``
+  a tile, slot ``q mod slots``): ``slots - 1`` within the tile; for the first ones, counted back into the previous
+  tile's stores (every tile uses the slots in the same order)."""
+  if q >= slots:
+    return slots - 1
+  last = max((j for j in range(n) if j % slots == q % slots), default=None)
+  return (n - 1 - last) + q if last is not None else n + q
+
+
 def _store_subtiles(z, t: Tile, out, buf):
-  """Writes the tile ``z`` to ``out`` at the tile's place: each ``epi_m × epi_n`` sub-tile registers → one of two
-  SMEM slots of ``buf`` [nwg, 2, epi_m, epi_n] → TMA (clipped at the array's edges). A slot is rewritten once the
-  copy that last read it is done: at most one copy (the other slot's) is then still in flight, whatever bulk copies
-  other parts issued before this call."""
+  """Writes the tile ``z`` to ``out`` at the tile's place: each ``epi_m × epi_n`` sub-tile registers → a slot of
+  ``buf`` [nwg, slots, epi_m, epi_n] (in turn) → TMA (clipped at the array's edges). A slot is rewritten once the
+  copy that last read it is done: ``wait_smem_to_gmem(k)`` with ``k`` the stores issued since (bulk copies that
+  other parts issued in between only add to the count, so they never make the wait too short)."""
   subs = list(_subtiles(t.cfg))
+  slots = buf.shape[1]
   for q, (ms, ns) in enumerate(subs):
-    slot = q % 2
-    # (with an odd count, the previous tile's last copy used slot 0)
-    plgpu.wait_smem_to_gmem(0 if (q == 0 and len(subs) % 2) else 1, wait_read_only=True)
+    slot = q % slots
+    plgpu.wait_smem_to_gmem(_copies_since_slot(q, len(subs), slots), wait_read_only=True)
     buf[t.g, slot] = z[ms, ns].astype(buf.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(buf.at[t.g, slot], out.at[pl.ds(t.row0 + ms.start, t.cfg.epi_m),

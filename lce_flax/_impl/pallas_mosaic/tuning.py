@@ -32,7 +32,9 @@ class GemmConfig:
 
   ``tile_m × tile_n`` is one compute warpgroup's accumulator; the CTA tile doubles it along ``wg_split``
   ("m" or "n"), a cluster of two CTAs doubles that along ``cluster`` ("m", "n" or None). ``order_minor`` /
-  ``order_width`` set the planar-snake tile order; ``epi_m × epi_n`` is the sub-tile of the stored output.
+  ``order_width`` set the planar-snake tile order; ``epi_m × epi_n`` is the sub-tile of the stored output, staged
+  through ``epi_slots`` SMEM slots per warpgroup (a slot is rewritten once its last TMA store has read it, so more
+  slots leave more stores in flight).
   ``schedule``: ``"cooperative"`` (both warpgroups on one CTA tile, fed by a TMA warpgroup), ``"pingpong"``
   (each warpgroup on a tile of its own, with its own ring of ``stages`` slots, taking turns on the tensor cores)
   or ``"pingpong_ws"`` (the same turns, one ring of ``stages`` slots filled by a TMA warpgroup); under both
@@ -50,6 +52,7 @@ class GemmConfig:
   epi_m: int = 64
   epi_n: int = 64
   schedule: str = "cooperative"
+  epi_slots: int = 2
 
   def cta_tile(self) -> tuple[int, int]:
     """The output block a CTA's warpgroups work on at once: two warpgroup tiles side by side (cooperative), or
@@ -69,8 +72,9 @@ class GemmConfig:
     if self.schedule != "cooperative":
       return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} {self.schedule} "
               f"order={self.order_minor}{self.order_width} epi={self.epi_m}x{self.epi_n}")
+    slots = f" slots={self.epi_slots}" if self.epi_slots != 2 else ""
     return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} wg={self.wg_split} cl={self.cluster} "
-            f"order={self.order_minor}{self.order_width}")
+            f"order={self.order_minor}{self.order_width}{slots}")
 
   def validate(self):
     for name in ("tile_m", "tile_n", "tile_k"):
@@ -83,6 +87,8 @@ class GemmConfig:
                        "multiple of 64 (the WGMMA register layout) and columns a multiple of 32")
     if self.stages < 2:
       raise ValueError("GemmConfig.stages must be >= 2")
+    if self.epi_slots < 2:
+      raise ValueError(f"GemmConfig.epi_slots={self.epi_slots} must be >= 2 (a store drains while the next is written)")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"GemmConfig.schedule={self.schedule!r}: one of {SCHEDULES}")
     if self.schedule != "cooperative" and self.cluster is not None:
