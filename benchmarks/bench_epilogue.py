@@ -12,7 +12,8 @@ the forward GEMM of ``lce_flax/_impl/pallas_mosaic/gemm.py`` (the tuning table's
   *_fast          the same with the approximate ``exp`` (``approx_math``)
 
 ``--variants`` picks some of them; ``--store-configs "epi_slots=3;stages=3,epi_n=128"`` adds ``exp_fast`` once per
-given change to the tuning table's ``fwd_store`` config (named ``exp_fast[epi_slots=3]`` and so on). One JSON line
+given change to the tuning table's ``fwd_store`` config (named ``exp_fast[epi_slots=3]`` and so on); ``--configs``
+adds ``bare``, ``stats_fast`` and ``exp_fast`` with their roles' configs changed so. One JSON line
 per measurement; ``--out`` gets ``results.json`` with device, versions and date.
 """
 
@@ -58,19 +59,32 @@ def variants():
   }
 
 
-def store_config_variants(spec: str, b: int, h: int, v: int, kind: str) -> dict:
-  """``exp_fast`` with the table's fwd_store config changed as each ``;``-separated ``field=value,...`` says."""
-  base = tuning.select_config("fwd_store", b, v, h, kind)
+def _parse_changes(item: str) -> dict:
+  changes = {}
+  for kv in item.split(","):
+    key, val = kv.split("=")
+    changes[key] = int(val) if val.isdigit() else (None if val == "None" else val)
+  return changes
+
+
+def config_variants(spec: str, b: int, h: int, v: int, kind: str, which: tuple[str, ...]) -> dict:
+  """For each ``;``-separated ``field=value,...`` of ``spec``: the variants ``which`` (of bare, stats_fast,
+  exp_fast) with their tuning-table config (roles fwd, fwd_stats, fwd_store) changed so, named ``<variant>[<item>]``."""
+  plain = G.StatsOptions()
+  make = {
+      "bare": ("fwd", lambda cfg: jax.jit(lambda x, w, y: G.gemm(x, w, config=cfg))),
+      "stats_fast": ("fwd_stats", lambda cfg: jax.jit(lambda x, w, y: G.gemm(
+          x, w, epilogue=G.RowStats(y, plain), config=cfg, approx_math=True))),
+      "exp_fast": ("fwd_store", lambda cfg: jax.jit(lambda x, w, y: G.gemm(
+          x, w, epilogue=G.RowStats(y, plain, store=True, ref=jnp.zeros(y.shape, jnp.float32)), config=cfg,
+          approx_math=True))),
+  }
   out = {}
   for item in filter(None, spec.split(";")):
-    changes = {}
-    for kv in item.split(","):
-      key, val = kv.split("=")
-      changes[key] = int(val) if val.isdigit() else (None if val == "None" else val)
-    cfg = dataclasses.replace(base, **changes)
-    out[f"exp_fast[{item}]"] = jax.jit(lambda x, w, y, cfg=cfg: G.gemm(
-        x, w, epilogue=G.RowStats(y, G.StatsOptions(), store=True, ref=jnp.zeros(y.shape, jnp.float32)), config=cfg,
-        approx_math=True))
+    for name in which:
+      role, build = make[name]
+      out[f"{name}[{item}]"] = build(dataclasses.replace(tuning.select_config(role, b, v, h, kind),
+                                                         **_parse_changes(item)))
   return out
 
 
@@ -82,6 +96,8 @@ def main():
   ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
   ap.add_argument("--store-configs", default="", help="';'-separated changes to the fwd_store config, each timed "
                   "as an exp_fast variant (e.g. 'epi_slots=3;stages=3,epi_n=128')")
+  ap.add_argument("--configs", default="", help="';'-separated changes to the table's configs, each timed as bare, "
+                  "stats_fast and exp_fast variants (e.g. 'tile_m=64,tile_n=256')")
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   kind = jax.devices()[0].device_kind
@@ -101,7 +117,8 @@ def main():
       if unknown:
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {', '.join(chosen)}")
       chosen = {n: chosen[n] for n in args.variants.split(",")}
-    chosen.update(store_config_variants(args.store_configs, b, h, v, kind))
+    chosen.update(config_variants(args.store_configs, b, h, v, kind, ("exp_fast",)))
+    chosen.update(config_variants(args.configs, b, h, v, kind, ("bare", "stats_fast", "exp_fast")))
     for vname, f in chosen.items():
       a = (x, w, y)
       try:
@@ -111,12 +128,14 @@ def main():
       except Exception as e:  # noqa: BLE001
         rows.append(dict(shape=name, variant=vname, error=f"{type(e).__name__}: {e}"[:400]))
         print(json.dumps(rows[-1]), flush=True)
-    same = {}  # each config variant's outputs against exp_fast's (the same math and rounding: equal bit for bit)
-    if "exp_fast" in fns:
-      want = fns["exp_fast"][0](x, w, y)
+    same = {}  # each config variant's outputs against its base variant's (the same math: equal bit for bit)
+    for base in ("bare", "stats_fast", "exp_fast"):
+      if base not in fns:
+        continue
+      want = jax.tree.leaves(fns[base][0](x, w, y))
       for vname in fns:
-        if vname.startswith("exp_fast["):
-          got = fns[vname][0](x, w, y)
+        if vname.startswith(base + "["):
+          got = jax.tree.leaves(fns[vname][0](x, w, y))
           same[vname] = all(bool(jnp.array_equal(g, r)) for g, r in zip(got, want))
       del want
     t = interleaved(fns, rounds=args.rounds)
@@ -124,7 +143,7 @@ def main():
     for vname, ms in t.items():
       rows.append(dict(shape=name, variant=vname, ms=round(ms, 3), tflops=round(2 * b * h * v / ms / 1e9, 1),
                        vs_bare=round(ms / t["bare"], 3) if "bare" in t else None, fwd_config=cfg[0].short(),
-                       **({"equals_exp_fast": same[vname]} if vname in same else {})))
+                       **({"equals_base": same[vname]} if vname in same else {})))
       print(json.dumps(rows[-1]), flush=True)
     del x, w, y, fns
   with open(os.path.join(args.out, "results.json"), "w") as f:

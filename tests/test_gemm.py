@@ -274,6 +274,7 @@ def _f32_stats(cfg):
 
 
 @pytest.mark.parametrize("cfg", [G.GemmConfig(), G.GemmConfig(wg_split="m", cluster="n", epi_n=32, epi_slots=3),
+                                 G.GemmConfig(tile_m=64, tile_n=256, wg_split="m", cluster="n", epi_n=32),
                                  G.GemmConfig(cluster="m", order_minor="m", order_width=8), tuning.PINGPONG,
                                  tuning.PINGPONG_WS],
                          ids=lambda c: c.short())

@@ -59,11 +59,14 @@ def capped_stats(zc, valid, opts):
   m = masked.max(axis=1)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
   e = exp_shifted(masked, m_safe)
+  s = e.sum(axis=1)
   if not opts.needs_logit_sum:
-    zsum = jnp.zeros_like(m)
+    # zeros in the rows' register layout (a constant would be a splat, which Mosaic GPU stores to SMEM only in
+    # multiples of 128 elements: a 64-row tile's vector is not)
+    zsum = s * 0.0
   else:
     zsum = (zc if valid is None else jnp.where(valid, zc, 0.0)).sum(axis=1)
-  return m, e.sum(axis=1), zsum, e
+  return m, s, zsum, e
 
 
 def target_logit(zc, cols, valid, labels):

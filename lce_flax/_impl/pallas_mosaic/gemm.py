@@ -370,7 +370,7 @@ class RowStats(Part):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's statistics have left st_smem
     st_smem[t.g, 0] = m
     st_smem[t.g, 1] = s
-    st_smem[t.g, 2] = jnp.zeros_like(m) if tgt is None else tgt
+    st_smem[t.g, 2] = s * 0.0 if tgt is None else tgt  # (zeros in the rows' layout, as zsum's)
     st_smem[t.g, 3] = zsum
     plgpu.commit_smem()
     for q in range(4):
