@@ -35,6 +35,11 @@ from benchmarks.bench_gemm import SHAPES, interleaved  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 
+# the four heads, and the 4096-token chunks the "tokens" design's forward runs on (gpt2-small at 8192 tokens and
+# more, llama3-8b and gemma2-2b at 32768)
+EPI_SHAPES = {**SHAPES, "gpt2-small-chunk": (4096, 768, 50304), "llama3-8b-chunk": (4096, 4096, 128256),
+              "gemma2-2b-chunk": (4096, 2304, 256000)}
+
 
 def variants():
   """name -> f(x, w, y), each jitted."""
@@ -105,7 +110,7 @@ def main():
               commit=os.environ.get("LCE_FLAX_COMMIT"))
   rows = []
   for name in args.shapes.split(","):
-    b, h, v = SHAPES[name]
+    b, h, v = EPI_SHAPES[name]
     k = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(k[0], (b, h), jnp.bfloat16)
     w = (0.02 * jax.random.normal(k[1], (h, v), jnp.float32)).astype(jnp.bfloat16)
