@@ -18,7 +18,7 @@ import pytest
 
 from lce_flax import _device, _math, linear_cross_entropy
 from lce_flax._impl import base, chunked, common, pallas_mosaic
-from lce_flax._impl.pallas_mosaic import Config, epilogue, kernels_ws, op
+from lce_flax._impl.pallas_mosaic import Config, epilogue, fast, kernels_ws, op
 from tests._checks import MOSAIC_SMALL, OPTIONS, check_impl, make_inputs
 from tests.reference_np import linear_cross_entropy_np, rel_err
 
@@ -586,6 +586,32 @@ def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
   bad = lambda x, w, bias, y: base.lean(x, w, bias, y, spec, pallas_mosaic, plan8).loss.sum()
   with pytest.raises(ValueError, match="shared memory"):
     jax.jit(bad).trace(*big).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_kernels_take_the_approximate_exp_without_a_soft_cap(cap):
+  """Every GPU kernel's exp is the hardware's ``ex2.approx`` (``approx_math``) unless a soft cap needs the accurate
+  ``tanh`` (``epilogue.approx_exp``): the lean forward and dz kernels and the fast forward on the GEMM, as lowered
+  for CUDA."""
+  b, h, v = 200, 128, 1024
+  opts = _math.LossSpec(vocab_size=v, logit_softcap=cap)
+  spec = common.Spec(opts, "hv", interpret=False)
+  sds = jax.ShapeDtypeStruct
+  args = (sds((b, h), jnp.bfloat16), sds((h, v), jnp.bfloat16), sds((b,), jnp.int32))
+
+  def lean(x, w, y):
+    out = base.lean(x, w, None, y, spec, pallas_mosaic, pallas_mosaic.design(b, h, spec, x.dtype, "lean").config)
+    return jnp.sum(out.loss)
+
+  def fast_forward(x, w, y):
+    p = op.plan(b, h, v, mode="fast")
+    assert p.gemm is not None  # the forward on the GEMM of gemm.py
+    return jax.tree.leaves(fast.fast_forward(x, w, None, y, jnp.ones(y.shape, jnp.float32), spec, p))[0].sum()
+
+  for f in (jax.grad(lean, (0, 1)), fast_forward):
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
+    assert ("ex2.approx" in text) == (cap is None), f
 
 
 def test_plan_warp_specialization_follows_interpret():
