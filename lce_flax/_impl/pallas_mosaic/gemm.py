@@ -183,11 +183,11 @@ class Store(Part):
 def _copies_since_slot(q: int, n: int, slots: int) -> int:
   """How many of a tile's stores were issued after the one that last read the slot of sub-tile ``q`` (of ``n``
   a tile, slot ``q mod slots``): ``slots - 1`` within the tile; for the first ones, counted back into the previous
-  tile's stores (every tile uses the slots in the same order)."""
+  tile's stores (every tile uses the slots in the same order, so slot ``q`` was last read by its sub-tile ``last``)."""
   if q >= slots:
     return slots - 1
-  last = max((j for j in range(n) if j % slots == q % slots), default=None)
-  return (n - 1 - last) + q if last is not None else n + q
+  last = q + (n - 1 - q) // slots * slots
+  return (n - 1 - last) + q
 
 
 def _store_subtiles(z, t: Tile, out, buf):
