@@ -41,6 +41,22 @@ EPI_SHAPES = {**SHAPES, "gpt2-small-chunk": (4096, 768, 50304), "llama3-8b-chunk
               "gemma2-2b-chunk": (4096, 2304, 256000)}
 
 
+# the variants that --configs re-times under changed configs, and the tuning-table role each one reads
+ROLES = {"bare": "fwd", "stats_fast": "fwd_stats", "exp_fast": "fwd_store"}
+
+
+def gemm_variant(name: str, **where):
+  """``bare``, ``stats_fast`` or ``exp_fast`` (the op's fast forward: statistics and stored exponentials) on the GEMM,
+  jitted; ``where``: ``role=`` (the table's config at trace time) or ``config=``."""
+  plain = G.StatsOptions()
+  if name == "bare":
+    return jax.jit(lambda x, w, y: G.gemm(x, w, **where))
+  ref = name == "exp_fast"
+  return jax.jit(lambda x, w, y: G.gemm(
+      x, w, epilogue=G.RowStats(y, plain, store=ref, ref=jnp.zeros(y.shape, jnp.float32) if ref else None),
+      approx_math=True, **where))
+
+
 def variants():
   """name -> f(x, w, y), each jitted."""
   plain, capped = G.StatsOptions(), G.StatsOptions(logit_softcap=30.0)
@@ -51,16 +67,14 @@ def variants():
 
   return {
       "xla": jax.jit(lambda x, w, y: jnp.dot(x, w)),
-      "bare": jax.jit(lambda x, w, y: G.gemm(x, w, role="fwd")),
+      "bare": gemm_variant("bare", role=ROLES["bare"]),
       "stats_no_target": fwd(G.RowStats, plain, target=False),
       "stats": fwd(G.RowStats, plain),
-      "stats_fast": fwd(G.RowStats, plain, approx=True),
+      "stats_fast": gemm_variant("stats_fast", role=ROLES["stats_fast"]),
       "store": fwd(G.RowStats, plain, store=True),
       "store_fast": fwd(G.RowStats, plain, approx=True, store=True),
       "store_cap": fwd(G.RowStats, capped, store=True),
-      "exp_fast": jax.jit(lambda x, w, y: G.gemm(
-          x, w, epilogue=G.RowStats(y, plain, store=True, ref=jnp.zeros(y.shape, jnp.float32)), role="fwd_store",
-          approx_math=True)),
+      "exp_fast": gemm_variant("exp_fast", role=ROLES["exp_fast"]),
   }
 
 
@@ -73,23 +87,13 @@ def _parse_changes(item: str) -> dict:
 
 
 def config_variants(spec: str, b: int, h: int, v: int, kind: str, which: tuple[str, ...]) -> dict:
-  """For each ``;``-separated ``field=value,...`` of ``spec``: the variants ``which`` (of bare, stats_fast,
-  exp_fast) with their tuning-table config (roles fwd, fwd_stats, fwd_store) changed so, named ``<variant>[<item>]``."""
-  plain = G.StatsOptions()
-  make = {
-      "bare": ("fwd", lambda cfg: jax.jit(lambda x, w, y: G.gemm(x, w, config=cfg))),
-      "stats_fast": ("fwd_stats", lambda cfg: jax.jit(lambda x, w, y: G.gemm(
-          x, w, epilogue=G.RowStats(y, plain), config=cfg, approx_math=True))),
-      "exp_fast": ("fwd_store", lambda cfg: jax.jit(lambda x, w, y: G.gemm(
-          x, w, epilogue=G.RowStats(y, plain, store=True, ref=jnp.zeros(y.shape, jnp.float32)), config=cfg,
-          approx_math=True))),
-  }
+  """For each ``;``-separated ``field=value,...`` of ``spec``: the variants ``which`` (of :data:`ROLES`) with their
+  tuning-table config changed so, named ``<variant>[<item>]``."""
   out = {}
   for item in filter(None, spec.split(";")):
     for name in which:
-      role, build = make[name]
-      out[f"{name}[{item}]"] = build(dataclasses.replace(tuning.select_config(role, b, v, h, kind),
-                                                         **_parse_changes(item)))
+      cfg = dataclasses.replace(tuning.select_config(ROLES[name], b, v, h, kind), **_parse_changes(item))
+      out[f"{name}[{item}]"] = gemm_variant(name, config=cfg)
   return out
 
 
@@ -123,7 +127,7 @@ def main():
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {', '.join(chosen)}")
       chosen = {n: chosen[n] for n in args.variants.split(",")}
     chosen.update(config_variants(args.store_configs, b, h, v, kind, ("exp_fast",)))
-    chosen.update(config_variants(args.configs, b, h, v, kind, ("bare", "stats_fast", "exp_fast")))
+    chosen.update(config_variants(args.configs, b, h, v, kind, tuple(ROLES)))
     for vname, f in chosen.items():
       a = (x, w, y)
       try:
@@ -140,7 +144,7 @@ def main():
       return a[:, :-(-v // 128), :b] if a.ndim == 3 else a
 
     same = {}
-    for base in ("bare", "stats_fast", "exp_fast"):
+    for base in ROLES:
       if base not in fns:
         continue
       want = [valid_part(a) for a in jax.tree.leaves(fns[base][0](x, w, y))]
