@@ -81,6 +81,27 @@ def test_twin_one_subtile_per_tile():
   assert _rel(out, ref + np.asarray(c, np.float64)) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["x.w", "dz.wT"])
+def test_twin_store_row_scale(name):
+  """``Store(row_scale=σ)``: each row times its factor before the one rounding (the fast design's dx, written in
+  x's dtype), ragged M, N and K, factors spanning 2⁻⁴⁰…2⁴⁰ and zeros."""
+  rng = np.random.default_rng(11)
+  a, b, ref = _operands(rng, LAYOUTS[name])
+  scale = np.exp2(rng.uniform(-40, 40, M)) * (rng.random(M) > 0.1)
+  want = ref * scale[:, None]
+  sc = jnp.asarray(scale, jnp.float32)
+  ta, tb = LAYOUTS[name]
+  out = G.gemm(a, b, transpose_a=ta, transpose_b=tb, epilogue=G.Store(jnp.float32, row_scale=sc), config=TWIN,
+               interpret=True)
+  tol = np.abs(ref).max(axis=1, keepdims=True) * scale[:, None]  # each row's scale
+  assert (np.abs(_f64(out) - want) <= 1e-5 * tol).all()
+  out16 = G.gemm(a, b, transpose_a=ta, transpose_b=tb, epilogue=G.Store(row_scale=sc), config=TWIN, interpret=True)
+  assert out16.dtype == BF
+  assert (np.abs(_f64(out16) - want) <= 2**-8 * np.abs(want) + 1e-5 * tol).all()
+  with pytest.raises(ValueError, match="row_scale must be"):
+    G.gemm(a, b, transpose_a=ta, transpose_b=tb, epilogue=G.Store(row_scale=sc[:-1]), config=TWIN, interpret=True)
+
+
 @pytest.mark.parametrize("slots,epi_n", [(3, 32), (4, 64), (3, 128)])
 def test_twin_store_slots(slots, epi_n):
   """More SMEM slots for the stored sub-tiles (``epi_slots``), their count dividing the sub-tiles of a tile or not
@@ -309,6 +330,8 @@ def test_gpu_kernel_lowers_for_cuda(cfg):
       (lambda a, b, y, r: G.gemm(a, b, epilogue=G.RowStats(y, store=True, ref=r), approx_math=True,
                                  config=tuning.fit_role("fwd_store", cfg)),
        SDS((m, k), BF), SDS((k, 2176), BF), y, vec),
+      (lambda e, w, r: G.gemm(e, w, transpose_b=True, epilogue=G.Store(row_scale=r), config=cfg),
+       SDS((m, n), BF), SDS((k, n), BF), vec),
       (lambda z, w, l, c, a, y: G.gemm(z, w, transpose_b=True, prologue=G.DzFromLogits(l, c, a, y),
                                        config=tuning.fit_role("dx_prologue", cfg)),
        SDS((m, n), BF), SDS((k, n), BF), vec, vec, vec, y),
@@ -414,6 +437,11 @@ def test_gpu_hooks(base, n):
   c = jnp.asarray(rng.standard_normal((1088, n)), jnp.float32)
   out = G.gemm(a2, b2, transpose_a=True, epilogue=G.AddTo(c), config=tuning.fit_role("dw_acc", base))
   assert _rel(out, ref2 + np.asarray(c, np.float64)) < 1e-5
+  # dz·wᵀ scaled per row in the epilogue, stored in bf16
+  e, wt, ref3 = _operands(rng, LAYOUTS["dz.wT"], m, 576, n)
+  sc = rng.uniform(1e-3, 1e3, m)
+  out = G.gemm(e, wt, transpose_b=True, epilogue=G.Store(row_scale=jnp.asarray(sc, jnp.float32)), config=base)
+  assert out.dtype == BF and _rel(out, ref3 * sc[:, None]) < 1e-2
   # prologue
   zl = _rand(rng, (m, n))
   w = _rand(rng, (k, n), 0.1)

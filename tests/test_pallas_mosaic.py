@@ -345,6 +345,11 @@ def test_fast_gemm_path_lowers_for_cuda(design, w_layout, bias, smoothing, monke
   if design == "logits":  # a frozen head (the gradient of x only): the dw product is not in the program
     frozen = mosaic_results(jax.jit(jax.grad(f, 0)).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
     assert not any(dw_type in r for r in frozen) and len(frozen) < len(got), frozen
+    if not smoothing:  # w alone differentiated: the dx product (x's rows as padded, x's dtype) is not formed either
+      dx_type = f"tensor<{-(-b // plan.block_t) * plan.block_t}x{h}xbf16>"
+      assert sum(dx_type in r for r in got) == 1, got
+      w_only = mosaic_results(jax.jit(jax.grad(f, 1)).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
+      assert not any(dx_type in r for r in w_only) and len(w_only) < len(got), w_only
 
 
 @pytest.mark.parametrize("w_layout,bias,dtype", [("hv", True, jnp.bfloat16), ("vh", False, jnp.float16)])

@@ -91,6 +91,20 @@ class Primals(NamedTuple):
   x_shape: tuple[int, ...]
   w_shape: tuple[int, ...]
   bias_dtype: Any
+  x_grad: bool = True  # whether x is differentiated (set for the backward from the forward's inputs)
+  w_grad: bool = True  # whether w is (False: a frozen head; the backward may skip dw)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Perturbed:
+  """Which of x and w are differentiated, carried from the fast forward to its backward (a pytree with no
+  leaves)."""
+
+  x: bool
+  w: bool
+
+
+jax.tree_util.register_dataclass(_Perturbed, data_fields=[], meta_fields=["x", "w"])
 
 
 # ------------------------------------------------------------------------------------------------ the registry
@@ -513,11 +527,13 @@ def _fast_fwd(x, w, bias, labels, weights, spec, backend, plan, axes, primals):
   # symbolic_zeros=True wraps each array argument in a CustomVJPPrimal (None stays None).
   total, out, res = backend.fast_forward(x.value, w.value, None if bias is None else bias.value, labels.value,
                                          weights.value, spec, plan, axes)
-  return (total, out), res
+  return (total, out), (res, _Perturbed(bool(x.perturbed), bool(w.perturbed)))
 
 
 def _fast_bwd(spec, backend, plan, axes, primals, res, g):
   del axes
+  res, perturbed = res
+  primals = primals._replace(x_grad=perturbed.x, w_grad=perturbed.w)
   g_total, g_out = g
   zero = lambda t, shape: jnp.zeros(shape, F32) if isinstance(t, jax.custom_derivatives.SymbolicZero) else t
   g_total = zero(g_total, ())

@@ -166,9 +166,10 @@ def _note_fallback():
 
 
 def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Spec, p: op.Plan, dw_dtype,
-                      dw_acc=None):
-  """(dx float32, dw ``dw_dtype``, dbias float32 or None) over the rows of ``xp`` from the stored exponentials;
-  with ``dw_acc`` (float32, w's shape) the dw returned is ``dw_acc + dw``.
+                      dw_acc=None, want=(True, True)):
+  """(dx in x's dtype, dw ``dw_dtype``, dbias float32 or None) over the rows of ``xp`` from the stored exponentials;
+  with ``dw_acc`` (float32, w's shape) the dw returned is ``dw_acc + dw``. ``want``: whether dx and dw are needed
+  (one not needed comes back as None, its product never formed).
 
   ``dz = coef·p - [v = y]·a`` (:func:`.epilogue.row_coefficients`; no smoothing) is ``σ·E`` off the label with
   ``σ = coef·exp(ref - lse)``; at the label the exact ``(coef·p_y - a)`` (times the cap's derivative) is written
@@ -196,13 +197,28 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   lean = op.plan(xp.shape[0], xp.shape[1], v, op.Config(block_t=p.block_t), spec.interpret, "lean")  # (rows as padded)
   e = op.dz_into(e, xp, wp, bp, yp, st.lse, g_loss, g_lse, spec, lean, when=~ok)  # (in place; no trip if ok)
   sigma = jnp.where(ok, sigma, 1.0)
-  dx = _grad_x(e, wp, layout, p, spec.interpret) * sigma[:, None]
-  xs = (xp.astype(F32) * sigma[:, None]).astype(xp.dtype)
-  if dw_acc is not None:  # XLA's product, added into the carried buffer in place (see .op._products)
-    dw = dw_acc + common.grad_w(xs, e, layout)
-  else:
-    dw = _grad_w(xs, e, layout, p, spec.interpret, dw_dtype)
+  want_dx, want_dw = want
+  dx = dw = None
+  # The order of the two products sets the memory. dx on the GEMM is written once, in x's dtype (σ applied in its
+  # epilogue): it goes last, so that σ·x, dead by then, can share dx's output buffer (XLA may put a temporary in an
+  # output's buffer before that output is written), and the backward adds nothing beyond E and O(B) vectors
+  # (llama3-8b). XLA's dx is a float32 product then scaled: it goes first, while dw's output buffer can hold it.
+  fused = p.products[0] == "gemm"
+  if want_dx and not fused:
+    dx = _grad_x(e, wp, layout, p, spec.interpret, scale=sigma, out_dtype=xp.dtype)
+    if want_dw:
+      e, dx = lax.optimization_barrier((e, dx))
+  if want_dw:
+    xs = (xp.astype(F32) * sigma[:, None]).astype(xp.dtype)
+    if dw_acc is not None:  # XLA's product, added into the carried buffer in place (see .op._products)
+      dw = dw_acc + common.grad_w(xs, e, layout)
+    else:
+      dw = _grad_w(xs, e, layout, p, spec.interpret, dw_dtype)
+    if want_dx and fused:
+      e, dw = lax.optimization_barrier((e, dw))
   db = None if bp is None else jnp.einsum("b,bv->v", sigma.astype(e.dtype), e, preferred_element_type=F32)
+  if want_dx and fused:
+    dx = _grad_x(e, wp, layout, p, spec.interpret, scale=sigma, out_dtype=xp.dtype)
   return dx, dw, db
 
 
@@ -228,11 +244,14 @@ def _stored_dz(xp, wp, bp, yp, wts, d: kernels.Dims, p: op.Plan, opts):
   return out, dz, db
 
 
-def _grad_x(dz, wp, layout: str, p: op.Plan, interpret: bool):
-  """``dz · wᵀ`` ([B, H], float32): the GEMM of :mod:`.gemm` or XLA's (``Plan.products[0]``)."""
+def _grad_x(dz, wp, layout: str, p: op.Plan, interpret: bool, scale=None, out_dtype=F32):
+  """``dz · wᵀ`` ([B, H]) in ``out_dtype``, each row times ``scale`` (float32 [B]) when given: the GEMM of
+  :mod:`.gemm` (the factors applied in its epilogue, before the one rounding) or XLA's (``Plan.products[0]``)."""
   if p.products[0] == "gemm":
-    return gemm.gemm(dz, wp, transpose_b=layout == "hv", epilogue=gemm.Store(F32), role="dx", interpret=interpret)
-  return common.grad_x(dz, wp, layout)
+    return gemm.gemm(dz, wp, transpose_b=layout == "hv", epilogue=gemm.Store(out_dtype, row_scale=scale), role="dx",
+                     interpret=interpret)
+  dx = common.grad_x(dz, wp, layout)
+  return (dx if scale is None else dx * scale[:, None]).astype(out_dtype)
 
 
 def _grad_w(x, dz, layout: str, p: op.Plan, interpret: bool, out_dtype):
@@ -327,7 +346,11 @@ def fast_backward(residuals, g_total, spec: common.Spec, p: op.Plan, primals, g_
       g_loss = g_loss + jnp.pad(g_tokens[0].astype(F32), pad)
       g_lse = jnp.pad(g_tokens[1].astype(F32), pad)
     if isinstance(stored, _Probs):
-      dx, dw, db = _grads_from_probs(stored, xp, wp, bp, yp, g_loss, g_lse, spec, p, wp.dtype)
+      want = (primals.x_grad, primals.w_grad)
+      dx, dw, db = _grads_from_probs(stored, xp, wp, bp, yp, g_loss, g_lse, spec, p, wp.dtype, want=want)
+      # (a gradient not asked for: zeros, which nothing reads)
+      dx = jnp.zeros(xp.shape, xp.dtype) if dx is None else dx
+      dw = jnp.zeros(wp.shape, wp.dtype) if dw is None else dw
     else:
       zb, mt, lse = stored
       hp = wp.shape[0] if spec.w_layout == "hv" else wp.shape[1]

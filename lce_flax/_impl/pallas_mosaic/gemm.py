@@ -161,23 +161,41 @@ def _subtiles(cfg: GemmConfig):
 class Store(Part):
   """Stores the accumulator as ``dtype`` (the operands' dtype when None) [M, N]: each ``epi_m × epi_n``
   sub-tile goes registers → SMEM (``epi_slots`` slots in turn) → TMA, so copies drain while the next are
-  written."""
+  written. ``row_scale`` (float32 [M]): each row is multiplied by its factor first, in float32 (the fast design's
+  ``dx = σ·(E·wᵀ)`` written once, in x's dtype, with no float32 [M, N] product in between)."""
 
   dtype: Any = None
+  row_scale: Any = None
 
   def _dt(self, prob):
     return jnp.dtype(self.dtype or prob.dtype)
+
+  def inputs(self, prob, cfg):
+    if self.row_scale is None:
+      return ()
+    if self.row_scale.shape != (prob.m,):
+      raise ValueError(f"Store: row_scale must be [{prob.m}] (one per output row), got {self.row_scale.shape}")
+    return (jnp.pad(self.row_scale.astype(F32), (0, prob.rows_padded(cfg) - prob.m)),)
 
   def out_types(self, prob, cfg):
     return (jax.ShapeDtypeStruct((prob.m, prob.n), self._dt(prob)),)
 
   def smem(self, prob, cfg):
-    return (plgpu.SMEM((prob.nwg, cfg.epi_slots, cfg.epi_m, cfg.epi_n), self._dt(prob),
-                       transforms=_transforms(self._dt(prob), cfg.epi_n)),)
+    slots = (plgpu.SMEM((prob.nwg, cfg.epi_slots, cfg.epi_m, cfg.epi_n), self._dt(prob),
+                        transforms=_transforms(self._dt(prob), cfg.epi_n)),)
+    if self.row_scale is None:
+      return slots
+    return slots + (plgpu.SMEM((prob.nwg, cfg.tile_m), F32), plgpu.Barrier(num_barriers=prob.nwg))
+
+  def prefetch(self, t, ins, smem):
+    if self.row_scale is not None:  # (the previous tile's epilogue, which read this slot, is done)
+      plgpu.copy_gmem_to_smem(ins[0].at[t.rows], smem[1].at[t.g], smem[2].at[t.g])
 
   def apply(self, z, t, ins, outs, smem):
-    (out,), (buf,) = outs, smem
-    _store_subtiles(z, t, out, buf)
+    if self.row_scale is not None:
+      plgpu.barrier_wait(smem[2].at[t.g])
+      z = z * _rows(smem[1][t.g], z.shape)
+    _store_subtiles(z, t, outs[0], smem[0])
 
 
 def _copies_since_slot(q: int, n: int, slots: int) -> int:
