@@ -347,6 +347,41 @@ def test_table_config_fits_the_hooks_under_jit():
   assert "mosaic_gpu" in _lower(lambda a, b, y: G.gemm(a, b, epilogue=G.RowStats(y), approx_math=True), a, b, y)
 
 
+@pytest.mark.parametrize("cfg", [G.GemmConfig(stages=6, wg_split="m", cluster="n", epi_n=32),
+                                 G.GemmConfig(stages=6, tile_m=64, tile_n=192, wg_split="m"),
+                                 dataclasses.replace(tuning.PINGPONG, stages=4),
+                                 dataclasses.replace(tuning.PINGPONG_WS, stages=8)], ids=lambda c: c.short())
+def test_smem_estimate_is_the_lowerings_count(cfg):
+  """``smem_bytes`` (what ``table_config`` fits the stages by) equals Mosaic GPU's own count, for every kind of hook:
+  configs past the 227 KB limit, whose lowering error states that count."""
+  import re
+  m, n, k = 1000, 2112, 576
+  a, b, y, vec = SDS((m, k), BF), SDS((k, n), BF), SDS((m,), jnp.int32), SDS((m,), jnp.float32)
+  bias, c = SDS((n,), jnp.float32), SDS((1088, n), jnp.float32)
+  at, z, wt = SDS((m, 1088), BF), SDS((m, n), BF), SDS((k, n), BF)
+  cases = [  # (f, args, Problem, parts, prologue)
+      (lambda a, b: G.gemm(a, b, config=cfg), (a, b), (m, n, k, False, False), (G.Store(),), None),
+      (lambda a, b, r: G.gemm(a, b, epilogue=G.Store(row_scale=r), config=cfg), (a, b, vec), (m, n, k, False, False),
+       (G.Store(row_scale=vec),), None),
+      (lambda a, b, y: G.gemm(a, b, epilogue=G.RowStats(y), config=cfg), (a, b, y), (m, n, k, False, False),
+       (G.RowStats(y),), None),
+      (lambda a, b, y, r, bi: G.gemm(a, b, epilogue=G.RowStats(y, store=True, ref=r, bias=bi), config=cfg),
+       (a, b, y, vec, bias), (m, n, k, False, False), (G.RowStats(y, store=True, ref=vec, bias=bias),), None),
+      (lambda a, b, c: G.gemm(a, b, transpose_a=True, epilogue=G.AddTo(c), config=cfg), (at, z, c),
+       (1088, n, m, True, False), (G.AddTo(c),), None),
+      (lambda z, w, l, y: G.gemm(z, w, transpose_b=True, prologue=G.DzFromLogits(l, l, l, y), config=cfg),
+       (z, wt, vec, y), (m, k, n, False, True), (G.Store(),), G.DzFromLogits(vec, vec, vec, y)),
+  ]
+  for f, args, dims, parts, prologue in cases:
+    if prologue is not None and cfg.schedule != "cooperative":
+      continue
+    with pytest.raises(ValueError, match="shared memory") as err:
+      _lower(f, *args)
+    got = int(re.search(r"smem_bytes=(\d+)", str(err.value)).group(1))
+    prob = G.Problem(*dims, jnp.dtype(BF), False, 2)
+    assert G.smem_bytes(prob, cfg, parts, prologue) == got, (parts, prologue)
+
+
 def test_shared_memory_budget_is_checked_when_lowering():
   a, b = SDS((1024, 1024), BF), SDS((1024, 1024), BF)
   with pytest.raises(ValueError, match="shared memory"):  # 5 stages of 48 KB + the epilogue exceed 227 KB

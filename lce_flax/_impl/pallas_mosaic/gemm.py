@@ -869,22 +869,33 @@ def _body_twin(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prolo
 SMEM_LIMIT = 227 * 1024
 
 
+SMEM_ALIGN = 1024  # Mosaic GPU starts every scoped SMEM buffer at a multiple of 1 KB
+REDUCTION_SCRATCH = 2048  # the SMEM Mosaic GPU adds for an epilogue's row reductions (RowStats' max and sums)
+
+
 def _alloc_bytes(alloc) -> int:
   shape = getattr(alloc, "shape", None)
   if shape is None:  # barriers: 8 bytes each
     nb = alloc.num_barriers
     return 8 * (math.prod(nb) if isinstance(nb, tuple) else int(nb))
-  return math.prod(shape) * jnp.dtype(alloc.dtype).itemsize
+  return cdiv(math.prod(shape) * jnp.dtype(alloc.dtype).itemsize, SMEM_ALIGN) * SMEM_ALIGN
 
 
 def smem_bytes(prob: Problem, cfg: GemmConfig, parts, prologue=None) -> int:
-  """An estimate of the GPU kernel's shared memory: the pipeline's stages plus the hooks' buffers."""
+  """The GPU kernel's shared memory, as Mosaic GPU counts it: the pipeline's stages (and their barriers), the
+  hooks' buffers each rounded up to 1 KB, and the reductions' scratch (checked against the lowering's own count in
+  ``tests/test_gemm.py``)."""
   cta_m, cta_n = cfg.cta_tile()
   stage = (cta_m + cta_n) * cfg.tile_k * jnp.dtype(prob.dtype).itemsize
+  barriers = 2  # per stage: its copies have landed, its slot is free (cooperative) / one per warpgroup (pingpong)
   if cfg.schedule == "pingpong":  # a ring of slots per warpgroup
     stage *= 2
+  elif cfg.schedule == "pingpong_ws":  # one full barrier per warpgroup and an empty one
+    barriers = 3
+  turns = 16 if cfg.schedule != "cooperative" else 0  # the two turn barriers
   allocs = [x for p in parts for x in p.smem(prob, cfg)] + list(prologue.smem(prob, cfg) if prologue else ())
-  return cfg.stages * (stage + 16) + sum(_alloc_bytes(x) for x in allocs) + 2048
+  reductions = REDUCTION_SCRATCH if any(isinstance(p, RowStats) for p in parts) else 0
+  return cfg.stages * (stage + 8 * barriers) + turns + sum(_alloc_bytes(x) for x in allocs) + reductions
 
 
 def _check_operand(name, arr, minor_dim_name):
