@@ -340,6 +340,19 @@ def test_gpu_kernel_lowers_for_cuda(cfg):
     assert "mosaic_gpu" in _lower(f, *args)
 
 
+def test_table_rows_of_the_op_products_lower_on_h100(monkeypatch):
+  """The H100 table's rows for the products the fast design runs, at the four heads (among them gemma2-2b's dx in
+  128×192 tiles over 3 stages), lower with the hooks the op gives them, their stages as the table says."""
+  monkeypatch.setattr(G, "_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+  for b, h, v in [(16384, 768, 50304), (8192, 4096, 128256), (4096, 4096, 151936), (8192, 2304, 256000)]:
+    e, w, x, sc = SDS((b, v), BF), SDS((h, v), BF), SDS((b, h), BF), SDS((b,), jnp.float32)
+    dx = G.table_config("dx", b, h, v, BF, epilogue=G.Store(row_scale=sc))
+    assert dx == tuning.select_config("dx", b, h, v, "NVIDIA H100 80GB HBM3")  # no stage taken off
+    assert "mosaic_gpu" in _lower(lambda e, w, s: G.gemm(e, w, transpose_b=True, epilogue=G.Store(row_scale=s),
+                                                         role="dx"), e, w, sc)
+    assert "mosaic_gpu" in _lower(lambda x, e: G.gemm(x, e, transpose_a=True, role="dw"), x, e)
+
+
 def test_table_config_fits_the_hooks_under_jit():
   """With no config given, the table's row loses stages until the hooks' SMEM fits (decided at trace time)."""
   a, b, y = SDS((1000, 576), BF), SDS((576, 2112), BF), SDS((1000,), jnp.int32)
@@ -426,7 +439,7 @@ def test_table_row_picks_the_schedule(monkeypatch):
 
 
 GPU_CFGS = [None, G.GemmConfig(wg_split="m", cluster="n"), G.GemmConfig(cluster="m", order_minor="m"),
-            tuning.PINGPONG, tuning.PINGPONG_WS]
+            tuning.PINGPONG, tuning.PINGPONG_WS, G.GemmConfig(tile_n=192, stages=3, cluster="m", order_width=16)]
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
