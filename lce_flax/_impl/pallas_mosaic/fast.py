@@ -203,10 +203,12 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   # epilogue): it goes last, so that σ·x, dead by then, can share dx's output buffer (XLA may put a temporary in an
   # output's buffer before that output is written), and the backward adds nothing beyond E and O(B) vectors
   # (llama3-8b). XLA's dx is a float32 product then scaled: it goes first, while dw's output buffer can hold it.
+  # (The "tokens" design, which passes dw_acc, carries its buffers through a loop: no order is imposed there.)
   fused = p.products[0] == "gemm"
+  ordered = want_dx and want_dw and dw_acc is None
   if want_dx and not fused:
     dx = _grad_x(e, wp, layout, p, spec.interpret, scale=sigma, out_dtype=xp.dtype)
-    if want_dw:
+    if ordered:
       e, dx = lax.optimization_barrier((e, dx))
   if want_dw:
     xs = (xp.astype(F32) * sigma[:, None]).astype(xp.dtype)
@@ -214,7 +216,7 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
       dw = dw_acc + common.grad_w(xs, e, layout)
     else:
       dw = _grad_w(xs, e, layout, p, spec.interpret, dw_dtype)
-    if want_dx and fused:
+    if ordered and fused:
       e, dw = lax.optimization_barrier((e, dw))
   db = None if bp is None else jnp.einsum("b,bv->v", sigma.astype(e.dtype), e, preferred_element_type=F32)
   if want_dx and fused:
