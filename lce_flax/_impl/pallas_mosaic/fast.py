@@ -202,7 +202,8 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   # The order of the two products sets the memory. dx on the GEMM is written once, in x's dtype (σ applied in its
   # epilogue): it goes last, so that σ·x, dead by then, can share dx's output buffer (XLA may put a temporary in an
   # output's buffer before that output is written), and the backward adds nothing beyond E and O(B) vectors
-  # (llama3-8b). XLA's dx is a float32 product then scaled: it goes first, while dw's output buffer can hold it.
+  # (llama3-8b, gemma2-2b). XLA's dx is a float32 product then scaled: it goes first, while dw's output buffer can
+  # hold it.
   # (The "tokens" design, which passes dw_acc, carries its buffers through a loop: no order is imposed there.)
   fused = p.products[0] == "gemm"
   ordered = want_dx and want_dw and dw_acc is None
