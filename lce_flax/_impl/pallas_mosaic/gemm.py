@@ -130,7 +130,10 @@ def _transforms(dtype, minor_elems: int):
 class Part:
   """One epilogue part. ``inputs``: extra GMEM arrays; ``out_types``: its outputs; ``smem``: its SMEM (one slot
   per warpgroup); ``prefetch`` runs before a tile's K loop (issue small copies), ``apply`` after it, on the
-  float32 accumulator value ``z`` [tile_m, tile_n]."""
+  float32 accumulator value ``z`` [tile_m, tile_n]. ``reduces_rows``: ``apply`` reduces along the tile's rows,
+  for which Mosaic GPU adds scratch SMEM of its own (counted by :func:`smem_bytes`)."""
+
+  reduces_rows = False
 
   def inputs(self, prob: Problem, cfg: GemmConfig) -> tuple:
     return ()
@@ -194,7 +197,7 @@ class Store(Part):
   def apply(self, z, t, ins, outs, smem):
     if self.row_scale is not None:
       plgpu.barrier_wait(smem[2].at[t.g])
-      z = z * _rows(smem[1][t.g], z.shape)
+      z = z * epilogue.bcast_rows(smem[1][t.g], z.shape)
     _store_subtiles(z, t, outs[0], smem[0])
 
 
@@ -280,10 +283,6 @@ class StatsOptions:
   needs_logit_sum: bool = False
 
 
-def _rows(v, shape):
-  return lax.broadcast_in_dim(v, shape, [0])
-
-
 # exp(max - ref) of the stored exponentials is clamped here (e^80 ≈ 5.5e34: finite in bf16; fp16 overflows past
 # e^11, so its stores should take the shifted form)
 EXP_CLAMP = 80.0
@@ -309,6 +308,8 @@ class RowStats(Part):
     factor ``coef·exp(ref - lse)``, so the logit gradient needs no pass over the tile (:mod:`.fast`). Each entry has
     the relative rounding error of the dtype whatever its size; ``ref`` must lie within ~70 of the row max
     (``exp(max - ref)`` is clamped at ``e^EXP_CLAMP``; the reader checks the range)."""
+
+  reduces_rows = True  # (max and sums per row)
 
   labels: Any
   opts: Any = StatsOptions()
@@ -369,7 +370,7 @@ class RowStats(Part):
     for q in range(1 + len(self._vectors())):
       plgpu.barrier_wait(bars.at[q * t.prob.nwg + t.g])
     if b_smem is not None:
-      z = z + lax.broadcast_in_dim(b_smem[t.g], z.shape, [1])
+      z = z + epilogue.bcast_cols(b_smem[t.g], z.shape)
     cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
     # where N is a multiple of tile_n a tile lies wholly inside N or (a cluster's overhang) wholly past it: no
     # per-element mask, and a tile past N (its columns zeros) is dropped below as a whole
@@ -397,9 +398,9 @@ class RowStats(Part):
       return
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     if r_smem is None:
-      out = zc - _rows(m_safe, zc.shape)
+      out = epilogue.shifted_logits(zc, m)
     else:  # exp(zc - ref) = exp(zc - max)·exp(max - ref): one exp per row
-      out = e * _rows(jnp.exp(jnp.minimum(m_safe - r_smem[t.g], EXP_CLAMP)), zc.shape)
+      out = e * epilogue.bcast_rows(jnp.exp(jnp.minimum(m_safe - r_smem[t.g], EXP_CLAMP)), zc.shape)
       out = _math.through_softcap(out, zc, self.opts.logit_softcap)
     _store_subtiles(out, t, stored[0], buf)
 
@@ -453,7 +454,7 @@ class DzFromLogits:
     """The A tile [tile_m, tile_k] (operand dtype) from the stored-logit tile ``z`` (float32)."""
     v_smem, y_smem, _ = smem
     shape = z.shape
-    row = lambda v: _rows(v, shape)
+    row = lambda v: epilogue.bcast_rows(v, shape)
     cols = lax.broadcasted_iota(jnp.int32, shape, 1) + k0
     dz = epilogue.exp_shifted(z, v_smem[t.g, 0]) * row(v_smem[t.g, 1])
     dz = dz - jnp.where(cols == row(y_smem[t.g]), row(v_smem[t.g, 2]), 0.0)
@@ -870,7 +871,7 @@ SMEM_LIMIT = 227 * 1024
 
 
 SMEM_ALIGN = 1024  # Mosaic GPU starts every scoped SMEM buffer at a multiple of 1 KB
-REDUCTION_SCRATCH = 2048  # the SMEM Mosaic GPU adds for an epilogue's row reductions (RowStats' max and sums)
+REDUCTION_SCRATCH = 2048  # the SMEM Mosaic GPU adds for an epilogue's row reductions (Part.reduces_rows)
 
 
 def _alloc_bytes(alloc) -> int:
@@ -894,7 +895,7 @@ def smem_bytes(prob: Problem, cfg: GemmConfig, parts, prologue=None) -> int:
     barriers = 3
   turns = 16 if cfg.schedule != "cooperative" else 0  # the two turn barriers
   allocs = [x for p in parts for x in p.smem(prob, cfg)] + list(prologue.smem(prob, cfg) if prologue else ())
-  reductions = REDUCTION_SCRATCH if any(isinstance(p, RowStats) for p in parts) else 0
+  reductions = REDUCTION_SCRATCH if any(p.reduces_rows for p in parts) else 0
   return cfg.stages * (stage + 8 * barriers) + turns + sum(_alloc_bytes(x) for x in allocs) + reductions
 
 
