@@ -5,6 +5,9 @@ At each shape it times, in alternation (median of ``--rounds`` rounds of 10 runs
   dx   dz·wᵀ [B,V]·[V,H], w handed in as [H, V]; ours with each row scaled in the epilogue and stored in bf16
        (``Store(row_scale=σ)``, the stored-exponentials backward); XLA: the float32 product, scaled, rounded
   dw   xᵀ·dz [H,B]·[B,V], bf16 out
+  dw_acc  the "tokens" design's dw: ``--chunks`` chunks' xᵀ·dz added into one float32 [H, V] buffer carried
+       through a loop (the same chunk each time; the buffer starts as zeros inside the jitted loop); ours
+       ``AddTo`` (TMA reduce-adds in place), XLA: ``c + xᵀ·dz`` (cuBLAS accumulating into c, its beta = 1)
 
 by XLA, by our GEMM with the tuning table's config for the role, and by our GEMM with that config changed as
 ``--configs "tile_m=64,tile_n=192;stages=3,tile_n=192"`` says (each ``;``-separated item one variant). The number
@@ -37,7 +40,7 @@ from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 F32 = jnp.float32
 
 
-def contenders(product: str, b: int, h: int, v: int, kind: str, spec: str) -> tuple[dict, dict]:
+def contenders(product: str, b: int, h: int, v: int, kind: str, spec: str, chunks: int = 8) -> tuple[dict, dict]:
   """(name -> jitted f(a, bm, s), name -> config) for XLA, the table's config and each change of ``spec``."""
   dg = jax.lax.dot_general
   if product == "dx":  # a = E [B, V], bm = w [H, V], s = σ [B]
@@ -46,10 +49,19 @@ def contenders(product: str, b: int, h: int, v: int, kind: str, spec: str) -> tu
                                     * s[:, None]).astype(a.dtype))
     ours = lambda cfg: jax.jit(lambda a, bm, s: G.gemm(a, bm, transpose_b=True, epilogue=G.Store(row_scale=s),
                                                        config=cfg))
-  else:  # dw: a = x [B, H], bm = dz [B, V]
+  elif product == "dw":  # a = x [B, H], bm = dz [B, V]
     role, mnk = "dw", (h, v, b)
     xla = jax.jit(lambda a, bm, s: dg(a, bm, (((0,), (0,)), ((), ()))))
     ours = lambda cfg: jax.jit(lambda a, bm, s: G.gemm(a, bm, transpose_a=True, config=cfg))
+  else:  # dw_acc: as dw, over `chunks` iterations into a float32 buffer
+    role, mnk = "dw_acc", (h, v, b)
+
+    def loop(step):
+      return lambda a, bm, s: jax.lax.fori_loop(0, chunks, lambda i, c: step(a, bm, c), jnp.zeros((h, v), F32))
+
+    xla = jax.jit(loop(lambda a, bm, c: c + dg(a, bm, (((0,), (0,)), ((), ())), preferred_element_type=F32)))
+    ours = lambda cfg: jax.jit(loop(lambda a, bm, c: G.gemm(a, bm, transpose_a=True, epilogue=G.AddTo(c),
+                                                            config=cfg)))
   base = tuning.select_config(role, *mnk, kind)
   cfgs = {"table": base}
   for item in filter(None, spec.split(";")):
@@ -70,6 +82,7 @@ def main():
   ap.add_argument("--products", default="dx")
   ap.add_argument("--configs", default="")
   ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--chunks", type=int, default=8, help="dw_acc: chunks added into the buffer per call")
   ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/products-local"))
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
@@ -85,7 +98,7 @@ def main():
     e = jax.random.uniform(k3, (b, v), F32).astype(jnp.bfloat16)
     sigma = jnp.exp(jax.random.uniform(k1, (b,), F32, -3, 3))
     for product in args.products.split(","):
-      fns, cfgs = contenders(product, b, h, v, kind, args.configs)
+      fns, cfgs = contenders(product, b, h, v, kind, args.configs, args.chunks)
       ops = (e, w, sigma) if product == "dx" else (x, e, sigma)
       m, n = (b, h) if product == "dx" else (h, v)
       ref = np.asarray(fns["xla"](*ops), np.float32)
@@ -98,7 +111,7 @@ def main():
           ok[name] = f"{type(err).__name__}: {str(err)[:200]}"
       timed = {k: (f, ops) for k, f in fns.items() if k == "xla" or isinstance(ok.get(k), float)}
       ms = interleaved(timed, rounds=args.rounds)
-      flops = 2 * b * h * v
+      flops = 2 * b * h * v * (args.chunks if product == "dw_acc" else 1)
       for name in fns:
         cfg = cfgs.get(name)
         row = dict(shape=shape, product=product, variant=name, ms=ms.get(name),

@@ -333,15 +333,22 @@ def test_fast_gemm_path_lowers_for_cuda(design, w_layout, bias, smoothing, monke
   def mosaic_results(text):  # the result types of the program's Mosaic GPU calls
     return [line.rsplit(" -> ", 1)[-1] for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
 
-  # the forward and dx on the GEMM, and dw in the "logits" design: one Mosaic GPU call each; with stored
-  # exponentials, the recompute design's dz kernel too (in the branch taken past their range). The "tokens" design
-  # traces its chunk twice: the first chunk (whose dw product starts the float32 dw) and the loop over the others.
+  # the forward, dx and dw on the GEMM: one Mosaic GPU call each; with stored exponentials, the recompute design's
+  # dz kernel too (in the branch taken past their range). The "tokens" design traces its chunk twice: the first
+  # chunk (whose float32 dw product starts the dw) and the loop over the others, whose dw product adds into the
+  # carried float32 dw in place (its one output aliased to that operand).
   got = mosaic_results(text)
-  dw_type = f"tensor<{'x'.join(map(str, args[1].shape))}xbf16>"
-  gemms = 3 if design == "logits" else 2 * 2
+  w_shape = "x".join(map(str, args[1].shape))
+  dw_type = f"tensor<{w_shape}xbf16>"
+  gemms = 3 * (1 if design == "logits" else 2)
   dz_kernels = 0 if smoothing else len(got) - gemms
   assert len(got) == gemms + dz_kernels and (smoothing or dz_kernels >= 1), got
   assert sum(dw_type in r for r in got) == (1 if design == "logits" else 0), got
+  assert sum(f"tensor<{w_shape}xf32>" in r for r in got) == (0 if design == "logits" else 2), got
+  aliased = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line and "output_operand_alias" in line]
+  assert len(aliased) == (0 if design == "logits" else 1), aliased
+  if design == "tokens":
+    assert aliased[0].rstrip().endswith(f"-> tensor<{w_shape}xf32>"), aliased
   if design == "logits":  # a frozen head (the gradient of x only): the dw product is not in the program
     frozen = mosaic_results(jax.jit(jax.grad(f, 0)).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
     assert not any(dw_type in r for r in frozen) and len(frozen) < len(got), frozen

@@ -213,10 +213,7 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
       e, dx = lax.optimization_barrier((e, dx))
   if want_dw:
     xs = (xp.astype(F32) * sigma[:, None]).astype(xp.dtype)
-    if dw_acc is not None:  # XLA's product, added into the carried buffer in place (see .op._products)
-      dw = dw_acc + common.grad_w(xs, e, layout)
-    else:
-      dw = _grad_w(xs, e, layout, p, spec.interpret, dw_dtype)
+    dw = _grad_w(xs, e, layout, p, spec.interpret, dw_dtype, acc=dw_acc)
     if ordered and fused:
       e, dw = lax.optimization_barrier((e, dw))
   db = None if bp is None else jnp.einsum("b,bv->v", sigma.astype(e.dtype), e, preferred_element_type=F32)
@@ -257,12 +254,18 @@ def _grad_x(dz, wp, layout: str, p: op.Plan, interpret: bool, scale=None, out_dt
   return (dx if scale is None else dx * scale[:, None]).astype(out_dtype)
 
 
-def _grad_w(x, dz, layout: str, p: op.Plan, interpret: bool, out_dtype):
-  """``xᵀ · dz`` ([H, V]; ``dzᵀ · x`` [V, H] for a [V, H] w) in ``out_dtype``: the GEMM of :mod:`.gemm` or XLA's."""
+def _grad_w(x, dz, layout: str, p: op.Plan, interpret: bool, out_dtype, acc=None):
+  """``xᵀ · dz`` ([H, V]; ``dzᵀ · x`` [V, H] for a [V, H] w) in ``out_dtype``, or ``acc + xᵀ · dz`` in float32
+  given ``acc`` (float32, w's shape: the "tokens" design's dw, updated in place either way): the GEMM of
+  :mod:`.gemm` (:class:`.gemm.AddTo`'s TMA reduce-adds into ``acc``) or XLA's (cuBLAS, accumulating into ``acc``:
+  its ``beta = 1``)."""
   if p.products[1] == "gemm":
     a, b = (x, dz) if layout == "hv" else (dz, x)
-    return gemm.gemm(a, b, transpose_a=True, epilogue=gemm.Store(out_dtype), role="dw", interpret=interpret)
-  return common.grad_w(x, dz, layout, out_dtype=out_dtype)
+    part, role = (gemm.Store(out_dtype), "dw") if acc is None else (gemm.AddTo(acc), "dw_acc")
+    return gemm.gemm(a, b, transpose_a=True, epilogue=part, role=role, interpret=interpret)
+  if acc is None:
+    return common.grad_w(x, dz, layout, out_dtype=out_dtype)
+  return acc + common.grad_w(x, dz, layout)
 
 
 def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
@@ -303,8 +306,7 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
         dxc, dw, dbc = _grads_from_probs(st, xc, wp, bp, yc, wc, jnp.zeros_like(wc), spec, p, F32, dw_acc=dw)
       else:
         out, dz, dbc = _stored_dz(xc, wp, bp, yc, wc, dc, p, opts)
-        g = common.grad_w(xc, dz, spec.w_layout)
-        dw = g if dw is None else dw + g  # (XLA's float32 product added into dw in place: cuBLAS's beta = 1)
+        dw = _grad_w(xc, dz, spec.w_layout, p, spec.interpret, F32, acc=dw)
         dxc = _grad_x(dz, wp, spec.w_layout, p, spec.interpret)
       db = dbc if db is None else db + dbc
       return out, dw, db, lax.dynamic_update_index_in_dim(dx, dxc.astype(xp.dtype), i, 0)

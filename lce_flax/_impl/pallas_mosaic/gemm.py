@@ -42,7 +42,7 @@ with a clear error: hand such a w in as [V, H], which only needs H to be a multi
   ``dz = exp(z - lse)·coef - [col = label]·a`` of the rows, so ``dx = dz·wᵀ`` needs no separate pass over B×V.
 * epilogue: a tuple of parts, each applied to the float32 accumulator of a warpgroup tile:
   :class:`Store` (write it in a dtype, through double-buffered SMEM sub-tiles and TMA),
-  :class:`AddTo` (``out = C + acc`` in float32, C read tile by tile: the token-chunked dw),
+  :class:`AddTo` (``C += acc`` in float32, in place, by TMA reduce-adds: the token-chunked dw),
   :class:`RowStats` (the softmax-cross-entropy row statistics of each tile, merged by :func:`merge_row_stats`).
 
 **Interpret mode (CPU).** Mosaic GPU's interpreter runs neither collective warpgroup axes (``run_scoped`` with
@@ -131,9 +131,12 @@ class Part:
   """One epilogue part. ``inputs``: extra GMEM arrays; ``out_types``: its outputs; ``smem``: its SMEM (one slot
   per warpgroup); ``prefetch`` runs before a tile's K loop (issue small copies), ``apply`` after it, on the
   float32 accumulator value ``z`` [tile_m, tile_n]. ``reduces_rows``: ``apply`` reduces along the tile's rows,
-  for which Mosaic GPU adds scratch SMEM of its own (counted by :func:`smem_bytes`)."""
+  for which Mosaic GPU adds scratch SMEM of its own (counted by :func:`smem_bytes`). ``in_place``: the positions
+  of the inputs the kernel updates (handed in as mutable refs, aliased to outputs by XLA); their final values
+  follow the part's ``out_types`` outputs."""
 
   reduces_rows = False
+  in_place: tuple[int, ...] = ()
 
   def inputs(self, prob: Problem, cfg: GemmConfig) -> tuple:
     return ()
@@ -211,11 +214,12 @@ def _copies_since_slot(q: int, n: int, slots: int) -> int:
   return (n - 1 - last) + q
 
 
-def _store_subtiles(z, t: Tile, out, buf):
+def _store_subtiles(z, t: Tile, out, buf, reduction_op=None):
   """Writes the tile ``z`` to ``out`` at the tile's place: each ``epi_m × epi_n`` sub-tile registers → a slot of
   ``buf`` [nwg, slots, epi_m, epi_n] (in turn) → TMA (clipped at the array's edges). A slot is rewritten once the
   copy that last read it is done: ``wait_smem_to_gmem(k)`` with ``k`` the stores issued since (bulk copies that
-  other parts issued in between only add to the count, so they never make the wait too short)."""
+  other parts issued in between only add to the count, so they never make the wait too short). ``reduction_op``:
+  TMA's reduction into ``out`` instead of a plain store (``"add"``: :class:`AddTo`)."""
   subs = list(_subtiles(t.cfg))
   slots = buf.shape[1]
   for q, (ms, ns) in enumerate(subs):
@@ -224,26 +228,32 @@ def _store_subtiles(z, t: Tile, out, buf):
     buf[t.g, slot] = z[ms, ns].astype(buf.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(buf.at[t.g, slot], out.at[pl.ds(t.row0 + ms.start, t.cfg.epi_m),
-                                                       pl.ds(t.col0 + ns.start, t.cfg.epi_n)])
+                                                       pl.ds(t.col0 + ns.start, t.cfg.epi_n)],
+                            reduction_op=reduction_op)
 
 
 @dataclasses.dataclass(frozen=True)
 class AddTo(Part):
-  """``out = c + acc`` in float32 [M, N] (``c`` float32 [M, N]): the accumulation of a token-chunked dw. Each
-  sub-tile of ``c`` comes in by TMA into the SMEM slot that then carries the sum out; the first during the K loop,
-  each next one while the current one is added and stored."""
+  """``c += acc`` in float32 [M, N], in place: the accumulation of a token-chunked dw. ``c`` is handed to the
+  kernel as a mutable ref (:attr:`Part.in_place`), so its buffer is the output (XLA aliases it; a copy is made
+  only where the caller still holds ``c``), and no second M×N float32 buffer exists.
+
+  On the GPU each sub-tile of the accumulator goes registers → SMEM → a TMA *reduce-add* into ``c``
+  (``cp.reduce.async.bulk.tensor``): the add happens on the way to memory, so the epilogue reads nothing and costs
+  what a float32 store costs; the copies drain while the next tile's K loop runs. The interpret twin (Mosaic GPU's
+  interpreter has no TMA reductions) reads each sub-tile of ``c`` by TMA into SMEM, adds and stores it back."""
 
   c: Any
+  in_place = (0,)
 
   def inputs(self, prob, cfg):
     if self.c.shape != (prob.m, prob.n) or self.c.dtype != F32:
       raise ValueError(f"AddTo: c must be float32 {(prob.m, prob.n)}, got {self.c.dtype} {self.c.shape}")
     return (self.c,)
 
-  def out_types(self, prob, cfg):
-    return (jax.ShapeDtypeStruct((prob.m, prob.n), F32),)
-
   def smem(self, prob, cfg):
+    if not prob.interpret:
+      return Store(F32).smem(prob, cfg)
     return (plgpu.SMEM((prob.nwg, 2, cfg.epi_m, cfg.epi_n), F32, transforms=_transforms(F32, cfg.epi_n)),
             plgpu.Barrier(num_barriers=2 * prob.nwg))
 
@@ -253,14 +263,20 @@ class AddTo(Part):
     plgpu.copy_gmem_to_smem(c.at[where], buf.at[t.g, slot], bars.at[t.g * 2 + slot])
 
   def prefetch(self, t, ins, smem):
-    # the first sub-tile of C lands while the K loop runs; slot 0 was last read by the previous tile's
+    if not t.prob.interpret:
+      return
+    # (twin) the first sub-tile of C lands while the K loop runs; slot 0 was last read by the previous tile's
     # second-to-last store, which is done once at most one copy is in flight
     (c,), (buf, bars) = ins, smem
     plgpu.wait_smem_to_gmem(0 if len(list(_subtiles(t.cfg))) % 2 else 1, wait_read_only=True)
     self._load(0, 0, t, c, buf, bars)
 
   def apply(self, z, t, ins, outs, smem):
-    (c,), (out,), (buf, bars) = ins, outs, smem
+    (c,) = ins
+    if not t.prob.interpret:
+      _store_subtiles(z, t, c, smem[0], reduction_op="add")
+      return
+    buf, bars = smem
     subs = list(_subtiles(t.cfg))
     for q, (ms, ns) in enumerate(subs):
       slot = q % 2
@@ -270,8 +286,8 @@ class AddTo(Part):
       plgpu.barrier_wait(bars.at[t.g * 2 + slot])
       buf[t.g, slot] = buf[t.g, slot] + z[ms, ns]
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(buf.at[t.g, slot], out.at[pl.ds(t.row0 + ms.start, t.cfg.epi_m),
-                                                         pl.ds(t.col0 + ns.start, t.cfg.epi_n)])
+      plgpu.copy_smem_to_gmem(buf.at[t.g, slot], c.at[pl.ds(t.row0 + ms.start, t.cfg.epi_m),
+                                                       pl.ds(t.col0 + ns.start, t.cfg.epi_n)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -963,6 +979,9 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
   n_in = [len(pro_in)] + [len(x) for x in part_in]
   n_out = [len(x) for x in part_out]
   out_type = tuple(o for x in part_out for o in x)
+  # the inputs a part updates in place go in as mutable refs: XLA aliases each to the kernel's output
+  part_in = [tuple(jax.new_ref(x) if i in p.in_place else x for i, x in enumerate(xs))
+             for p, xs in zip(parts, part_in)]
   args = (a, b, *pro_in, *(x for xs in part_in for x in xs))
   hooks = dict(prob=prob, cfg=config, parts=parts, prologue=prologue, n_in=n_in, n_out=n_out)
 
@@ -985,8 +1004,8 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
   res = kern(*args)
   res = list(res) if isinstance(res, (tuple, list)) else [res]
   flat = []
-  for p, os_ in zip(parts, _split(res, n_out)):
-    flat.extend(p.finish(os_, prob, config))
+  for p, os_, xs in zip(parts, _split(res, n_out), part_in):
+    flat.extend(p.finish(os_ + tuple(jax.freeze(xs[i]) for i in p.in_place), prob, config))
   return flat[0] if len(flat) == 1 else tuple(flat)
 
 

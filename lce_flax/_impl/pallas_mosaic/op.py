@@ -109,9 +109,9 @@ class Config:
     products: who forms the fast designs' backward products dx = dz·wᵀ and, in the "logits" design, dw = xᵀ·dz:
       ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS), both; None: in the
       "logits" design with the forward on the GEMM, each product on the GEMM unless the tuning table measured
-      XLA's faster at its shape (:func:`.tuning.xla_faster`), else ``"xla"``. The "tokens" design adds each
-      chunk's dw into its float32 buffer with XLA's product either way (cuBLAS accumulates into the carried buffer
-      in place).
+      XLA's faster at its shape (:func:`.tuning.xla_faster`), else ``"xla"``; in the "tokens" design dx on
+      XLA and each chunk's dw added into the float32 dw on the GEMM (TMA reduce-adds into the carried buffer, in
+      place: :class:`.gemm.AddTo`).
     stored: what the fast forward stores of each tile: ``"exponentials"`` (``exp(zc - r)`` against a reference logit
       r per row: the backward's products take them as they are, no pass over B×V; :mod:`.fast`) or
       ``"shifted"`` (logits shifted by their row max, turned into dz in place by a dz pass); None: exponentials
@@ -319,22 +319,21 @@ def _with_gemm(tiles: Plan, c: Config, num_tokens: int, hidden: int, vocab: int,
 
 
 def _products(p: Plan, c: Config, num_tokens: int, hidden: int, vocab: int) -> Plan:
-  """``products`` resolved, (dx, dw): both as asked; else XLA's where the forward is not on the GEMM or the design
-  is "tokens" (its chunk-sized dx ran faster on XLA's GEMM on an H100 at gpt2-small, 4096-token chunks: 6.97 vs
-  7.15 ms for the whole step, ``benchmarks/results/h100-2026-11-24-r4-fallback/``; equal at llama3-8b with 32768
-  tokens); else on the GEMM, but for a product whose tuning-table row measured XLA's GEMM faster at its shape
-  (:func:`.tuning.xla_faster`). The "tokens" design's dw is XLA's product whatever is asked: it adds each chunk's
-  xᵀ·dz into the carried float32 dw in place (cuBLAS accumulates into it), where the GEMM's output would be a
-  second H×V float32 buffer and an add."""
-  tokens = p.fast_design == "tokens"
+  """``products`` resolved, (dx, dw): both as asked; else XLA's where the forward is not on the GEMM. In the
+  "tokens" design: dx on XLA (its chunk-sized dx ran faster on XLA's GEMM on an H100 at gpt2-small, 4096-token
+  chunks: 6.97 vs 7.15 ms for the whole step, ``benchmarks/results/h100-2026-11-24-r4-fallback/``; equal at
+  llama3-8b with 32768 tokens) and each chunk's dw added into the carried float32 dw by the GEMM's
+  :class:`.gemm.AddTo` (TMA reduce-adds in place; XLA's cuBLAS accumulates in place too, reading and writing the
+  buffer in its epilogue). In the "logits" design each product on the GEMM but where its tuning-table row measured
+  XLA's GEMM faster at its shape (:func:`.tuning.xla_faster`)."""
   if c.products is not None:
-    return dataclasses.replace(p, products=(c.products, "xla" if tokens else c.products))
+    return dataclasses.replace(p, products=(c.products, c.products))
   if p.gemm is None:
     return dataclasses.replace(p, products=("xla", "xla"))
-  kind, rows = gemm_lib._device_kind(), p.token_chunk or cdiv(num_tokens, p.block_t) * p.block_t
+  if p.fast_design == "tokens":
+    return dataclasses.replace(p, products=("xla", "gemm"))
+  kind, rows = gemm_lib._device_kind(), cdiv(num_tokens, p.block_t) * p.block_t
   on = lambda role, mnk: "xla" if tuning.xla_faster(role, *mnk, kind) else "gemm"
-  if tokens:  # chunk-sized products: XLA's dx measured faster (gpt2-small: 6.97 vs 7.15 ms for the whole step)
-    return dataclasses.replace(p, products=("xla", "xla"))
   return dataclasses.replace(p, products=(on("dx", (rows, hidden, vocab)), on("dw", (hidden, vocab, rows))))
 
 
@@ -495,7 +494,9 @@ def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.
 
   prods = f"backward products: dx = dz·wᵀ {product('dx', p.products[0], (rows, hidden, vocab))}"
   if p.fast_design == "tokens":
-    prods += "; each chunk's dw added into the float32 dw by XLA's product (in place)"
+    acc = (f"the GEMM's TMA reduce-adds: {tuning.describe('dw_acc', hidden, vocab, rows, kind)}"
+           if p.products[1] == "gemm" else "XLA's product (cuBLAS)")
+    prods += f"; each chunk's dw added into the float32 dw in place by {acc}"
   else:
     prods += f"; dw = xᵀ·dz {product('dw', p.products[1], (hidden, vocab, rows))}"
   return [fwd, prods]
