@@ -585,6 +585,7 @@ def parse_args(argv=None):
   p.add_argument("--interpret", action="store_true",
                  help="run Pallas kernels in interpret mode (CPU check of the harness; times mean nothing)")
   p.add_argument("--no-report", action="store_true", help="write JSON lines only (no markdown, no plots)")
+  p.add_argument("--shapes", default=None, help="comma-separated names of the preset's shapes to run (default: all)")
   return p.parse_args(argv)
 
 
@@ -596,6 +597,12 @@ def main(argv=None) -> int:
     if not passes or any(x not in PASSES for x in passes):
       raise SystemExit(f"--passes: {a.passes!r} must be a comma-separated subset of {PASSES}")
     preset = dataclasses.replace(preset, passes=passes, sweep_passes=passes)
+  if a.shapes:
+    names = [x for x in a.shapes.split(",") if x]
+    unknown = sorted(set(names) - {s.name for s in preset.shapes})
+    if unknown or not names:
+      raise SystemExit(f"--shapes: {unknown or a.shapes!r} not among {[s.name for s in preset.shapes]}")
+    preset = dataclasses.replace(preset, shapes=tuple(s for s in preset.shapes if s.name in names), sweeps=())
   modes = tuple(m for m in a.modes.split(",") if m)
   for m in modes:
     if m not in ("fast", "lean"):
