@@ -571,6 +571,36 @@ def test_gpu_per_shard_body_runs_kernels_on_shards(monkeypatch, impl, vocab):
     assert f"tensor<{h // 2}x{v // 2}xbf16>" in body and f"x{v}xbf16>" not in body
 
 
+def test_gpu_per_shard_tokens_design_adds_dw_in_place(monkeypatch):
+  """The fast "tokens" design in the per-shard body (lowered for an abstract H100 mesh): each chunk's dw product
+  after the first is a Mosaic GPU call whose float32 [H, V] output is aliased to its operand (the carried dw,
+  handed in as a mutable ref), inside the manual computation."""
+  from jax._src.mesh import AbstractDevice
+
+  from lce_flax._impl.pallas_mosaic import fast
+  from lce_flax._impl.pallas_mosaic import op as mosaic_op
+  from lce_flax.options import LossOptions
+  _as_gpu(monkeypatch, "pallas_mosaic")
+  monkeypatch.setattr(fast, "_note_fallback", lambda: None)  # (a host callback lowers only for the host's platform)
+  am = jax.sharding.AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3,
+                                 abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                                                platform="cuda"))
+  b, h, v = 4096, 256, 1024
+  cfg = mosaic_op.Config(fast_design="tokens", token_chunk=256, gemm=True)
+  s = _partition.Static(LossOptions(impl="pallas_mosaic", interpret=False, mode="fast", config=cfg), "hv", v)
+  lay = _partition.Layout(("data", "fsdp"), ("fsdp",), ())
+  args = (jax.ShapeDtypeStruct((b, h), jnp.bfloat16), jax.ShapeDtypeStruct((h, v), jnp.bfloat16),
+          jax.ShapeDtypeStruct((b,), jnp.int32))
+  with jax.sharding.use_abstract_mesh(am):
+    text = jax.jit(lambda x, w, y: _partition._shard_map("grads", s, (am, lay), x, w, None, y, None)).trace(
+        *args).lower(lowering_platforms=("cuda",)).as_text()
+  lines = text.splitlines()
+  start = next(i for i, line in enumerate(lines) if "sdy.manual_computation" in line)
+  aliased = [i for i, line in enumerate(lines) if "custom_call @mosaic_gpu" in line and "output_operand_alias" in line]
+  assert len(aliased) == 1 and aliased[0] > start, aliased
+  assert lines[aliased[0]].rstrip().endswith(f"-> tensor<{h}x{v}xf32>"), lines[aliased[0]]
+
+
 def test_auto_uneven_token_split():
   """12 tokens constrained over 8 devices: the partitioner keeps the op's tokens unpadded; the loss is exact (and
   the rule refuses an uneven split rather than counting padding as tokens)."""
