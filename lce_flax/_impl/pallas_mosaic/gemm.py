@@ -542,11 +542,58 @@ def _ignore(*_, **__):
   return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Hooks:
+  """A call's prologue and epilogue parts bound to the kernel's refs: what every kernel body does around a tile's
+  K loop. ``of`` splits the body's refs (inputs, outputs, then any SMEM); ``with_smem`` adds the hooks' SMEM once
+  the body has allocated it (:meth:`smem_types`)."""
+
+  parts: tuple
+  prologue: Any
+  pro_ins: tuple
+  part_ins: tuple
+  part_outs: tuple
+  pro_smem: tuple = ()
+  part_smem: tuple = ()
+
+  @staticmethod
+  def of(refs, parts, prologue, n_in, n_out, n_smem=None) -> _Hooks:
+    ins = _split(refs[:sum(n_in)], n_in)
+    outs = _split(refs[sum(n_in):sum(n_in) + sum(n_out)], n_out)
+    h = _Hooks(parts, prologue, ins[0], tuple(ins[1:]), tuple(outs))
+    if n_smem is None:
+      return h
+    smem = _split(refs[sum(n_in) + sum(n_out):], n_smem)
+    return h.with_smem(smem[0], smem[1:])
+
+  def smem_types(self, prob: Problem, cfg: GemmConfig):
+    """(the prologue's SMEM types, [each part's])."""
+    pro = self.prologue.smem(prob, cfg) if self.prologue is not None else ()
+    return pro, [p.smem(prob, cfg) for p in self.parts]
+
+  def with_smem(self, pro_smem, part_smem) -> _Hooks:
+    return dataclasses.replace(self, pro_smem=tuple(pro_smem), part_smem=tuple(part_smem))
+
+  def before(self, t: Tile):
+    """Before tile ``t``'s K loop: the parts' prefetches, the prologue's row vectors."""
+    for p, pi, ps in zip(self.parts, self.part_ins, self.part_smem):
+      p.prefetch(t, pi, ps)
+    if self.prologue is not None:
+      self.prologue.fetch(t, self.pro_ins, self.pro_smem)
+
+  def form(self, a, k0, t: Tile, dtype):
+    """The prologue's A tile (``dtype``) from the loaded one (its float32 value) of the K step at column ``k0``."""
+    return self.prologue.form(a, k0, t, self.pro_smem).astype(dtype)
+
+  def after(self, z, t: Tile):
+    """After tile ``t``'s K loop: each epilogue part on the accumulator ``z``."""
+    for p, pi, po, ps in zip(self.parts, self.part_ins, self.part_outs, self.part_smem):
+      p.apply(z, t, pi, po, ps)
+
+
 def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out):
   """The GPU kernel: 2 compute warpgroups + 1 TMA warpgroup, persistent over the output tiles."""
-  ins = _split(refs[:sum(n_in)], n_in)
-  outs = _split(refs[sum(n_in):], n_out)
-  pro_ins, part_ins = ins[0], ins[1:]
+  hooks = _Hooks.of(refs, parts, prologue, n_in, n_out)
   cta_m, cta_n = cfg.cta_tile()
   specs = _in_specs(prob, cfg, cta_m, cta_n)
   steps = cdiv(prob.k, cfg.tile_k)
@@ -556,11 +603,11 @@ def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologu
         body, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=cfg.stages, compute_context=ctx)
 
-  smem_types = [p.smem(prob, cfg) for p in parts]
-  pro_smem_types = prologue.smem(prob, cfg) if prologue is not None else ()
+  pro_smem_types, smem_types = hooks.smem_types(prob, cfg)
   a_tmpl, b_tmpl = _windows(a_ref, b_ref, prob, 0, 0, cta_m, cta_n)
 
   def scope(allocs, pro_smem, *part_smem):
+    h = hooks.with_smem(pro_smem, part_smem)
     cl_m, cl_n = cfg.cluster_tile()
     tiles = cdiv(prob.m, cl_m) * cdiv(prob.n, cl_n)
 
@@ -576,16 +623,11 @@ def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologu
 
       def ctx(eval_pipeline):
         t = tile_of(lax.axis_index("wg"))
-        for p, pi, ps in zip(parts, part_ins, part_smem):
-          p.prefetch(t, pi, ps)
-        if prologue is not None:
-          prologue.fetch(t, pro_ins, pro_smem)
+        h.before(t)
 
         def acc_scope(acc_ref):
           eval_pipeline(acc_ref)
-          z = acc_ref[...]
-          for p, pi, po, ps in zip(parts, part_ins, outs, part_smem):
-            p.apply(z, t, pi, po, ps)
+          h.after(acc_ref[...], t)
 
         pl.run_scoped(acc_scope, plgpu.ACC((cfg.tile_m, cfg.tile_n), F32))
 
@@ -594,7 +636,7 @@ def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologu
         a, b = _wg_operands(a_smem, b_smem, prob, cfg, g)
         if prologue is not None:
           (k,) = idx
-          a = prologue.form(a[...].astype(F32), k * cfg.tile_k, tile_of(g), pro_smem).astype(prob.dtype)
+          a = h.form(a[...].astype(F32), k * cfg.tile_k, tile_of(g), prob.dtype)
         plgpu.wgmma(acc_ref, a, b)
         plgpu.wgmma_wait(0)
         return acc_ref
@@ -619,9 +661,7 @@ def _body_pingpong(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, p
   waits for its turn, issues all WGMMAs of its tile, hands the turn to the other warpgroup and only then waits for
   its MMAs and runs its epilogue, so one warpgroup's epilogue runs while the other's WGMMAs keep the tensor cores
   busy. Warpgroup 0 has the first turn (warpgroup 1 hands it over at the start)."""
-  ins = _split(refs[:sum(n_in)], n_in)
-  outs = _split(refs[sum(n_in):], n_out)
-  pro_ins, part_ins = ins[0], ins[1:]
+  hooks = _Hooks.of(refs, parts, prologue, n_in, n_out)
   tm, tn, tk, depth = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages
   steps = cdiv(prob.k, tk)
   depth = min(depth, steps)
@@ -631,12 +671,12 @@ def _body_pingpong(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, p
   b_type = plgpu.SMEM((2, depth, *b_shape), prob.dtype, transforms=_transforms(prob.dtype, b_minor))
   full_type = plgpu.Barrier(num_arrivals=2, num_barriers=2 * depth)  # a slot's A and B copies have landed
   turn_type = plgpu.Barrier(num_arrivals=1, num_barriers=2)  # warpgroup g may issue its K loop's WGMMAs
-  smem_types = [p.smem(prob, cfg) for p in parts]
-  pro_smem_types = prologue.smem(prob, cfg) if prologue is not None else ()
+  pro_smem_types, smem_types = hooks.smem_types(prob, cfg)
   tiles = cdiv(prob.m, tm) * cdiv(prob.n, tn)
   pairs = cdiv(tiles, 2)
 
   def scope(a_buf, b_buf, full, turn, pro_smem, *part_smem):
+    h = hooks.with_smem(pro_smem, part_smem)
     g = lax.axis_index("wg")
     nsm = lax.axis_size("sm")
 
@@ -674,10 +714,7 @@ def _body_pingpong(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, p
 
       @pl.when(valid)
       def _():
-        for p, pi, ps in zip(parts, part_ins, part_smem):
-          p.prefetch(t, pi, ps)
-        if prologue is not None:
-          prologue.fetch(t, pro_ins, pro_smem)
+        h.before(t)
 
         def acc_scope(acc_ref):
           plgpu.barrier_wait(turn.at[g])
@@ -689,7 +726,7 @@ def _body_pingpong(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, p
             a = a_buf.at[g, slot].T if prob.transpose_a else a_buf.at[g, slot]
             b = b_buf.at[g, slot].T if prob.transpose_b else b_buf.at[g, slot]
             if prologue is not None:
-              a = prologue.form(a[...].astype(F32), step * tk, t, pro_smem).astype(prob.dtype)
+              a = h.form(a[...].astype(F32), step * tk, t, prob.dtype)
               plgpu.wgmma(acc_ref, a, b)
               plgpu.wgmma_wait(0)  # the slot is read: refill it
               refill, rslot = step + depth, slot
@@ -705,9 +742,7 @@ def _body_pingpong(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, p
           plgpu.barrier_arrive(turn.at[1 - g])  # all WGMMAs issued: the other warpgroup's turn
           plgpu.wgmma_wait(0)  # (the last WGMMA still reads a slot the next tile's copies overwrite)
           load_first(pair + nsm)  # the next tile's first K steps land during this epilogue
-          z = acc_ref[...]
-          for p, pi, po, ps in zip(parts, part_ins, outs, part_smem):
-            p.apply(z, t, pi, po, ps)
+          h.after(acc_ref[...], t)
 
         pl.run_scoped(acc_scope, plgpu.ACC((tm, tn), F32))
 
@@ -725,9 +760,7 @@ def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts
   Barriers: ``full[g, slot]`` (a slot's A and B copies for warpgroup ``g`` have landed; one set per warpgroup, so
   each barrier is waited for only by the warpgroup it is meant for), ``empty[slot]`` (its WGMMA has read the slot;
   waited for only by the TMA warpgroup), ``turn[g]`` as in :func:`_body_pingpong`."""
-  ins = _split(refs[:sum(n_in)], n_in)
-  outs = _split(refs[sum(n_in):], n_out)
-  pro_ins, part_ins = ins[0], ins[1:]
+  hooks = _Hooks.of(refs, parts, prologue, n_in, n_out)
   tm, tn, tk, depth = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages
   steps = cdiv(prob.k, tk)
   a_shape, a_minor = ((tk, tm), tm) if prob.transpose_a else ((tm, tk), tk)
@@ -737,14 +770,14 @@ def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts
   full_type = plgpu.Barrier(num_arrivals=2, num_barriers=2 * depth)
   empty_type = plgpu.Barrier(num_arrivals=1, num_barriers=depth)
   turn_type = plgpu.Barrier(num_arrivals=1, num_barriers=2)
-  smem_types = [p.smem(prob, cfg) for p in parts]
-  pro_smem_types = prologue.smem(prob, cfg) if prologue is not None else ()
+  pro_smem_types, smem_types = hooks.smem_types(prob, cfg)
   tiles = cdiv(prob.m, tm) * cdiv(prob.n, tn)
   pairs = cdiv(tiles, 2)
   memory_registers = 40
   compute_registers = min(240, (512 - memory_registers) // 2 // 8 * 8)
 
   def scope(a_buf, b_buf, full, empty, turn, pro_smem, *part_smem):
+    h = hooks.with_smem(pro_smem, part_smem)
     wg = lax.axis_index("wg")
 
     def tile_of(pair, g):
@@ -801,10 +834,7 @@ def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts
 
         @pl.when(valid)
         def _():
-          for p, pi, ps in zip(parts, part_ins, part_smem):
-            p.prefetch(t, pi, ps)
-          if prologue is not None:
-            prologue.fetch(t, pro_ins, pro_smem)
+          h.before(t)
 
           def acc_scope(acc_ref):
             plgpu.barrier_wait(turn.at[g])
@@ -816,7 +846,7 @@ def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts
               a = a_buf.at[slot].T if prob.transpose_a else a_buf.at[slot]
               b = b_buf.at[slot].T if prob.transpose_b else b_buf.at[slot]
               if prologue is not None:
-                a = prologue.form(a[...].astype(F32), step * tk, t, pro_smem).astype(prob.dtype)
+                a = h.form(a[...].astype(F32), step * tk, t, prob.dtype)
                 plgpu.wgmma(acc_ref, a, b)
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(empty.at[slot])
@@ -832,9 +862,7 @@ def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts
             plgpu.wgmma_wait(0)
             if prologue is None:
               plgpu.barrier_arrive(empty.at[lax.rem(first + steps - 1, depth)])
-            z = acc_ref[...]
-            for p, pi, po, ps in zip(parts, part_ins, outs, part_smem):
-              p.apply(z, t, pi, po, ps)
+            h.after(acc_ref[...], t)
 
           pl.run_scoped(acc_scope, plgpu.ACC((tm, tn), F32))
 
@@ -846,11 +874,7 @@ def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts
 
 def _body_twin(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out, n_smem):
   """The interpret twin: one warpgroup tile per CTA tile, the same loop, pipeline, hooks; a dot for the MMA."""
-  ins = _split(refs[:sum(n_in)], n_in)
-  outs = _split(refs[sum(n_in):sum(n_in) + sum(n_out)], n_out)
-  smem = _split(refs[sum(n_in) + sum(n_out):], n_smem)
-  pro_ins, part_ins = ins[0], ins[1:]
-  pro_smem, part_smem = smem[0], smem[1:]
+  h = _Hooks.of(refs, parts, prologue, n_in, n_out, n_smem)
   tm, tn = cfg.tile_m, cfg.tile_n
   specs = _in_specs(prob, cfg, tm, tn)
   steps = cdiv(prob.k, cfg.tile_k)
@@ -862,23 +886,19 @@ def _body_twin(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prolo
     (lin,) = info.index
     m0, n0 = _tile_origin(lin, prob, cfg, tm, tn)
     t = Tile(0, m0, n0, n0 // tn, cfg, prob)
-    for p, pi, ps in zip(parts, part_ins, part_smem):
-      p.prefetch(t, pi, ps)
-    if prologue is not None:
-      prologue.fetch(t, pro_ins, pro_smem)
+    h.before(t)
 
     def step(idx, a_smem, b_smem, acc):
       a = a_smem[...]
       if prologue is not None:
         (k,) = idx
-        a = prologue.form(a.astype(F32), k * cfg.tile_k, t, pro_smem).astype(prob.dtype)
+        a = h.form(a.astype(F32), k * cfg.tile_k, t, prob.dtype)
       return acc + lax.dot_general(a, b_smem[...], dims, preferred_element_type=F32)
 
     a_win, b_win = _windows(a_ref, b_ref, prob, m0, n0, tm, tn)
     z = plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=cfg.stages,
                             init_carry=jnp.zeros((tm, tn), F32))(a_win, b_win)
-    for p, pi, po, ps in zip(parts, part_ins, outs, part_smem):
-      p.apply(z, t, pi, po, ps)
+    h.after(z, t)
 
   plgpu.wait_smem_to_gmem(0)
 
@@ -986,8 +1006,8 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
   hooks = dict(prob=prob, cfg=config, parts=parts, prologue=prologue, n_in=n_in, n_out=n_out)
 
   if interpret:
-    pro_smem = prologue.smem(prob, config) if prologue is not None else ()
-    smem = [pro_smem] + [p.smem(prob, config) for p in parts]
+    pro_smem, part_smem = _Hooks(parts, prologue, (), (), ()).smem_types(prob, config)
+    smem = [pro_smem] + part_smem
     body = functools.partial(_body_twin, n_smem=[len(s) for s in smem], **hooks)
     kern = plgpu.kernel(body, out_type=out_type, scratch_types=[s for ss in smem for s in ss],
                         grid=(min(3, cdiv(m, config.tile_m) * cdiv(n, config.tile_n)),), grid_names=("sm",),
