@@ -243,3 +243,34 @@ def test_kernels_in_interpret_mode(tmp_path):
   for r in rows:
     assert "error" not in r, r
     assert r["loss_rel_err"] < 1e-3 and r["dw_norm"] == pytest.approx(ref["dw_norm"], rel=2e-2), r
+
+
+def test_trainer_scaling_reads_the_all_reduce_schedule():
+  """benchmarks/trainer_scaling.py: each async all-reduce of the entry computation with the instructions scheduled
+  between its start and its done (names with and without %, a done of another start not counted)."""
+  from benchmarks.trainer_scaling import meshes, schedule
+
+  hlo = """HloModule step
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+ENTRY %main (p0: f32[4], p1: bf16[1024,512]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = bf16[1024,512]{1,0} parameter(1)
+  %all-reduce-start = bf16[1024,512]{1,0} all-reduce-start(bf16[1024,512]{1,0} %p1), to_apply=%add
+  all-reduce-start.1 = f32[4]{0} all-reduce-start(f32[4]{0} %p0), to_apply=%add
+  %a = f32[4]{0} add(f32[4]{0} %p0, f32[4]{0} %p0)
+  %all-reduce-done.1 = f32[4]{0} all-reduce-done(f32[4]{0} %all-reduce-start.1)
+  %b = f32[4]{0} multiply(f32[4]{0} %a, f32[4]{0} %all-reduce-done.1)
+  %all-reduce-done = bf16[1024,512]{1,0} all-reduce-done(bf16[1024,512]{1,0} %all-reduce-start)
+  ROOT %r = f32[4]{0} add(f32[4]{0} %b, f32[4]{0} %b)
+}
+"""
+  got = schedule(hlo)
+  assert [(r["name"], r["shape"], r["between"]) for r in got] == [
+      ("all-reduce-start", "bf16[1024,512]{1,0}", 4), ("all-reduce-start.1", "f32[4]{0}", 1)]
+  assert schedule(hlo.replace("all-reduce-done(bf16", "copy(bf16"))[0]["between"] is None
+  assert meshes(1) == {"data": "data=1"}
+  assert meshes(4) == {"data": "data=4", "fsdp": "fsdp=4", "tensor": "data=2,tensor=2"}

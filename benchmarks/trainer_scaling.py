@@ -1,0 +1,158 @@
+"""The example trainer's full step on 1, 2, 4, 8 devices: weak scaling, per-device memory and where the head's
+gradient reduction sits in the compiled step's schedule.
+
+    python3 -m benchmarks.trainer_scaling --out DIR                 # every visible GPU (the gpu preset)
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
+      python3 -m benchmarks.trainer_scaling --preset cpu --small --out DIR    # a CPU check of the driver
+
+For k = 1, 2, 4, … up to the visible devices, each mesh (``data``: data parallel, k; ``fsdp``: parameters split
+over k; ``tensor``: data = k/2 and the vocabulary (and MLP, heads) split over ``tensor`` = 2) and each head
+(``fused``: lce_flax's, ``plain``: ``nn.Dense`` + optax) it runs ``examples/train_lm.py`` in a fresh process
+(its own allocator and peak counters) at a fixed per-device batch (``--per-device-batch`` sequences), a few steps,
+no evaluation or sampling, and records the median step time, tokens/s per device and the per-device memory (the
+compiled step's peak and temporaries; on a GPU the allocator's peak). Weak-scaling efficiency is t(1) / t(k) of the
+same head. ``--max-batch`` also runs the trainer's ``--find-max-batch`` on each mesh (the largest batch each head fits).
+
+``--schedule`` compiles the fused head's step on the largest data-parallel mesh in this process and reads the
+compiled HLO's entry schedule: for each asynchronous all-reduce (``all-reduce-start`` … ``all-reduce-done``) its
+shape and how many instructions the schedule places between its start and its done (the work it can overlap); a
+backend without asynchronous collectives (the CPU) says so.
+
+Writes ``DIR/trainer_scaling.json`` (device, n_devices, versions, date, commit, rows) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "train_lm.py")
+SMALL = ["--vocab-size", "512", "--d-model", "64", "--num-layers", "1", "--num-heads", "2", "--d-ff", "128",
+         "--seq-len", "32"]
+
+
+def meshes(k: int) -> dict[str, str]:
+  """The meshes of ``k`` devices: name -> the trainer's ``--mesh``."""
+  out = {"data": f"data={k}"}
+  if k > 1:
+    out["fsdp"] = f"fsdp={k}"
+    out["tensor"] = f"data={k // 2},tensor=2"
+  return out
+
+
+def run_trainer(argv: list[str], out: str) -> dict:
+  """One trainer process; its train_lm.json (or the error it ended with)."""
+  cmd = [sys.executable, SCRIPT, *argv, "--out", out, "--quiet"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+  if proc.returncode:
+    return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:], "cmd": " ".join(cmd[1:])}
+  with open(os.path.join(out, "train_lm.json")) as f:
+    return json.load(f)
+
+
+def schedule(text: str) -> list[dict]:
+  """The asynchronous all-reduces of the entry computation, in schedule order: shape, position and how many
+  instructions lie between start and done."""
+  entry = text[text.index("ENTRY"):]
+  body = entry[:entry.index("\n}")] if "\n}" in entry else entry
+  lines = [ln.strip() for ln in body.splitlines()[1:] if " = " in ln]
+  rows = []
+  for i, ln in enumerate(lines):
+    lhs, _, rhs = ln.partition(" = ")
+    if " all-reduce-start(" not in f" {rhs}":
+      continue
+    name = re.sub(r"^(ROOT\s+)?%?", "", lhs.strip())
+    used = re.compile(rf"all-reduce-done\([^)]*%?{re.escape(name)}(?![\w.])")
+    done = next((j for j in range(i + 1, len(lines)) if used.search(lines[j])), None)
+    rows.append({"name": name, "shape": rhs.split(" all-reduce-start(")[0].strip(), "position": i,
+                 "between": None if done is None else done - i - 1})
+  return rows
+
+
+def schedule_rows(argv: list[str], k: int) -> dict:
+  """The fused head's step on data = k, compiled here; its async all-reduces (see :func:`schedule`)."""
+  sys.path.insert(0, ROOT)
+  from examples.lm import main as lm_main  # noqa: PLC0415
+  from examples.lm.train import compile_step, trainer_from_args  # noqa: PLC0415
+
+  args = lm_main.parse_args([*argv, "--mesh", f"data={k}", "--num-devices", str(k)])
+  tr = trainer_from_args(args, "fused")
+  text = compile_step(tr, tr.abstract_state(args.seed), args.seq_len).as_text()
+  found = schedule(text)
+  sync = len(re.findall(r" all-reduce\(", text))
+  return {"mesh": f"data={k}", "async_all_reduces": found, "sync_all_reduces": sync,
+          "note": None if found else "no asynchronous all-reduce in this backend's compiled step"}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--preset", default="gpu")
+  ap.add_argument("--per-device-batch", type=int, default=8, help="sequences per device")
+  ap.add_argument("--steps", type=int, default=6)
+  ap.add_argument("--heads", default="fused,plain")
+  ap.add_argument("--max-devices", type=int, default=None)
+  ap.add_argument("--max-batch", action="store_true", help="also --find-max-batch on each mesh")
+  ap.add_argument("--schedule", action="store_true", help="also the fused step's all-reduce schedule")
+  ap.add_argument("--small", action="store_true", help="a tiny model (a CPU check of the driver)")
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/trainer_scaling"))
+  a = ap.parse_args(argv)
+  os.makedirs(a.out, exist_ok=True)
+  n = min(jax.device_count(), a.max_devices or jax.device_count())
+  ks = [k for k in (1, 2, 4, 8, 16) if k <= n]
+  common = ["--preset", a.preset, "--steps", str(a.steps), "--eval-every", "0", "--eval-batches", "1",
+            "--sample-tokens", "0", "--bench-steps", "3", *(SMALL if a.small else [])]
+  rows = []
+  for k in ks:
+    for mesh_name, mesh in meshes(k).items():
+      for head in a.heads.split(","):
+        sub = os.path.join(a.out, f"{k}dev_{mesh_name}_{head}")
+        res = run_trainer([*common, "--loss", head, "--only-this-head", "--num-devices", str(k), "--mesh", mesh,
+                           "--batch-size", str(a.per_device_batch * k)], sub)
+        run = res.get("runs", {}).get(head, {})
+        mem = run.get("memory", {})
+        row = {"k": k, "mesh": mesh, "mesh_kind": mesh_name, "head": head, "batch_size": a.per_device_batch * k,
+               "step_time_s": run.get("step_time_s"),
+               "tokens_per_s_per_device": run["tokens_per_s"] / k if run.get("tokens_per_s") else None,
+               "compiled_peak_bytes": mem.get("compiled", {}).get("peak"),
+               "compiled_temp_bytes": mem.get("compiled", {}).get("temp"),
+               "gpu_peak_bytes": mem.get("gpu_peak_bytes_in_use"), "error": res.get("error")}
+        if a.max_batch:
+          mb = run_trainer([*common, "--find-max-batch", "--heads", head, "--num-devices", str(k), "--mesh", mesh],
+                           sub + "_maxbatch")
+          row["max_batch"] = mb.get("max_batch", {}).get(head, mb.get("error"))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+  base = {(r["head"]): r["step_time_s"] for r in rows if r["k"] == 1 and r["step_time_s"]}
+  for r in rows:
+    t1 = base.get(r["head"])
+    r["weak_scaling"] = round(t1 / r["step_time_s"], 4) if t1 and r["step_time_s"] else None
+  sched = schedule_rows(common, ks[-1]) if a.schedule and ks[-1] > 1 else None
+  dev = jax.devices()[0]
+  meta = {"device": getattr(dev, "device_kind", dev.platform), "n_devices": n, "jax": jax.__version__,
+          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
+          "commit": os.environ.get("LCE_FLAX_COMMIT"), "command": " ".join(sys.argv),
+          "per_device_batch": a.per_device_batch, "preset": a.preset}
+  with open(os.path.join(a.out, "trainer_scaling.json"), "w") as f:
+    json.dump({**meta, "rows": rows, "schedule": sched}, f, indent=1)
+  print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} {'peak GB':>8}")
+  for r in rows:
+    ms = f"{r['step_time_s'] * 1e3:9.1f}" if r["step_time_s"] else f"{'error':>9}"
+    tps = f"{r['tokens_per_s_per_device']:11,.0f}" if r["tokens_per_s_per_device"] else f"{'':>11}"
+    ws = f"{r['weak_scaling']:6.3f}" if r["weak_scaling"] else f"{'':>6}"
+    pk = f"{r['compiled_peak_bytes'] / 2**30:8.2f}" if r["compiled_peak_bytes"] else f"{'':>8}"
+    print(f"{r['k']:>3} {r['mesh']:<18} {r['head']:<6} {ms} {tps} {ws} {pk}")
+  if sched is not None:
+    print(f"\nschedule ({sched['mesh']}): {sched['note'] or sched['async_all_reduces']}")
+  return 0 if all(r["error"] is None for r in rows) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
