@@ -48,10 +48,14 @@ def meshes(k: int) -> dict[str, str]:
   return out
 
 
-def run_trainer(argv: list[str], out: str) -> dict:
-  """One trainer process; its train_lm.json (or the error it ended with)."""
+def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> dict:
+  """One trainer process; its train_lm.json (or the error it ended with, or that it ran past ``timeout_s``)."""
   cmd = [sys.executable, SCRIPT, *argv, "--out", out, "--quiet"]
-  proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
+                          timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    return {"error": [f"ran past {timeout_s} s"], "cmd": " ".join(cmd[1:])}
   if proc.returncode:
     return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:], "cmd": " ".join(cmd[1:])}
   with open(os.path.join(out, "train_lm.json")) as f:
@@ -92,6 +96,11 @@ def schedule_rows(argv: list[str], k: int) -> dict:
           "note": None if found else "no asynchronous all-reduce in this backend's compiled step"}
 
 
+def write(out: str, meta: dict, rows: list, sched: dict | None):
+  with open(os.path.join(out, "trainer_scaling.json"), "w") as f:
+    json.dump({**meta, "rows": rows, "schedule": sched}, f, indent=1)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--preset", default="gpu")
@@ -100,6 +109,9 @@ def main(argv=None) -> int:
   ap.add_argument("--heads", default="fused,plain")
   ap.add_argument("--max-devices", type=int, default=None)
   ap.add_argument("--max-batch", action="store_true", help="also --find-max-batch on each mesh")
+  ap.add_argument("--max-batch-limit", type=int, default=None, help="--find-max-batch stops doubling here "
+                  "(default: the preset's)")
+  ap.add_argument("--timeout-s", type=float, default=900, help="per trainer process")
   ap.add_argument("--schedule", action="store_true", help="also the fused step's all-reduce schedule")
   ap.add_argument("--small", action="store_true", help="a tiny model (a CPU check of the driver)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/trainer_scaling"))
@@ -109,13 +121,18 @@ def main(argv=None) -> int:
   ks = [k for k in (1, 2, 4, 8, 16) if k <= n]
   common = ["--preset", a.preset, "--steps", str(a.steps), "--eval-every", "0", "--eval-batches", "1",
             "--sample-tokens", "0", "--bench-steps", "3", *(SMALL if a.small else [])]
+  dev = jax.devices()[0]
+  meta = {"device": getattr(dev, "device_kind", dev.platform), "n_devices": n, "jax": jax.__version__,
+          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
+          "commit": os.environ.get("LCE_FLAX_COMMIT"), "command": " ".join(sys.argv),
+          "per_device_batch": a.per_device_batch, "preset": a.preset}
   rows = []
   for k in ks:
     for mesh_name, mesh in meshes(k).items():
       for head in a.heads.split(","):
         sub = os.path.join(a.out, f"{k}dev_{mesh_name}_{head}")
         res = run_trainer([*common, "--loss", head, "--only-this-head", "--num-devices", str(k), "--mesh", mesh,
-                           "--batch-size", str(a.per_device_batch * k)], sub)
+                           "--batch-size", str(a.per_device_batch * k)], sub, a.timeout_s)
         run = res.get("runs", {}).get(head, {})
         mem = run.get("memory", {})
         row = {"k": k, "mesh": mesh, "mesh_kind": mesh_name, "head": head, "batch_size": a.per_device_batch * k,
@@ -125,23 +142,19 @@ def main(argv=None) -> int:
                "compiled_temp_bytes": mem.get("compiled", {}).get("temp"),
                "gpu_peak_bytes": mem.get("gpu_peak_bytes_in_use"), "error": res.get("error")}
         if a.max_batch:
-          mb = run_trainer([*common, "--find-max-batch", "--heads", head, "--num-devices", str(k), "--mesh", mesh],
-                           sub + "_maxbatch")
+          limit = ["--max-batch-limit", str(a.max_batch_limit * k)] if a.max_batch_limit else []
+          mb = run_trainer([*common, "--find-max-batch", "--heads", head, "--num-devices", str(k), "--mesh", mesh,
+                            *limit], sub + "_maxbatch", a.timeout_s)
           row["max_batch"] = mb.get("max_batch", {}).get(head, mb.get("error"))
         rows.append(row)
         print(json.dumps(row), flush=True)
+        write(a.out, meta, rows, None)  # (so far: a run cut short keeps what it measured)
   base = {(r["head"]): r["step_time_s"] for r in rows if r["k"] == 1 and r["step_time_s"]}
   for r in rows:
     t1 = base.get(r["head"])
     r["weak_scaling"] = round(t1 / r["step_time_s"], 4) if t1 and r["step_time_s"] else None
   sched = schedule_rows(common, ks[-1]) if a.schedule and ks[-1] > 1 else None
-  dev = jax.devices()[0]
-  meta = {"device": getattr(dev, "device_kind", dev.platform), "n_devices": n, "jax": jax.__version__,
-          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
-          "commit": os.environ.get("LCE_FLAX_COMMIT"), "command": " ".join(sys.argv),
-          "per_device_batch": a.per_device_batch, "preset": a.preset}
-  with open(os.path.join(a.out, "trainer_scaling.json"), "w") as f:
-    json.dump({**meta, "rows": rows, "schedule": sched}, f, indent=1)
+  write(a.out, meta, rows, sched)
   print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} {'peak GB':>8}")
   for r in rows:
     ms = f"{r['step_time_s'] * 1e3:9.1f}" if r["step_time_s"] else f"{'error':>9}"
