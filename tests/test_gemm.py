@@ -276,6 +276,14 @@ def test_refusals():
     dataclasses.replace(tuning.PINGPONG, cluster="n").validate()
   with pytest.raises(ValueError, match="schedule"):
     dataclasses.replace(G.GemmConfig(), schedule="stream-k").validate()
+  with pytest.raises(ValueError, match="mma_lag"):
+    G.GemmConfig(stages=2, mma_lag=2).validate()
+  with pytest.raises(ValueError, match="mma_lag"):
+    dataclasses.replace(tuning.PINGPONG, mma_lag=1).validate()
+  z, l, y = jnp.zeros((64, 128), BF), jnp.zeros((64,), jnp.float32), jnp.zeros((64,), jnp.int32)
+  with pytest.raises(ValueError, match="mma_lag=1 with a prologue"):
+    G.gemm(z, jnp.zeros((64, 128), BF), transpose_b=True, prologue=G.DzFromLogits(l, l, l, y),
+           config=G.GemmConfig(mma_lag=1), interpret=True)
 
 
 # ------------------------------------------------------------------------------------------------ CUDA lowering
@@ -362,6 +370,7 @@ def test_table_config_fits_the_hooks_under_jit():
 
 @pytest.mark.parametrize("cfg", [G.GemmConfig(stages=6, wg_split="m", cluster="n", epi_n=32),
                                  G.GemmConfig(stages=6, tile_m=64, tile_n=192, wg_split="m"),
+                                 G.GemmConfig(stages=6, wg_split="m", cluster="n", mma_lag=1),
                                  dataclasses.replace(tuning.PINGPONG, stages=4),
                                  dataclasses.replace(tuning.PINGPONG_WS, stages=8)], ids=lambda c: c.short())
 def test_smem_estimate_is_the_lowerings_count(cfg):
@@ -386,7 +395,7 @@ def test_smem_estimate_is_the_lowerings_count(cfg):
        (z, wt, vec, y), (m, k, n, False, True), (G.Store(),), G.DzFromLogits(vec, vec, vec, y)),
   ]
   for f, args, dims, parts, prologue in cases:
-    if prologue is not None and cfg.schedule != "cooperative":
+    if prologue is not None and (cfg.schedule != "cooperative" or cfg.mma_lag):
       continue
     with pytest.raises(ValueError, match="shared memory") as err:
       _lower(f, *args)
@@ -439,7 +448,8 @@ def test_table_row_picks_the_schedule(monkeypatch):
 
 
 GPU_CFGS = [None, G.GemmConfig(wg_split="m", cluster="n"), G.GemmConfig(cluster="m", order_minor="m"),
-            tuning.PINGPONG, tuning.PINGPONG_WS, G.GemmConfig(tile_n=192, stages=3, cluster="m", order_width=16)]
+            tuning.PINGPONG, tuning.PINGPONG_WS, G.GemmConfig(tile_n=192, stages=3, cluster="m", order_width=16),
+            G.GemmConfig(wg_split="m", cluster="n", order_width=8, mma_lag=1)]
 
 
 @pytest.mark.gpu(min_cc=(9, 0))

@@ -485,6 +485,8 @@ def _in_specs(prob: Problem, cfg: GemmConfig, cta_m: int, cta_n: int):
   multicast_a = ("cluster",) if cfg.cluster == "n" else ()
   multicast_b = ("cluster",) if cfg.cluster == "m" else ()
   extra = {} if prob.interpret else {"memory_space": plgpu.SMEM}
+  if cfg.mma_lag and not prob.interpret:
+    extra["delay_release"] = cfg.mma_lag
   if prob.transpose_a:
     a_spec = plgpu.BlockSpec((tk, cta_m), lambda k: (k, 0), transforms=_transforms(prob.dtype, cta_m),
                              collective_axes=multicast_a, **extra)
@@ -627,6 +629,8 @@ def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologu
 
         def acc_scope(acc_ref):
           eval_pipeline(acc_ref)
+          if cfg.mma_lag:
+            plgpu.wgmma_wait(0)  # the K loop's last WGMMAs
           h.after(acc_ref[...], t)
 
         pl.run_scoped(acc_scope, plgpu.ACC((cfg.tile_m, cfg.tile_n), F32))
@@ -638,7 +642,7 @@ def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologu
           (k,) = idx
           a = h.form(a[...].astype(F32), k * cfg.tile_k, tile_of(g), prob.dtype)
         plgpu.wgmma(acc_ref, a, b)
-        plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(cfg.mma_lag)  # (its slot is released mma_lag steps later)
         return acc_ref
 
       a_win, b_win = _windows(a_ref, b_ref, prob, m0, n0, cta_m, cta_n)
@@ -985,6 +989,9 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
     raise ValueError(f"gemm: contraction sizes differ: A gives K={k}, B gives K={k2}")
   if prologue is not None and transpose_a:
     raise NotImplementedError("gemm: a prologue forms A from a non-transposed [M, K] tile")
+  if prologue is not None and config is not None and config.mma_lag:
+    raise ValueError(f"gemm: config.mma_lag={config.mma_lag} with a prologue: its A tile is formed in registers, "
+                     "which each K step's WGMMA must have read before the next is formed (use mma_lag=0)")
   parts = _parts(epilogue)
   if config is None:
     config = table_config(role, m, n, k, a.dtype, epilogue=parts, prologue=prologue, interpret=interpret)

@@ -39,6 +39,9 @@ class GemmConfig:
   (each warpgroup on a tile of its own, with its own ring of ``stages`` slots, taking turns on the tensor cores)
   or ``"pingpong_ws"`` (the same turns, one ring of ``stages`` slots filled by a TMA warpgroup); under both
   ping-pong schedules ``wg_split`` is unused and ``cluster`` must be None. The interpret twin ignores it.
+  ``mma_lag`` (cooperative, no prologue): how many WGMMAs a compute warpgroup leaves in flight when it moves to the
+  next K step; each operand slot is released that many steps later (the pipeline's ``delay_release``), so the
+  next WGMMA is issued while the previous one still runs. 0: each K step waits for its own WGMMA.
   """
 
   tile_m: int = 128
@@ -53,6 +56,7 @@ class GemmConfig:
   epi_n: int = 64
   schedule: str = "cooperative"
   epi_slots: int = 2
+  mma_lag: int = 0
 
   def cta_tile(self) -> tuple[int, int]:
     """The output block a CTA's warpgroups work on at once: two warpgroup tiles side by side (cooperative), or
@@ -73,8 +77,9 @@ class GemmConfig:
       return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} {self.schedule} "
               f"order={self.order_minor}{self.order_width} epi={self.epi_m}x{self.epi_n}")
     slots = f" slots={self.epi_slots}" if self.epi_slots != 2 else ""
+    lag = f" lag={self.mma_lag}" if self.mma_lag else ""
     return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} wg={self.wg_split} cl={self.cluster} "
-            f"order={self.order_minor}{self.order_width}{slots}")
+            f"order={self.order_minor}{self.order_width}{slots}{lag}")
 
   def validate(self):
     for name in ("tile_m", "tile_n", "tile_k"):
@@ -93,6 +98,9 @@ class GemmConfig:
       raise ValueError(f"GemmConfig.schedule={self.schedule!r}: one of {SCHEDULES}")
     if self.schedule != "cooperative" and self.cluster is not None:
       raise ValueError("GemmConfig: the ping-pong schedule runs without clusters (cluster=None)")
+    if not 0 <= self.mma_lag < self.stages or (self.mma_lag and self.schedule != "cooperative"):
+      raise ValueError(f"GemmConfig.mma_lag={self.mma_lag} must be in [0, stages={self.stages}) and 0 under the "
+                       "ping-pong schedules")
 
 
 TABLE_PATH = os.path.join(os.path.dirname(__file__), "gemm_tuning.json")
