@@ -535,27 +535,32 @@ def test_gpu_auto_path_is_custom_partitioned(monkeypatch, impl, wspec):
   assert "CustomSPMDPartitioning" in targets and not any(GPU_KERNEL_TARGETS[impl] in t for t in targets), targets
 
 
-@pytest.mark.parametrize("vocab", [(), ("tensor",)], ids=["fsdp", "fsdp+vocab"])
-@pytest.mark.parametrize("impl", ["pallas_triton", "pallas_mosaic"])
-def test_gpu_per_shard_body_runs_kernels_on_shards(monkeypatch, impl, vocab):
-  """The per-shard body (what the partition rule lowers per device, and the explicit form's shard_map), lowered
-  for an abstract H100 mesh: every kernel custom call sits inside the manual computation, on this shard's tokens."""
+def _per_shard_cuda_lines(options, b: int, h: int, v: int, vocab: tuple) -> list[str]:
+  """The per-shard body of the op's gradients (``_partition._shard_map``, tokens over data × fsdp, w's H over fsdp
+  and V over ``vocab``) on a bf16 [b, h] x and [h, v] w, lowered for an abstract 2×2×2 H100 mesh: its lines."""
   from jax._src.mesh import AbstractDevice
-
-  from lce_flax.options import LossOptions
-  _as_gpu(monkeypatch, impl)
   am = jax.sharding.AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3,
                                  abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
                                                                 platform="cuda"))
-  b, h, v = 256, 128, 512
-  s = _partition.Static(LossOptions(impl=impl, interpret=False, mode="lean"), "hv", v)
+  s = _partition.Static(options, "hv", v)
   lay = _partition.Layout(("data", "fsdp"), ("fsdp",), vocab)
   args = (jax.ShapeDtypeStruct((b, h), jnp.bfloat16), jax.ShapeDtypeStruct((h, v), jnp.bfloat16),
           jax.ShapeDtypeStruct((b,), jnp.int32))
   with jax.sharding.use_abstract_mesh(am):
     text = jax.jit(lambda x, w, y: _partition._shard_map("grads", s, (am, lay), x, w, None, y, None)).trace(
         *args).lower(lowering_platforms=("cuda",)).as_text()
-  lines = text.splitlines()
+  return text.splitlines()
+
+
+@pytest.mark.parametrize("vocab", [(), ("tensor",)], ids=["fsdp", "fsdp+vocab"])
+@pytest.mark.parametrize("impl", ["pallas_triton", "pallas_mosaic"])
+def test_gpu_per_shard_body_runs_kernels_on_shards(monkeypatch, impl, vocab):
+  """The per-shard body (what the partition rule lowers per device, and the explicit form's shard_map), lowered
+  for an abstract H100 mesh: every kernel custom call sits inside the manual computation, on this shard's tokens."""
+  from lce_flax.options import LossOptions
+  _as_gpu(monkeypatch, impl)
+  b, h, v = 256, 128, 512
+  lines = _per_shard_cuda_lines(LossOptions(impl=impl, interpret=False, mode="lean"), b, h, v, vocab)
   start = next(i for i, line in enumerate(lines) if "sdy.manual_computation" in line)
   indent = len(lines[start]) - len(lines[start].lstrip())
   kernels = [i for i, line in enumerate(lines) if f"custom_call @{GPU_KERNEL_TARGETS[impl]}" in line]
@@ -575,26 +580,15 @@ def test_gpu_per_shard_tokens_design_adds_dw_in_place(monkeypatch):
   """The fast "tokens" design in the per-shard body (lowered for an abstract H100 mesh): each chunk's dw product
   after the first is a Mosaic GPU call whose float32 [H, V] output is aliased to its operand (the carried dw,
   handed in as a mutable ref), inside the manual computation."""
-  from jax._src.mesh import AbstractDevice
-
   from lce_flax._impl.pallas_mosaic import fast
   from lce_flax._impl.pallas_mosaic import op as mosaic_op
   from lce_flax.options import LossOptions
   _as_gpu(monkeypatch, "pallas_mosaic")
   monkeypatch.setattr(fast, "_note_fallback", lambda: None)  # (a host callback lowers only for the host's platform)
-  am = jax.sharding.AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3,
-                                 abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                                                platform="cuda"))
   b, h, v = 4096, 256, 1024
   cfg = mosaic_op.Config(fast_design="tokens", token_chunk=256, gemm=True)
-  s = _partition.Static(LossOptions(impl="pallas_mosaic", interpret=False, mode="fast", config=cfg), "hv", v)
-  lay = _partition.Layout(("data", "fsdp"), ("fsdp",), ())
-  args = (jax.ShapeDtypeStruct((b, h), jnp.bfloat16), jax.ShapeDtypeStruct((h, v), jnp.bfloat16),
-          jax.ShapeDtypeStruct((b,), jnp.int32))
-  with jax.sharding.use_abstract_mesh(am):
-    text = jax.jit(lambda x, w, y: _partition._shard_map("grads", s, (am, lay), x, w, None, y, None)).trace(
-        *args).lower(lowering_platforms=("cuda",)).as_text()
-  lines = text.splitlines()
+  lines = _per_shard_cuda_lines(LossOptions(impl="pallas_mosaic", interpret=False, mode="fast", config=cfg), b, h, v,
+                                ())
   start = next(i for i, line in enumerate(lines) if "sdy.manual_computation" in line)
   aliased = [i for i, line in enumerate(lines) if "custom_call @mosaic_gpu" in line and "output_operand_alias" in line]
   assert len(aliased) == 1 and aliased[0] > start, aliased
