@@ -544,11 +544,16 @@ def _ignore(*_, **__):
   return None
 
 
+def _smem_types(parts, prologue, prob: Problem, cfg: GemmConfig):
+  """(the prologue's SMEM types, [each epilogue part's])."""
+  return (prologue.smem(prob, cfg) if prologue is not None else ()), [p.smem(prob, cfg) for p in parts]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Hooks:
   """A call's prologue and epilogue parts bound to the kernel's refs: what every kernel body does around a tile's
   K loop. ``of`` splits the body's refs (inputs, outputs, then any SMEM); ``with_smem`` adds the hooks' SMEM once
-  the body has allocated it (:meth:`smem_types`)."""
+  the body has allocated it (:func:`_smem_types`)."""
 
   parts: tuple
   prologue: Any
@@ -567,11 +572,6 @@ class _Hooks:
       return h
     smem = _split(refs[sum(n_in) + sum(n_out):], n_smem)
     return h.with_smem(smem[0], smem[1:])
-
-  def smem_types(self, prob: Problem, cfg: GemmConfig):
-    """(the prologue's SMEM types, [each part's])."""
-    pro = self.prologue.smem(prob, cfg) if self.prologue is not None else ()
-    return pro, [p.smem(prob, cfg) for p in self.parts]
 
   def with_smem(self, pro_smem, part_smem) -> _Hooks:
     return dataclasses.replace(self, pro_smem=tuple(pro_smem), part_smem=tuple(part_smem))
@@ -605,7 +605,7 @@ def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologu
         body, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=cfg.stages, compute_context=ctx)
 
-  pro_smem_types, smem_types = hooks.smem_types(prob, cfg)
+  pro_smem_types, smem_types = _smem_types(parts, prologue, prob, cfg)
   a_tmpl, b_tmpl = _windows(a_ref, b_ref, prob, 0, 0, cta_m, cta_n)
 
   def scope(allocs, pro_smem, *part_smem):
@@ -675,7 +675,7 @@ def _body_pingpong(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, p
   b_type = plgpu.SMEM((2, depth, *b_shape), prob.dtype, transforms=_transforms(prob.dtype, b_minor))
   full_type = plgpu.Barrier(num_arrivals=2, num_barriers=2 * depth)  # a slot's A and B copies have landed
   turn_type = plgpu.Barrier(num_arrivals=1, num_barriers=2)  # warpgroup g may issue its K loop's WGMMAs
-  pro_smem_types, smem_types = hooks.smem_types(prob, cfg)
+  pro_smem_types, smem_types = _smem_types(parts, prologue, prob, cfg)
   tiles = cdiv(prob.m, tm) * cdiv(prob.n, tn)
   pairs = cdiv(tiles, 2)
 
@@ -774,7 +774,7 @@ def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts
   full_type = plgpu.Barrier(num_arrivals=2, num_barriers=2 * depth)
   empty_type = plgpu.Barrier(num_arrivals=1, num_barriers=depth)
   turn_type = plgpu.Barrier(num_arrivals=1, num_barriers=2)
-  pro_smem_types, smem_types = hooks.smem_types(prob, cfg)
+  pro_smem_types, smem_types = _smem_types(parts, prologue, prob, cfg)
   tiles = cdiv(prob.m, tm) * cdiv(prob.n, tn)
   pairs = cdiv(tiles, 2)
   memory_registers = 40
@@ -934,7 +934,8 @@ def smem_bytes(prob: Problem, cfg: GemmConfig, parts, prologue=None) -> int:
   elif cfg.schedule == "pingpong_ws":  # one full barrier per warpgroup and an empty one
     barriers = 3
   turns = 16 if cfg.schedule != "cooperative" else 0  # the two turn barriers
-  allocs = [x for p in parts for x in p.smem(prob, cfg)] + list(prologue.smem(prob, cfg) if prologue else ())
+  pro_types, part_types = _smem_types(parts, prologue, prob, cfg)
+  allocs = [x for types in part_types for x in types] + list(pro_types)
   reductions = REDUCTION_SCRATCH if any(p.reduces_rows for p in parts) else 0
   return cfg.stages * (stage + 8 * barriers) + turns + sum(_alloc_bytes(x) for x in allocs) + reductions
 
@@ -1013,7 +1014,7 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
   hooks = dict(prob=prob, cfg=config, parts=parts, prologue=prologue, n_in=n_in, n_out=n_out)
 
   if interpret:
-    pro_smem, part_smem = _Hooks(parts, prologue, (), (), ()).smem_types(prob, config)
+    pro_smem, part_smem = _smem_types(parts, prologue, prob, config)
     smem = [pro_smem] + part_smem
     body = functools.partial(_body_twin, n_smem=[len(s) for s in smem], **hooks)
     kern = plgpu.kernel(body, out_type=out_type, scratch_types=[s for ss in smem for s in ss],
