@@ -51,8 +51,10 @@ def meshes(k: int) -> dict[str, str]:
 def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> dict:
   """One trainer process; its train_lm.json (or the error it ended with, or that it ran past ``timeout_s``)."""
   cmd = [sys.executable, SCRIPT, *argv, "--out", out, "--quiet"]
+  path = os.environ.get("PYTHONPATH")  # (kept: optional wheels installed with --target are found through it)
+  env = {**os.environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                           timeout=timeout_s)
   except subprocess.TimeoutExpired:
     return {"error": [f"ran past {timeout_s} s"], "cmd": " ".join(cmd[1:])}
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
         write(a.out, meta, rows, None)  # (so far: a run cut short keeps what it measured)
-  base = {(r["head"]): r["step_time_s"] for r in rows if r["k"] == 1 and r["step_time_s"]}
+  base = {r["head"]: r["step_time_s"] for r in rows if r["k"] == 1 and r["step_time_s"]}
   for r in rows:
     t1 = base.get(r["head"])
     r["weak_scaling"] = round(t1 / r["step_time_s"], 4) if t1 and r["step_time_s"] else None
