@@ -22,10 +22,12 @@ time is counted, their FLOPs are not). Then the products with their loss work:
 (``lce_flax/_impl/pallas_mosaic/gemm_tuning.json``, under this device's kind) and into the output folder.
 One JSON line per measurement on stdout; everything into ``--out`` (``results.json``).
 ``--schedules`` times the GEMM's schedules (:attr:`GemmConfig.schedule`: ``cooperative``, the table's row, against
-``pingpong`` and ``pingpong_ws``) on the forward with and without its loss work and on the token-chunked dw
-(``dw_acc``), beside XLA's bare GEMM (and float32 xᵀ·dz + C), in alternation; it starts with a small correctness
-check of each ping-pong schedule, writes a copy of the tuning table with the faster schedule per role and shape,
-and stops starting work once BUDGET_S (default 200 s) is spent.
+``pingpong`` and ``pingpong_ws``, the latter also on 2-CTA clusters) on the forward with and without its loss work
+(``fwd_store``: the op's fast forward, statistics and stored exponentials on the approximate exp) and on the
+token-chunked dw (``dw_acc``), beside XLA's bare GEMM (and float32 xᵀ·dz + C), in alternation; it starts with a
+small correctness check of each ping-pong variant (in a child process), writes a copy of the tuning table with the
+faster schedule per role and shape, and stops starting work once BUDGET_S (default 200 s) is spent. PINGPONG=1 adds
+the ``pingpong`` schedule (each warpgroup its own ring; slower everywhere in earlier rounds).
 Env: SHAPES (comma list), BUDGET_S (stop starting new work after this many seconds).
 """
 
@@ -176,8 +178,8 @@ def main():
                   "every contender of a product (and its loss-work variants) timed in alternation")
   ap.add_argument("--schedules", action="store_true", help="the cooperative and ping-pong schedules of fwd, "
                   "fwd_stats, fwd_store (and XLA's bare GEMM) in alternation; ends itself within BUDGET_S (200 s)")
-  ap.add_argument("--smoke-only", choices=("pingpong", "pingpong_ws"), help="(--schedules runs this in a child "
-                  "process) the small correctness check of one ping-pong schedule, as JSON lines")
+  ap.add_argument("--smoke-only", choices=tuple(PP_VARIANTS), help="(--schedules runs this in a child "
+                  "process) the small correctness check of one ping-pong variant, as JSON lines")
   ap.add_argument("--rounds", type=int, default=5)
   args = ap.parse_args()
   budget = float(os.environ.get("BUDGET_S", "200" if args.schedules else "1e9"))
@@ -193,8 +195,7 @@ def main():
                       "median of 3 such medians taken in alternation between the compared kernels"))
   emit(**meta)
   if args.smoke_only:
-    _smoke({"pingpong": tuning.PINGPONG, "pingpong_ws": tuning.PINGPONG_WS}[args.smoke_only], Watchdog(lambda: None),
-           G.StatsOptions())
+    _smoke(PP_VARIANTS[args.smoke_only], Watchdog(lambda: None), G.StatsOptions())
     return
   if args.schedules:
     schedules(args, kind, meta, budget)
@@ -484,25 +485,31 @@ class Watchdog:
     os._exit(3)
 
 
+# the ping-pong variants --schedules times (each checked first by --smoke-only NAME in a child process)
+PP_VARIANTS = {"pingpong": tuning.PINGPONG, "pingpong_ws": tuning.PINGPONG_WS,
+               "pingpong_ws-cl_n": dataclasses.replace(tuning.PINGPONG_WS, cluster="n"),
+               "pingpong_ws-cl_m": dataclasses.replace(tuning.PINGPONG_WS, cluster="m")}
 SMOKE = (1896, 4160, 1088)  # an odd count of 128x128 tiles (15 x 33), a few pairs of them per CTA, 17 K steps
 
 
 def _role_fn(role, cfg, opts):
-  """x·w (``fwd``), with the statistics epilogue (``fwd_stats``), with statistics and stored bf16 logits
-  (``fwd_store``), or xᵀ·dz + C in float32 (``dw_acc``)."""
+  """x·w (``fwd``), with the statistics epilogue (``fwd_stats``), the op's fast forward (``fwd_store``: statistics
+  and the tiles stored as exponentials against a per-row reference, on the approximate exp), or xᵀ·dz + C in
+  float32 (``dw_acc``)."""
   if role == "dw_acc":
     return jax.jit(lambda a, b, c: G.gemm(a, b, transpose_a=True, epilogue=G.AddTo(c), config=cfg))
   if role == "fwd":
     return jax.jit(lambda a, b, lab: G.gemm(a, b, config=cfg))
   if role == "fwd_stats":
     return jax.jit(lambda a, b, lab: G.gemm(a, b, epilogue=G.RowStats(lab, opts), config=cfg))
-  return jax.jit(lambda a, b, lab: G.gemm(a, b, epilogue=(G.RowStats(lab, opts), G.Store()), config=cfg))
+  return jax.jit(lambda a, b, lab: G.gemm(a, b, epilogue=G.RowStats(lab, opts, store=True, ref=jnp.zeros(
+      lab.shape, jnp.float32)), config=cfg, approx_math=True))
 
 
 def _smoke(cfg, dog, opts) -> bool:
   """``cfg``'s schedule on a small problem (see :data:`SMOKE`) against XLA and the cooperative schedule."""
   try:
-    dog.arm(f"{cfg.schedule} smoke test", 75)
+    dog.arm(f"{cfg.short()} smoke test", 75)
     m, n, k = SMOKE
     kk = jax.random.split(jax.random.key(2), 3)
     a = jax.random.normal(kk[0], (m, k), jnp.bfloat16)
@@ -519,11 +526,11 @@ def _smoke(cfg, dog, opts) -> bool:
     dog.disarm()
     ok = errs["store_f32_rel_err"] < 1e-5 and errs["store_bf16_rel_err"] < 1e-2 and max(
         errs["lse_diff_store"], errs["lse_diff_stats"]) < 1e-4
-    emit(kind="check", what=f"{cfg.schedule} smoke test", cfg=cfg.short(), shape=[m, n, k], ok=ok, **errs)
+    emit(kind="check", what=f"{cfg.short()} smoke test", cfg=cfg.short(), shape=[m, n, k], ok=ok, **errs)
     return ok
   except Exception as e:  # noqa: BLE001
     dog.disarm()
-    emit(kind="error", where=f"{cfg.schedule} smoke test", error=f"{type(e).__name__}: {e}"[:400])
+    emit(kind="error", where=f"{cfg.short()} smoke test", error=f"{type(e).__name__}: {e}"[:400])
     return False
 
 
@@ -564,9 +571,10 @@ def _lse(st, b):
 
 
 def schedules(args, kind, meta, budget):
-  """The lean forward (``fwd_stats``), the forward with stored logits (``fwd_store``), the bare ``fwd`` and the
+  """The lean forward (``fwd_stats``), the op's fast forward (``fwd_store``), the bare ``fwd`` and the
   token-chunked dw (``dw_acc``, xᵀ·dz + C) with the cooperative schedule (the table's row) and the ping-pong
-  schedule, plus XLA's bare GEMM and XLA's float32 xᵀ·dz + C, all of one shape timed in alternation. Writes
+  variants (:data:`PP_VARIANTS`), plus XLA's bare GEMM and XLA's float32 xᵀ·dz + C, all of one shape timed in
+  alternation. Writes
   ``results.json`` and ``gemm_tuning.json`` (the package's table with each of these roles' rows at the measured
   shapes set to its faster schedule)."""
   out = {"meta": meta, "rows": ROWS}
@@ -580,8 +588,8 @@ def schedules(args, kind, meta, budget):
   opts = G.StatsOptions()
   # a small call of each ping-pong schedule first, against the cooperative one, in a child process: a wrong or
   # hanging schedule shows up there, in seconds, and its variants are left out of the timings here
-  pp_ok = _smoke_in_child("pingpong", args.out)
-  ws_ok = _smoke_in_child("pingpong_ws", args.out)
+  names = [n for n in PP_VARIANTS if n != "pingpong" or os.environ.get("PINGPONG") == "1"]
+  passed = {n: _smoke_in_child(n, args.out) for n in names}
   save()
 
   raw = {}
@@ -605,22 +613,17 @@ def schedules(args, kind, meta, budget):
       c = jnp.ones((h, v), jnp.float32)
       mnks = {"fwd": (b, v, h), "fwd_stats": (b, v, h), "fwd_store": (b, v, h), "dw_acc": (h, v, b)}
       role_args = {"fwd": (x, w, y), "fwd_stats": (x, w, y), "fwd_store": (x, w, y), "dw_acc": (x, dz, c)}
-      pp, ws = tuning.PINGPONG, tuning.PINGPONG_WS
       cands = {  # name -> (role, config)
           f"{role}/coop": (role, tuning.select_config(role, *mnks[role], kind)) for role in mnks}
-      if pp_ok:
-        cands.update({
-            "fwd/pp": ("fwd", dataclasses.replace(pp, epi_n=64)), "fwd_stats/pp": ("fwd_stats", pp),
-            "fwd_store/pp": ("fwd_store", tuning.fit_role("fwd_store", pp)),
-            "dw_acc/pp": ("dw_acc", tuning.fit_role("dw_acc", pp)),
-        })
-      if ws_ok:
-        cands.update({
-            "fwd/ws": ("fwd", dataclasses.replace(ws, epi_n=64)),
-            "fwd_stats/ws": ("fwd_stats", ws), "fwd_stats/ws-n8": ("fwd_stats", dataclasses.replace(ws, order_width=8)),
-            "fwd_store/ws": ("fwd_store", tuning.fit_role("fwd_store", ws)),
-            "dw_acc/ws": ("dw_acc", tuning.fit_role("dw_acc", ws)),
-        })
+      short = {"pingpong": "pp", "pingpong_ws": "ws", "pingpong_ws-cl_n": "ws-cln", "pingpong_ws-cl_m": "ws-clm"}
+      for name, ok in passed.items():
+        if not ok:
+          continue
+        pp, tag = PP_VARIANTS[name], short[name]
+        cands.update({f"fwd/{tag}": ("fwd", dataclasses.replace(pp, epi_n=64)), f"fwd_stats/{tag}": ("fwd_stats", pp),
+                      f"fwd_store/{tag}": ("fwd_store", tuning.fit_role("fwd_store", pp))})
+        if name in ("pingpong_ws", "pingpong_ws-cl_n"):
+          cands[f"dw_acc/{tag}"] = ("dw_acc", tuning.fit_role("dw_acc", pp))
       fns = {"xla": (jax.jit(lambda a, b_, lab: jnp.dot(a, b_)), (x, w, y)),
              "xla_dw_f32_plus_c": (jax.jit(_xla_f32_plus_c), (x, dz, c))}
       results = {}

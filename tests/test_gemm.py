@@ -305,7 +305,8 @@ def _f32_stats(cfg):
 @pytest.mark.parametrize("cfg", [G.GemmConfig(), G.GemmConfig(wg_split="m", cluster="n", epi_n=32, epi_slots=3),
                                  G.GemmConfig(tile_m=64, tile_n=256, wg_split="m", cluster="n", epi_n=32),
                                  G.GemmConfig(cluster="m", order_minor="m", order_width=8), tuning.PINGPONG,
-                                 tuning.PINGPONG_WS],
+                                 tuning.PINGPONG_WS, dataclasses.replace(tuning.PINGPONG_WS, cluster="n"),
+                                 dataclasses.replace(tuning.PINGPONG_WS, cluster="m", order_width=8)],
                          ids=lambda c: c.short())
 def test_gpu_kernel_lowers_for_cuda(cfg):
   """The GPU kernel (every schedule), every role, through the whole Pallas → Mosaic GPU lowering on CPU."""
@@ -372,7 +373,9 @@ def test_table_config_fits_the_hooks_under_jit():
                                  G.GemmConfig(stages=6, tile_m=64, tile_n=192, wg_split="m"),
                                  G.GemmConfig(stages=6, wg_split="m", cluster="n", mma_lag=1),
                                  dataclasses.replace(tuning.PINGPONG, stages=4),
-                                 dataclasses.replace(tuning.PINGPONG_WS, stages=8)], ids=lambda c: c.short())
+                                 dataclasses.replace(tuning.PINGPONG_WS, stages=8),
+                                 dataclasses.replace(tuning.PINGPONG_WS, stages=8, cluster="n")],
+                         ids=lambda c: c.short())
 def test_smem_estimate_is_the_lowerings_count(cfg):
   """``smem_bytes`` (what ``table_config`` fits the stages by) equals Mosaic GPU's own count, for every kind of hook:
   configs past the 227 KB limit, whose lowering error states that count."""
@@ -449,7 +452,8 @@ def test_table_row_picks_the_schedule(monkeypatch):
 
 GPU_CFGS = [None, G.GemmConfig(wg_split="m", cluster="n"), G.GemmConfig(cluster="m", order_minor="m"),
             tuning.PINGPONG, tuning.PINGPONG_WS, G.GemmConfig(tile_n=192, stages=3, cluster="m", order_width=16),
-            G.GemmConfig(wg_split="m", cluster="n", order_width=8, mma_lag=1)]
+            G.GemmConfig(wg_split="m", cluster="n", order_width=8, mma_lag=1),
+            dataclasses.replace(tuning.PINGPONG_WS, cluster="n"), dataclasses.replace(tuning.PINGPONG_WS, cluster="m")]
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
@@ -474,6 +478,7 @@ def test_gpu_products(name, cfg):
 @pytest.mark.gpu(min_cc=(9, 0))
 @pytest.mark.parametrize("n", [2112, 2176])  # ragged; 17 whole tiles (a 2-CTA cluster overhangs N by one tile)
 @pytest.mark.parametrize("base", [tuning.DEFAULT, tuning.PINGPONG, tuning.PINGPONG_WS,
+                                  dataclasses.replace(tuning.PINGPONG_WS, cluster="n"),
                                   G.GemmConfig(wg_split="m", cluster="n")], ids=lambda c: c.short())
 def test_gpu_hooks(base, n):
   rng = np.random.default_rng(8)
@@ -516,7 +521,9 @@ def test_gpu_hooks(base, n):
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
-@pytest.mark.parametrize("schedule", [tuning.PINGPONG, tuning.PINGPONG_WS], ids=lambda c: c.schedule)
+@pytest.mark.parametrize("schedule", [tuning.PINGPONG, tuning.PINGPONG_WS,
+                                      dataclasses.replace(tuning.PINGPONG_WS, cluster="n"),
+                                      dataclasses.replace(tuning.PINGPONG_WS, cluster="m")], ids=lambda c: c.short())
 @pytest.mark.parametrize("m,n,k", [(1896, 4160, 1088), (296, 4160, 64), (128, 128, 512), (1024, 4096, 768)])
 def test_gpu_pingpong_turns(m, n, k, schedule):
   """The ping-pong schedules where their turn-taking has corners: an odd count of tiles (the last pair's second

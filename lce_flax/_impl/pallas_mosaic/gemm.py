@@ -763,7 +763,16 @@ def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts
 
   Barriers: ``full[g, slot]`` (a slot's A and B copies for warpgroup ``g`` have landed; one set per warpgroup, so
   each barrier is waited for only by the warpgroup it is meant for), ``empty[slot]`` (its WGMMA has read the slot;
-  waited for only by the TMA warpgroup), ``turn[g]`` as in :func:`_body_pingpong`."""
+  waited for only by the TMA warpgroup), ``turn[g]`` as in :func:`_body_pingpong`.
+
+  With ``cluster`` set, the two CTAs of a cluster walk the same sequence of cluster tiles (``tile_m × 2·tile_n``
+  for ``cluster="n"``, ``2·tile_m × tile_n`` for ``"m"``), each warpgroup taking its CTA's half of a turn's cluster
+  tile, so the two CTAs fill their rings in lockstep: the operand the halves have in common (A for ``"n"``, B for
+  ``"m"``) is loaded half by each CTA and multicast to both (TMA multicast), which halves its L2 traffic. A slot
+  is then written into both CTAs' SMEM, so ``empty`` is a cluster barrier: each consumer's release arrives in both
+  CTAs, and a producer refills a slot once the consumers of both have read it. At the end each producer waits for
+  the releases of its ring's last ``stages`` positions, so that no CTA leaves while its peer still arrives on its
+  barriers."""
   hooks = _Hooks.of(refs, parts, prologue, n_in, n_out)
   tm, tn, tk, depth = cfg.tile_m, cfg.tile_n, cfg.tile_k, cfg.stages
   steps = cdiv(prob.k, tk)
@@ -772,10 +781,16 @@ def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts
   a_type = plgpu.SMEM((depth, *a_shape), prob.dtype, transforms=_transforms(prob.dtype, a_minor))
   b_type = plgpu.SMEM((depth, *b_shape), prob.dtype, transforms=_transforms(prob.dtype, b_minor))
   full_type = plgpu.Barrier(num_arrivals=2, num_barriers=2 * depth)
-  empty_type = plgpu.Barrier(num_arrivals=1, num_barriers=depth)
+  if cfg.cluster is None:
+    empty_type = plgpu.Barrier(num_arrivals=1, num_barriers=depth)
+  else:  # (a release arrives in both CTAs: their consumers read a slot the multicast writes into both)
+    empty_type = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1, num_barriers=depth)
+  multicast_a = "cluster" if cfg.cluster == "n" else None
+  multicast_b = "cluster" if cfg.cluster == "m" else None
   turn_type = plgpu.Barrier(num_arrivals=1, num_barriers=2)
   pro_smem_types, smem_types = _smem_types(parts, prologue, prob, cfg)
-  tiles = cdiv(prob.m, tm) * cdiv(prob.n, tn)
+  cl_m, cl_n = cfg.cluster_tile()
+  tiles = cdiv(prob.m, cl_m) * cdiv(prob.n, cl_n)  # cluster tiles (a CTA takes its half of each)
   pairs = cdiv(tiles, 2)
   memory_registers = 40
   compute_registers = min(240, (512 - memory_registers) // 2 // 8 * 8)
@@ -812,14 +827,23 @@ def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts
             ks = pl.ds(step * tk, tk)
             a_src = a_ref.at[ks, t.rows] if prob.transpose_a else a_ref.at[t.rows, ks]
             b_src = b_ref.at[t.cols, ks] if prob.transpose_b else b_ref.at[ks, t.cols]
-            plgpu.copy_gmem_to_smem(a_src, a_buf.at[slot], full.at[g * depth + slot])
-            plgpu.copy_gmem_to_smem(b_src, b_buf.at[slot], full.at[g * depth + slot])
+            plgpu.copy_gmem_to_smem(a_src, a_buf.at[slot], full.at[g * depth + slot], collective_axes=multicast_a)
+            plgpu.copy_gmem_to_smem(b_src, b_buf.at[slot], full.at[g * depth + slot], collective_axes=multicast_b)
 
       @plgpu.nd_loop((pairs,), collective_axes="sm")
       def _pair(info):
         (pair,) = info.index
         for g in range(2):  # in the order the turns consume them
           fill(pair, info.local_index, g)
+
+      if cfg.cluster is not None:  # the last releases (the peer's included) before this CTA may leave
+        sm, nsm = lax.axis_index("sm"), lax.axis_size("sm")
+        mine = lax.div(pairs - sm + nsm - 1, nsm)  # the pairs this CTA took (sm, sm + nsm, ...)
+        # (an odd tile count leaves the last pair's second tile out)
+        short = jnp.logical_and(tiles % 2 == 1, lax.rem(pairs - 1, nsm) == sm).astype(jnp.int32)
+        end = (2 * mine - short) * steps  # ring positions filled
+        for pos in (end - depth + i for i in range(depth)):
+          pl.when(pos >= 0)(functools.partial(lambda p: plgpu.barrier_wait(empty.at[lax.rem(p, depth)]), pos))
 
     @pl.when(wg < 2)
     def _consumers():

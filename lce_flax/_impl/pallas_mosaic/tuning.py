@@ -38,7 +38,8 @@ class GemmConfig:
   ``schedule``: ``"cooperative"`` (both warpgroups on one CTA tile, fed by a TMA warpgroup), ``"pingpong"``
   (each warpgroup on a tile of its own, with its own ring of ``stages`` slots, taking turns on the tensor cores)
   or ``"pingpong_ws"`` (the same turns, one ring of ``stages`` slots filled by a TMA warpgroup); under both
-  ping-pong schedules ``wg_split`` is unused and ``cluster`` must be None. The interpret twin ignores it.
+  ping-pong schedules ``wg_split`` is unused; ``pingpong`` takes no ``cluster``, ``pingpong_ws`` does (the cluster
+  tile is two warpgroup tiles, and the operand they share is multicast). The interpret twin ignores it.
   ``mma_lag`` (cooperative, no prologue): how many WGMMAs a compute warpgroup leaves in flight when it moves to the
   next K step; each operand slot is released that many steps later (the pipeline's ``delay_release``), so the
   next WGMMA is issued while the previous one still runs. 0: each K step waits for its own WGMMA.
@@ -74,7 +75,8 @@ class GemmConfig:
 
   def short(self) -> str:
     if self.schedule != "cooperative":
-      return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} {self.schedule} "
+      cl = f" cl={self.cluster}" if self.cluster else ""
+      return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} {self.schedule}{cl} "
               f"order={self.order_minor}{self.order_width} epi={self.epi_m}x{self.epi_n}")
     slots = f" slots={self.epi_slots}" if self.epi_slots != 2 else ""
     lag = f" lag={self.mma_lag}" if self.mma_lag else ""
@@ -96,8 +98,8 @@ class GemmConfig:
       raise ValueError(f"GemmConfig.epi_slots={self.epi_slots} must be >= 2 (a store drains while the next is written)")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"GemmConfig.schedule={self.schedule!r}: one of {SCHEDULES}")
-    if self.schedule != "cooperative" and self.cluster is not None:
-      raise ValueError("GemmConfig: the ping-pong schedule runs without clusters (cluster=None)")
+    if self.schedule == "pingpong" and self.cluster is not None:
+      raise ValueError("GemmConfig: the pingpong schedule runs without clusters (cluster=None; pingpong_ws takes them)")
     if not 0 <= self.mma_lag < self.stages or (self.mma_lag and self.schedule != "cooperative"):
       raise ValueError(f"GemmConfig.mma_lag={self.mma_lag} must be in [0, stages={self.stages}) and 0 under the "
                        "ping-pong schedules")
