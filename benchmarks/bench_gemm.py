@@ -626,7 +626,9 @@ def schedules(args, kind, meta, budget):
           cands[f"dw_acc/{tag}"] = ("dw_acc", tuning.fit_role("dw_acc", pp))
       fns = {"xla": (jax.jit(lambda a, b_, lab: jnp.dot(a, b_)), (x, w, y)),
              "xla_dw_f32_plus_c": (jax.jit(_xla_f32_plus_c), (x, dz, c))}
-      results = {}
+      # each variant is built, run once and checked as it comes (against the cooperative one of its role, which
+      # comes first, and the bare ones against XLA); only those references stay on the device meanwhile
+      coop_out, ref = {}, None
       for name, (role, cfg) in cands.items():
         if budget_left(budget) < 25:
           emit(kind="stop", shape=shape, variant=name, why="past BUDGET_S")
@@ -634,33 +636,33 @@ def schedules(args, kind, meta, budget):
         try:  # compiles and runs once; a config that fails is a row with its error, the run goes on
           dog.arm(f"{shape} {name}", 90)
           f = _role_fn(role, cfg, opts)
-          results[name] = jax.block_until_ready(f(*role_args[role]))
+          res = jax.block_until_ready(f(*role_args[role]))
           dog.disarm()
           fns[name] = (f, role_args[role])
           emit(kind="built", shape=shape, variant=name, cfg=cfg.short())
         except Exception as e:  # noqa: BLE001
           dog.disarm()
           emit(kind="error", shape=shape, variant=name, cfg=cfg.short(), error=f"{type(e).__name__}: {e}"[:400])
-      # correctness of each variant against the cooperative one of its role (and the bare ones against XLA)
-      try:
-        ref = fns["xla"][0](x, w, y)
-        for name, res in results.items():
-          role = cands[name][0]
-          base = results.get(f"{role}/coop")
+          continue
+        try:
+          base = coop_out.get(role)
+          if name == f"{role}/coop":
+            coop_out[role] = res
           if role == "fwd":
+            ref = fns["xla"][0](x, w, y) if ref is None else ref
             emit(kind="check", shape=shape, variant=name, rel_err_vs_xla=rel_err(res, ref))
-          elif role == "dw_acc" and base is not None and name != f"{role}/coop":
+          elif role == "dw_acc" and base is not None:
             emit(kind="check", shape=shape, variant=name, rel_err_vs_coop=rel_err(res - c, base - c))
-          elif base is not None and name != f"{role}/coop":
+          elif base is not None:
             st, st0 = (res[0], base[0]) if role == "fwd_store" else (res, base)
             row = dict(lse_max_abs_diff_vs_coop=float(jnp.abs(_lse(st, b) - _lse(st0, b)).max()))
             if role == "fwd_store":
               row["logits_rel_err_vs_coop"] = rel_err(res[1], base[1])
             emit(kind="check", shape=shape, variant=name, **row)
-        del ref
-      except Exception as e:  # noqa: BLE001
-        emit(kind="error", shape=shape, where="checks", error=f"{type(e).__name__}: {e}"[:400])
-      del results
+        except Exception as e:  # noqa: BLE001
+          emit(kind="error", shape=shape, variant=name, where="checks", error=f"{type(e).__name__}: {e}"[:400])
+        del res
+      del coop_out, ref
       t = {}
       try:
         dog.arm(f"{shape} timing", 150)

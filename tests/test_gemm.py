@@ -360,6 +360,13 @@ def test_table_rows_of_the_op_products_lower_on_h100(monkeypatch):
     assert "mosaic_gpu" in _lower(lambda e, w, s: G.gemm(e, w, transpose_b=True, epilogue=G.Store(row_scale=s),
                                                          role="dx"), e, w, sc)
     assert "mosaic_gpu" in _lower(lambda x, e: G.gemm(x, e, transpose_a=True, role="dw"), x, e)
+    # the forwards (gpt2-small's rows are the clustered ping-pong), with the op's hooks: a bias, a reference row
+    y, bias = SDS((b,), jnp.int32), SDS((v,), jnp.float32)
+    assert "mosaic_gpu" in _lower(lambda x, w, y, bias, r: G.gemm(
+        x, w, epilogue=G.RowStats(y, store=True, bias=bias, ref=r), role="fwd_store", approx_math=True), x, w, y, bias, sc)
+    assert "mosaic_gpu" in _lower(lambda x, w, y: G.gemm(x, w, epilogue=G.RowStats(y), role="fwd_stats",
+                                                         approx_math=True), x, w, y)
+  assert G.table_config("fwd_store", 16384, 50304, 768, BF).schedule == "pingpong_ws"
 
 
 def test_table_config_fits_the_hooks_under_jit():

@@ -26,7 +26,11 @@ first K loop when warpgroup 0's is issued, and the two alternate from then on, s
 of slots, so 3 stages of 128×128×64 (192 KB) at most, with ``epi_n = 32`` for the larger epilogues.
 ``pingpong_ws`` (:func:`_body_pingpong_ws`) takes the same turns but is fed by a TMA warpgroup through one ring
 shared by both compute warpgroups, filled in the order the turns consume it: 6 slots of 128×128×64, so the copies
-run 5 K steps ahead (2 in ``pingpong``, whose warpgroups copy for themselves).
+run 5 K steps ahead (2 in ``pingpong``, whose warpgroups copy for themselves). It also runs on 2-CTA clusters,
+whose two CTAs take the two halves of each turn's cluster tile and multicast the operand they share. Measured on an
+H100, the ping-pong schedules win only where K is short (gpt2-small's H = 768: the epilogue is a large part of a
+tile); at H ≥ 2304 one warpgroup's K loop alone does not keep the tensor cores as busy as two cooperating ones
+(``docs/kernels.md``).
 
 **Ragged shapes.** M, N and K need not be multiples of any tile: TMA fills the out-of-bounds part of a loaded
 tile with zeros (so a ragged K adds nothing) and clips the out-of-bounds part of a stored one. No operand is
