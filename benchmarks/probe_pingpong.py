@@ -1,17 +1,13 @@
 """Why the ping-pong schedule's K loop is slower than the cooperative one's at long K (one GPU run).
 
-At each shape (``--shapes``, default llama3-8b and gpt2-small) it times, in alternation, the bare x·w and the op's
-fast forward (statistics and stored exponentials on the approximate exp) with
-
-  coop        the tuning table's cooperative row (at gpt2-small, whose row is ws-cln: the one it had before)
-  ws-cln      ``pingpong_ws`` on 2-CTA clusters along N, 128×128×64 K steps, 6 slots (the gpt2-small row)
-  ws-cln-k128 the same with 128-deep K steps and 3 slots: the same SMEM and the same time covered by the ring, half
-              the K steps (so half the per-step barrier waits, arrivals and loop overhead)
-  ws-cln-s4   4 slots of 64 (less time covered by the ring: if it is latency, this is slower)
-  ws-cln-w8   the snake of width 8
-  coop-s2     the cooperative row with 2 stages (its ring covering about what ws-cln's does)
-
-plus XLA's bare x·w. One JSON line per measurement; ``--out`` gets ``results.json``.
+At each shape (``--shapes``, default llama3-8b and gpt2-small) it times, in alternation, the bare x·w (``fwd``) and
+the op's fast forward (``fwd_store``: statistics and stored exponentials on the approximate exp) with the tuning
+table's cooperative row (at gpt2-small, whose rows are the clustered ping-pong, the cooperative one they had before)
+and with the clustered ``pingpong_ws`` configs of ``--ws``: ``s<stages>[k<tile_k>][w<order width>][m]``, e.g.
+``s6`` (the gpt2-small row: 6 slots of 128×128×64), ``s3k128`` (3 slots of 128-deep K steps: the same SMEM and
+time covered by the ring, half the K steps and so half the per-step waits and arrivals), ``s4`` (less time
+covered: slower if the loads' latency is what limits it), ``s6w8`` (the snake of width 8), ``s4m`` (the cluster
+along M); plus XLA's bare x·w. One JSON line per measurement; ``--out`` gets ``results.json``.
 """
 
 from __future__ import annotations
@@ -19,9 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import os
+import re
 import sys
 
 import jax
@@ -33,27 +29,30 @@ from benchmarks.bench_gemm import SHAPES, interleaved  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 
+WS_SPECS = ("s6", "s4", "s3k128")
+
 
 def _fit(role: str, cfg: G.GemmConfig) -> G.GemmConfig:
   return dataclasses.replace(cfg, epi_n=64) if role == "fwd" else tuning.fit_role(role, cfg)
 
 
-def variants(m: int, n: int, k: int, kind: str) -> dict[str, tuple[str, G.GemmConfig]]:
-  ws = dataclasses.replace(tuning.PINGPONG_WS, cluster="n")
+def _ws(spec: str) -> G.GemmConfig:
+  """A clustered ``pingpong_ws`` config from ``s<stages>[k<tile_k>][w<order width>][m]`` (``m``: cluster along M)."""
+  m = re.fullmatch(r"s(\d+)(?:k(\d+))?(?:w(\d+))?(m?)", spec)
+  if m is None:
+    raise SystemExit(f"--ws: {spec!r} is not s<stages>[k<tile_k>][w<order width>][m]")
+  return dataclasses.replace(tuning.PINGPONG_WS, cluster="m" if m[4] else "n", stages=int(m[1]),
+                             tile_k=int(m[2] or 64), order_width=int(m[3] or 16))
+
+
+def variants(m: int, n: int, k: int, kind: str, ws_specs=WS_SPECS, roles=("fwd", "fwd_store")):
   out = {}
-  for role in ("fwd", "fwd_store"):
+  for role in roles:
     coop = tuning.select_config(role, m, n, k, kind)
     if coop.schedule != "cooperative":  # (gpt2-small's rows: the cooperative config they had before)
       coop = _fit(role, G.GemmConfig(wg_split="m", cluster="n", order_width=8))
-    fit = functools.partial(_fit, role)
-    out.update({
-        f"{role}/coop": (role, coop),
-        f"{role}/coop-s2": (role, dataclasses.replace(coop, stages=2)),
-        f"{role}/ws-cln": (role, fit(ws)),
-        f"{role}/ws-cln-k128": (role, fit(dataclasses.replace(ws, tile_k=128, stages=3))),
-        f"{role}/ws-cln-s4": (role, fit(dataclasses.replace(ws, stages=4))),
-        f"{role}/ws-cln-w8": (role, fit(dataclasses.replace(ws, order_width=8))),
-    })
+    out[f"{role}/coop"] = (role, coop)
+    out.update({f"{role}/ws-{spec}": (role, _fit(role, _ws(spec))) for spec in ws_specs})
   return out
 
 
@@ -67,6 +66,9 @@ def fn(role: str, cfg: G.GemmConfig):
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", default="llama3-8b,gpt2-small")
+  ap.add_argument("--ws", default=",".join(WS_SPECS), help="clustered pingpong_ws configs: comma list of "
+                  "s<stages>[k<tile_k>][w<order width>][m] (m: cluster along M)")
+  ap.add_argument("--roles", default="fwd,fwd_store")
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/probe_pingpong"))
   args = ap.parse_args()
@@ -83,7 +85,8 @@ def main() -> None:
     y = jax.random.randint(kk[2], (b,), 0, v, jnp.int32)
     fns = {"xla": (jax.jit(lambda a, b_, lab: jnp.dot(a, b_)), (x, w, y))}
     cfgs = {}
-    for name, (role, cfg) in variants(b, v, h, kind).items():
+    specs, roles = tuple(args.ws.split(",")), tuple(args.roles.split(","))
+    for name, (role, cfg) in variants(b, v, h, kind, specs, roles).items():
       try:  # a variant that does not build (SMEM) is a row with its error
         f = fn(role, cfg)
         jax.block_until_ready(f(x, w, y))
