@@ -222,7 +222,8 @@ def _lce_variants(name: str, modes: tuple[str, ...], interpret: bool = False) ->
 # of kernels_ws.py instead of the persistent GEMM; ``:xla_products`` / ``:gemm_products``: both backward products
 # on XLA's GEMMs / on ours (the default picks each by the tuning table); ``:tokens<N>`` (any N, a multiple of 128):
 # the "tokens" design in chunks of N tokens; ``:lean<N>`` (a multiple of 256): lean mode in chunks of N columns;
-# ``:shifted``: the stored tiles as logits shifted by their row max and a dz pass (not the exponentials).
+# ``:shifted``: the stored tiles as logits shifted by their row max and a dz pass (not the exponentials);
+# ``:lean_kernels_ws``: lean mode on the kernels of kernels_ws.py instead of the persistent GEMM.
 CONFIG_VARIANTS = {"pallas_triton:low_memory": ("pallas_triton", "PallasTritonConfig", {"low_memory": True}),
                    "triton:low_memory": ("triton", "TritonConfig", {"low_memory": True}),
                    "pallas_mosaic:logits": ("pallas_mosaic", "PallasMosaicConfig", {"fast_design": "logits"}),
@@ -230,7 +231,8 @@ CONFIG_VARIANTS = {"pallas_triton:low_memory": ("pallas_triton", "PallasTritonCo
                    "pallas_mosaic:kernels_ws": ("pallas_mosaic", "PallasMosaicConfig", {"gemm": False}),
                    "pallas_mosaic:xla_products": ("pallas_mosaic", "PallasMosaicConfig", {"products": "xla"}),
                    "pallas_mosaic:gemm_products": ("pallas_mosaic", "PallasMosaicConfig", {"products": "gemm"}),
-                   "pallas_mosaic:shifted": ("pallas_mosaic", "PallasMosaicConfig", {"stored": "shifted"})}
+                   "pallas_mosaic:shifted": ("pallas_mosaic", "PallasMosaicConfig", {"stored": "shifted"}),
+                   "pallas_mosaic:lean_kernels_ws": ("pallas_mosaic", "PallasMosaicConfig", {"gemm": False})}
 
 
 _TOKEN_CHUNK_VARIANT = re.compile(r"pallas_mosaic:tokens(\d+)")
@@ -258,7 +260,8 @@ def _config_variant(name: str, interpret: bool = False) -> Variant:
     config = getattr(lce_flax, cls)(**fields)
   except Exception as e:  # noqa: BLE001 - e.g. the backend's optional dependency is missing
     return Variant(impl, tag, None, 10, f"{type(e).__name__}: {e}")
-  return _lce_variant(impl, "lean" if "vocab_chunk" in fields else None, interpret, config=config, tag=tag)
+  lean = "vocab_chunk" in fields or tag.startswith("lean")
+  return _lce_variant(impl, "lean" if lean else None, interpret, config=config, tag=tag)
 
 
 def _plain_variant(name: str) -> Variant:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lce_flax import _math
 from lce_flax._impl.pallas_mosaic import gemm as G
 from lce_flax._impl.pallas_mosaic import tuning
 
@@ -262,6 +263,56 @@ def test_twin_prologue_dz_from_logits():
   assert _rel(out, ref) < 1e-2  # dz is rounded to bf16 before the MMA
 
 
+def _logit_grad_case(rng, z, cap, smoothing, bias_v=None):
+  """A :class:`G.LogitGrad` for the product ``z`` (float64 [m, n], bias not included) and its float64 output:
+  ``(coef·exp(zc - lse) - [col = label]·a - c)·(1 - (zc/cap)²)``, zero below each row's ``first`` column; labels
+  outside the columns, a row of zero coefficients (row 7), negative coefficients (any per-token cotangent)."""
+  m, n = z.shape
+  if bias_v is not None:
+    z = z + np.asarray(bias_v, np.float64)[None, :]
+  zc = cap * np.tanh(z / cap) if cap else z
+  lse = np.log(np.exp(zc).sum(1)) + rng.uniform(0, 2, m)  # (a shard's or chunk's columns: lse ≥ their own)
+  coef, aa = rng.uniform(-1.5, 1.5, m), rng.uniform(0.5, 1.5, m)
+  coef[7], aa[7] = 0.0, 0.0
+  c = smoothing / 1000 * aa
+  labels = rng.integers(-3, n + 40, m).astype(np.int32)  # some negative, some past n: no label column here
+  first = np.where(rng.uniform(size=m) < 0.5, 0, rng.integers(0, n, m)).astype(np.int32)
+  f32 = lambda v: jnp.asarray(v, jnp.float32)
+  opts = _math.LossSpec(vocab_size=1000, label_smoothing=smoothing, logit_softcap=cap)
+  part = G.LogitGrad(f32(lse), f32(coef), f32(aa), f32(c), jnp.asarray(labels), opts, first=jnp.asarray(first),
+                     bias=bias_v)
+  cols = np.arange(n)[None, :]
+  want = coef[:, None] * np.exp(zc - lse[:, None]) - np.where(cols == labels[:, None], aa[:, None], 0.0) - c[:, None]
+  want = want * ((1 - (zc / cap) ** 2) if cap else 1.0)
+  return part, np.where(cols >= first[:, None], want, 0.0)
+
+
+def _check_logit_grad(dz, part, want):
+  m, n = want.shape
+  assert dz.shape == (m, n) and dz.dtype == BF
+  got = _f64(dz)
+  np.testing.assert_array_equal(got[7], 0.0)  # zero coefficients: a row with no gradient
+  assert np.all(got[np.arange(n)[None, :].repeat(m, 0) < np.asarray(part.first)[:, None]] == 0)
+  assert np.abs(got - want).max() <= 2**-8 * np.abs(want).max()
+  assert _rel(dz, want) < 5e-3
+
+
+@pytest.mark.parametrize("layout", ["x.w", "x.wT"])
+@pytest.mark.parametrize("cap,bias,smoothing", [(None, False, 0.0), (5.0, True, 0.1)])
+def test_twin_logit_grad(cap, bias, smoothing, layout):
+  """``LogitGrad``: each tile's logit gradient formed in the epilogue and stored in bf16, against float64 NumPy
+  (:func:`_logit_grad_case`), ragged N, w either way round; rows of the wrong length are refused."""
+  rng = np.random.default_rng(17 + (cap is None))
+  tb = layout == "x.wT"
+  a_, b_, z = _operands(rng, (False, tb))
+  bias_v = jnp.asarray(rng.standard_normal(N), jnp.float32) if bias else None
+  part, want = _logit_grad_case(rng, z, cap, smoothing, bias_v)
+  _check_logit_grad(G.gemm(a_, b_, transpose_b=tb, epilogue=part, config=TWIN, interpret=True), part, want)
+  with pytest.raises(ValueError, match="LogitGrad: lse, coef"):
+    G.gemm(a_, b_, transpose_b=tb, epilogue=dataclasses.replace(part, coef=part.coef[:10]), config=TWIN,
+           interpret=True)
+
+
 def test_refusals():
   f32 = jnp.zeros((64, 64), jnp.float32)
   with pytest.raises(TypeError, match="bf16 or fp16"):
@@ -294,6 +345,10 @@ def _lower(f, *args):
 
 
 SDS = jax.ShapeDtypeStruct
+
+
+LOSS_ALL = _math.LossSpec(vocab_size=4096, label_smoothing=0.1, z_loss=1e-4, logit_softcap=30.0)
+LOSS_PLAIN = _math.LossSpec(vocab_size=4096)
 
 
 def _f32_stats(cfg):
@@ -344,6 +399,13 @@ def test_gpu_kernel_lowers_for_cuda(cfg):
       (lambda z, w, l, c, a, y: G.gemm(z, w, transpose_b=True, prologue=G.DzFromLogits(l, c, a, y),
                                        config=tuning.fit_role("dx_prologue", cfg)),
        SDS((m, n), BF), SDS((k, n), BF), vec, vec, vec, y),
+      # lean mode's recompute: the logit gradient formed in the epilogue (all options, a bias; w either way round)
+      (lambda a, b, l, y, bias: G.gemm(a, b, epilogue=G.LogitGrad(l, l, l, l, y, LOSS_ALL, first=y, bias=bias),
+                                       config=tuning.fit_role("lean_dz", cfg)),
+       SDS((m, k), BF), SDS((k, n), BF), vec, y, SDS((n,), jnp.float32)),
+      (lambda a, b, l, y: G.gemm(a, b, transpose_b=True, epilogue=G.LogitGrad(l, l, l, l, y, LOSS_PLAIN),
+                                 approx_math=True, config=tuning.fit_role("lean_dz", cfg)),
+       SDS((m, k), BF), SDS((n, k), BF), vec, y),
   ]
   for f, *args in cases:
     assert "mosaic_gpu" in _lower(f, *args)
@@ -366,6 +428,11 @@ def test_table_rows_of_the_op_products_lower_on_h100(monkeypatch):
         x, w, epilogue=G.RowStats(y, store=True, bias=bias, ref=r), role="fwd_store", approx_math=True), x, w, y, bias, sc)
     assert "mosaic_gpu" in _lower(lambda x, w, y: G.gemm(x, w, epilogue=G.RowStats(y), role="fwd_stats",
                                                          approx_math=True), x, w, y)
+    # lean mode's recompute of one vocabulary chunk (its columns copied out of w), a bias slice with it
+    wc, bc = SDS((h, 2048), BF), SDS((2048,), jnp.float32)
+    assert "mosaic_gpu" in _lower(lambda x, w, s, y, bias: G.gemm(
+        x, w, epilogue=G.LogitGrad(s, s, s, s, y, LOSS_PLAIN, first=y, bias=bias), role="lean_dz", approx_math=True),
+        x, wc, sc, y, bc)
   assert G.table_config("fwd_store", 16384, 50304, 768, BF).schedule == "pingpong_ws"
 
 
@@ -403,6 +470,9 @@ def test_smem_estimate_is_the_lowerings_count(cfg):
        (1088, n, m, True, False), (G.AddTo(c),), None),
       (lambda z, w, l, y: G.gemm(z, w, transpose_b=True, prologue=G.DzFromLogits(l, l, l, y), config=cfg),
        (z, wt, vec, y), (m, k, n, False, True), (G.Store(),), G.DzFromLogits(vec, vec, vec, y)),
+      (lambda a, b, l, y, bi: G.gemm(a, b, epilogue=G.LogitGrad(l, l, l, l, y, LOSS_ALL, first=y, bias=bi),
+                                     config=cfg), (a, b, vec, y, bias), (m, n, k, False, False),
+       (G.LogitGrad(vec, vec, vec, vec, y, LOSS_ALL, first=y, bias=bias),), None),
   ]
   for f, args, dims, parts, prologue in cases:
     if prologue is not None and (cfg.schedule != "cooperative" or cfg.mma_lag):
@@ -525,6 +595,10 @@ def test_gpu_hooks(base, n):
                config=_f32_stats(base))
   dz = _dz_ref(_f64(zl), _f64(lse), _f64(coef), _f64(coef), np.asarray(labels))
   assert _rel(out, dz @ _f64(w).T) < 1e-2
+  # lean mode's recompute: the logit gradient formed and stored by the LogitGrad epilogue (soft cap, smoothing, bias)
+  bias_v = jnp.asarray(rng.standard_normal(n), jnp.float32)
+  part, want = _logit_grad_case(rng, ref, 30.0, 0.1, bias_v)
+  _check_logit_grad(G.gemm(a, b, epilogue=part, config=tuning.fit_role("lean_dz", base)), part, want)
 
 
 @pytest.mark.gpu(min_cc=(9, 0))

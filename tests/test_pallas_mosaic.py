@@ -75,6 +75,51 @@ def test_configs(config, h, v):
   check(config=config, h=h, v=v, options=OPTIONS["smoothing"], bias=True, seed=5, batch_shape=(37,))
 
 
+# V = 640 = 5·128 (whole GEMM tiles): lean mode on the persistent GEMM, its backward in chunks of 256 columns (the
+# third clamped to end at V, its first 128 columns done by the second)
+LEAN_GEMM = Config(block_t=64, vocab_chunk=256)
+
+
+@pytest.mark.parametrize("opt,w_layout,bias,reduction", [("all", "hv", True, "mean"), ("plain", "vh", False, "none"),
+                                                          ("smoothing", "hv", False, "sum")])
+def test_lean_on_the_gemm(opt, w_layout, bias, reduction):
+  """Lean mode on the GEMM of gemm.py (V a multiple of its 128-column tile, H of 64): the forward's statistics
+  epilogue, and per vocabulary chunk the logit gradient recomputed by the LogitGrad epilogue, against the float64
+  oracle (per-token cotangents with ``reduction="none"``); explain() names both kernels."""
+  from lce_flax import explain
+
+  check(config=LEAN_GEMM, h=192, v=640, batch_shape=(3, 67), options=OPTIONS[opt], w_layout=w_layout, bias=bias,
+        reduction=reduction, where=True, seed=60 + len(opt))
+  sds = jax.ShapeDtypeStruct
+  d = explain(sds((201, 192), jnp.bfloat16), sds((192, 640), jnp.bfloat16), sds((201,), jnp.int32),
+              impl="pallas_mosaic", mode="lean", interpret=True, config=LEAN_GEMM)
+  assert d.config.gemm is not None and d.config.vocab_chunk == 256
+  assert any("lean kernels on the persistent GEMM" in n and "gemm[fwd_stats]" in n and "gemm[lean_dz]" in n
+             for n in d.notes), d.notes
+
+
+def test_lean_gemm_routing():
+  """Where the GEMM cannot read w as it is (V not a multiple of 128, or below one CTA tile), lean mode keeps the
+  kernels of kernels_ws.py / kernels.py and explain() says why; ``gemm=True`` there is an error, ``gemm=False``
+  keeps them anywhere."""
+  from lce_flax import explain
+
+  sds = jax.ShapeDtypeStruct
+  args = lambda v: (sds((1000, 512), jnp.bfloat16), sds((512, v), jnp.bfloat16), sds((1000,), jnp.int32))
+  d = explain(*args(2000), impl="pallas_mosaic", mode="lean")
+  assert d.config.gemm is None
+  assert any("kernels_ws.py" in n and "V a multiple of its 128-column tile" in n for n in d.notes), d.notes
+  # the GPU's warp-specialised kernels: a CTA tile is 2 × 128 columns
+  spec = common.Spec(_math.LossSpec(vocab_size=128), interpret=False)
+  d = pallas_mosaic.design(1000, 512, spec, jnp.bfloat16, "lean", None)
+  assert d.config.gemm is None and any("V=128 is below one CTA tile" in n for n in d.notes), d.notes
+  with pytest.raises(ValueError, match="gemm=True: H×V = 512×2000"):
+    explain(*args(2000), impl="pallas_mosaic", mode="lean", config=Config(gemm=True))
+  assert explain(*args(2048), impl="pallas_mosaic", mode="lean").config.gemm is not None
+  d = explain(*args(2048), impl="pallas_mosaic", mode="lean", config=Config(gemm=False))
+  assert d.config.gemm is None and any("gemm=False" in n for n in d.notes)
+
+
 def test_epilogue_math_matches_shared_math():
   """The register-tile forms of the loss math (broadcast_in_dim, no isfinite) equal _math's on random tiles."""
   rng = np.random.default_rng(0)

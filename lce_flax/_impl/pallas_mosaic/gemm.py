@@ -433,6 +433,82 @@ def merge_row_stats(stats, m: int) -> _math.RowStats:
   return _math.RowStats(top, (s * jnp.exp(mx - safe)).sum(axis=0), tgt.sum(axis=0), zs.sum(axis=0))
 
 
+@dataclasses.dataclass(frozen=True)
+class LogitGrad(Part):
+  """The logit gradient of each warpgroup tile, stored in the operands' dtype [M, N] (lean mode's recompute):
+  ``dz = (coef·exp(zc - lse) - [col = label]·a - c)`` times the soft cap's derivative, with ``zc`` the capped
+  logits (``bias`` float32 [N] added first) and the per-row ``lse``, ``coef``, ``a``, ``c`` float32 [M] of
+  :func:`lce_flax._impl.pallas_mosaic.epilogue.row_coefficients`; ``labels`` int32 [M] are column ids (anything
+  outside ``[0, N)``: no label column here). Columns below a row's ``first`` (int32 [M]; None: 0) are written as
+  zeros: the clamped last chunk of a vocabulary walk, whose first columns the chunk before it did. ``opts``: the
+  package's loss spec (``logit_softcap``, ``label_smoothing``). The epilogue is
+  :func:`.epilogue.dlogits_capped`, the formula of every other dz kernel of the package."""
+
+  lse: Any
+  coef: Any
+  a: Any
+  c: Any
+  labels: Any
+  opts: Any
+  first: Any = None
+  bias: Any = None
+
+  def inputs(self, prob, cfg):
+    mp = prob.rows_padded(cfg)
+    vecs = (self.lse, self.coef, self.a, self.c)
+    if any(v.shape != (prob.m,) for v in (*vecs, self.labels)) or (
+        self.first is not None and self.first.shape != (prob.m,)):
+      raise ValueError(f"LogitGrad: lse, coef, a, c, labels (and first) must be [{prob.m}] (one per output row), got "
+                       f"{[v.shape for v in (*vecs, self.labels, self.first) if v is not None]}")
+    # rows past M (a cluster's overhang): lse = +inf and zero coefficients give dz = 0 exactly
+    fills = (jnp.inf, 0.0, 0.0, 0.0)
+    f = jnp.stack([jnp.pad(v.astype(F32), (0, mp - prob.m), constant_values=fl) for v, fl in zip(vecs, fills)])
+    first = jnp.zeros((prob.m,), jnp.int32) if self.first is None else self.first
+    i = jnp.stack([jnp.pad(self.labels.astype(jnp.int32), (0, mp - prob.m), constant_values=-1),
+                   jnp.pad(first.astype(jnp.int32), (0, mp - prob.m))])
+    if self.bias is None:
+      return (f, i)
+    if self.bias.shape != (prob.n,):
+      raise ValueError(f"LogitGrad: bias must be [{prob.n}] (one per output column), got {self.bias.shape}")
+    return (f, i, jnp.pad(self.bias.astype(F32), (0, prob.col_tiles(cfg) * cfg.tile_n - prob.n)))
+
+  def out_types(self, prob, cfg):
+    return (jax.ShapeDtypeStruct((prob.m, prob.n), prob.dtype),)
+
+  def _copies(self) -> int:
+    return 6 + (self.bias is not None)  # one barrier per TMA copy: 4 float rows, 2 int rows, the bias tile
+
+  def smem(self, prob, cfg):
+    own = (plgpu.SMEM((prob.nwg, 4, cfg.tile_m), F32), plgpu.SMEM((prob.nwg, 2, cfg.tile_m), jnp.int32),
+           plgpu.Barrier(num_barriers=prob.nwg * self._copies()))
+    if self.bias is not None:
+      own += (plgpu.SMEM((prob.nwg, cfg.tile_n), F32),)
+    return own + Store().smem(prob, cfg)
+
+  def prefetch(self, t, ins, smem):
+    f, i = ins[:2]
+    f_smem, i_smem, bars = smem[:3]
+    pairs = [(f.at[q, t.rows], f_smem.at[t.g, q]) for q in range(4)]
+    pairs += [(i.at[q, t.rows], i_smem.at[t.g, q]) for q in range(2)]
+    if self.bias is not None:
+      pairs.append((ins[2].at[t.cols], smem[3].at[t.g]))
+    for q, (src, dst) in enumerate(pairs):
+      plgpu.copy_gmem_to_smem(src, dst, bars.at[self._copies() * t.g + q])
+
+  def apply(self, z, t, ins, outs, smem):
+    f_smem, i_smem, bars = smem[:3]
+    for q in range(self._copies()):
+      plgpu.barrier_wait(bars.at[self._copies() * t.g + q])
+    if self.bias is not None:
+      z = z + epilogue.bcast_cols(smem[3][t.g], z.shape)
+    zc = _math.softcap(z, self.opts.logit_softcap)
+    cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
+    row = lambda q: f_smem[t.g, q]
+    dz = epilogue.dlogits_capped(zc, cols, i_smem[t.g, 0], row(0), row(1), row(2), row(3), self.opts)
+    dz = jnp.where(cols >= epilogue.bcast_rows(i_smem[t.g, 1], z.shape), dz, 0.0)
+    _store_subtiles(dz, t, outs[0], smem[-1])
+
+
 # ------------------------------------------------------------------------------------------------ prologue
 
 

@@ -102,10 +102,12 @@ class Config:
     fast_design: the buffer ``mode="fast"`` spends: ``"logits"`` (the B×V shifted logits in the input dtype),
       ``"tokens"`` (a chunk of them and an H×V float32 dw), or None: the smaller of the two
       (:func:`fast_design`). Not read by the lean design.
-    gemm: the fast designs' forward on the persistent GEMM of :mod:`.gemm` (its statistics epilogue storing the
-      shifted tiles; tiling from the tuning table, :mod:`.tuning`) instead of the forward kernel of
-      :mod:`.kernels_ws`; None: yes where it applies (V a multiple of the GEMM's 128-column tile, H of 64, w
-      read in place), else no. Not read by the lean design.
+    gemm: the kernels on the persistent GEMM of :mod:`.gemm` (tiling from the tuning table, :mod:`.tuning`)
+      instead of those of :mod:`.kernels_ws` / :mod:`.kernels`: the fast designs' forward (its statistics
+      epilogue storing the tiles), and lean mode's forward (the statistics epilogue) and its per-chunk
+      recompute (:class:`.gemm.LogitGrad`: the logit gradient formed and stored in the epilogue); None: yes where
+      it applies (V a multiple of the GEMM's 128-column tile and at least one CTA tile, H of 64: w read in
+      place), else no.
     products: who forms the fast designs' backward products dx = dz·wᵀ and, in the "logits" design, dw = xᵀ·dz:
       ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS), both; None: in the
       "logits" design with the forward on the GEMM, each product on the GEMM unless the tuning table measured
@@ -152,7 +154,8 @@ class Plan:
   vocab_chunk: int | None = None  # lean: vocabulary columns per chunk (None in the fast designs)
   token_chunk: int | None = None  # "tokens": tokens per chunk (None otherwise)
   fast_design: str | None = None  # None: the lean design
-  gemm: GemmConfig | None = None  # fast designs: the forward on the GEMM of .gemm with this tiling (None: kernels_ws)
+  gemm: GemmConfig | None = None  # the kernels on the GEMM of .gemm with this tiling (None: kernels_ws / kernels)
+  stats_gemm: bool = False  # lean: the forward's statistics on the GEMM too (see lean_stats_on_gemm)
   products: tuple[str, str] | None = None  # fast designs: (dx, dw) each on "gemm" or "xla" (None: the lean design)
   stored: str | None = None  # fast designs: Config.stored as asked (None: where it applies; see stores_probs)
 
@@ -247,7 +250,10 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
     splits = min(splits, cdiv(vp, 2 * bv))
   tiles = Plan(bt, bv, bk, stages, splits, sem, ws)
   if mode == "fast":
-    tiles = dataclasses.replace(_with_gemm(tiles, c, tokens, hidden, vocab, interpret), stored=c.stored)
+    if c.products not in (None, *PRODUCTS):
+      raise ValueError(f"products={c.products!r} must be one of {PRODUCTS} (or None)")
+    tiles = dataclasses.replace(tiles, gemm=_gemm_config(c, "fwd_store", tokens, hidden, vocab, interpret, ws),
+                                stored=c.stored)
     # a token chunk asked for picks the design that has a token loop
     design = c.fast_design or ("tokens" if c.token_chunk is not None else fast_design(num_tokens, hidden, vocab))
     if design == "logits":
@@ -267,7 +273,33 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   if ws:
     chunk = cdiv(chunk, 2 * bv) * 2 * bv  # whole CTA tiles (2 warpgroups × block_v) per chunk
     chunk = min(chunk, (max(vp, 2 * bv) // (2 * bv)) * 2 * bv)
-  return dataclasses.replace(tiles, vocab_chunk=chunk)
+  p = dataclasses.replace(tiles, vocab_chunk=chunk,
+                          gemm=_gemm_config(c, "fwd_stats", tokens, hidden, vocab, interpret, ws))
+  return dataclasses.replace(p, stats_gemm=lean_stats_on_gemm(p, tokens, hidden, vocab))
+
+
+def _gemm_stats_bytes(cfg: GemmConfig, rows: int, vocab: int) -> int:
+  """Bytes of the GEMM's statistics output, 4 float32 per row and column tile (both in whole cluster tiles)."""
+  cm, cn = cfg.cluster_tile()
+  return 16 * cdiv(rows, cm) * cm * cdiv(vocab, cn) * (cn // cfg.tile_n)
+
+
+def _lean_backward_bytes(p: Plan, rows: int, hidden: int, itemsize: int = 2) -> int:
+  """Lean mode's backward buffers: dz [B, chunk], the float32 dx, the chunk of w and the chunk's dw product."""
+  return rows * p.vocab_chunk * itemsize + rows * hidden * 4 + 2 * hidden * p.vocab_chunk * itemsize
+
+
+def lean_stats_on_gemm(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: int = 2) -> bool:
+  """Whether lean mode's forward runs on the GEMM (else the forward kernel of kernels_ws.py, whose statistics are a
+  few float32 per row and split): its statistics, 4 float32 per row and 128-column tile, are dead before the
+  backward allocates, so they add nothing where they fit in the backward's buffers or in dw's output (written
+  only by the backward; XLA places them there). At gpt2-small's 16384×768×50304 neither holds (103 MB against
+  78 and 77 MB), and the forward kernel keeps lean mode within B·H·4 + 64 MB."""
+  if p.gemm is None:
+    return False
+  rows = cdiv(max(num_tokens, 1), p.block_t) * p.block_t
+  room = max(_lean_backward_bytes(p, rows, hidden, itemsize), hidden * vocab * itemsize)
+  return _gemm_stats_bytes(p.gemm, rows, vocab) <= room
 
 
 def lean_chunk(num_tokens: int, hidden: int, step: int) -> int:
@@ -301,21 +333,24 @@ def per_token_config(config: Config | None) -> Config | None:
   return dataclasses.replace(c, fast_design="logits")
 
 
-def _with_gemm(tiles: Plan, c: Config, num_tokens: int, hidden: int, vocab: int, interpret: bool) -> Plan:
-  """The fast forward on the GEMM of :mod:`.gemm` when it applies (see :attr:`Config.gemm`), with the tuning
-  table's tiling for this shape; ``products`` resolved."""
-  if c.products not in (None, *PRODUCTS):
-    raise ValueError(f"products={c.products!r} must be one of {PRODUCTS} (or None)")
-  cfg = None
-  if c.gemm is not False:
-    cfg = gemm_lib.table_config("fwd_store", num_tokens, vocab, hidden, jnp.bfloat16, interpret=interpret,
-                                epilogue=gemm_lib.RowStats(None, store=True, bias=jax.ShapeDtypeStruct((vocab,), F32)))
-    why = gemm_refusal(cfg, hidden, vocab)
-    if why is not None:
-      if c.gemm:
-        raise ValueError(f"gemm=True: {why}")
-      cfg = None
-  return dataclasses.replace(tiles, gemm=cfg)
+def _gemm_config(c: Config, role: str, tokens: int, hidden: int, vocab: int, interpret: bool, ws: bool
+                 ) -> GemmConfig | None:
+  """The tuning table's tiling of the forward on the GEMM of :mod:`.gemm` (``role``: "fwd_store", the fast
+  designs' forward storing its tiles; "fwd_stats", lean mode's) where it applies (see :attr:`Config.gemm`), else
+  None; ``gemm=True`` where it does not raises ``ValueError`` saying why."""
+  if c.gemm is False:
+    return None
+  bias = jax.ShapeDtypeStruct((vocab,), F32)
+  cfg = gemm_lib.table_config(role, tokens, vocab, hidden, jnp.bfloat16, interpret=interpret,
+                              epilogue=gemm_lib.RowStats(None, store=role == "fwd_store", bias=bias))
+  why = gemm_refusal(cfg, hidden, vocab)
+  if why is None and role == "fwd_stats" and vocab < cfg.tile_n * (2 if ws else 1):
+    why = f"V={vocab} is below one CTA tile of the kernels ({cfg.tile_n * (2 if ws else 1)} columns)"
+  if why is not None:
+    if c.gemm:
+      raise ValueError(f"gemm=True: {why}")
+    return None
+  return cfg
 
 
 def _products(p: Plan, c: Config, num_tokens: int, hidden: int, vocab: int) -> Plan:
@@ -396,7 +431,8 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
   included): the padded copies of x and w (when the shape needs them), the forward's partial stats, and
 
   * lean: dz (B·chunk·itemsize), the float32 dx (B·H·4: each chunk's product is added into it in place), two
-    [H, chunk] buffers (the chunk of w, should XLA copy it for cuBLAS, and the chunk's dw product);
+    [H, chunk] buffers (the chunk of w, should XLA copy it for cuBLAS, and the chunk's dw product), or, where
+    larger, the forward's partial statistics (dead by then);
   * "logits": the stored tiles, turned into dz in place (B·V·itemsize), their row maxima (B·⌈V/bv⌉·4), the
     bias column sums per row block, the backward's float32 dx product (B·H·4) and x scaled by the cotangent;
   * "tokens" (c tokens per chunk): the float32 dw (H·V·4), one chunk's stored tiles, maxima and bias sums
@@ -411,13 +447,15 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
   bp, hp = cdiv(num_tokens, bt) * bt, cdiv(hidden, bk) * bk
   mult = bv if p.fast_design else 64  # the stores need whole tiles; a bias pads to 64 columns (see prepare)
   vp = max(cdiv(vocab, mult) * mult, bv * (2 if p.warp_specialized else 1))
-  mem = 16 * p.num_splits * (2 if p.warp_specialized else 1) * bp + 2 * vp * 4  # stats; f32 bias and dbias
-  mem += CUBLAS_WORKSPACE
+  stats = 16 * p.num_splits * (2 if p.warp_specialized else 1) * bp  # the forward's partial statistics
+  mem = 2 * vp * 4 + CUBLAS_WORKSPACE  # float32 bias and dbias
   mem += bp * hp * itemsize if (bp, hp) != (num_tokens, hidden) else 0
   mem += 2 * hp * vp * itemsize if (hp, vp) != (hidden, vocab) else 0  # padded w and its padded gradient
   nvt = vp // bv if p.fast_design and not probs else 0
   if p.fast_design is None:
-    return mem + bp * p.vocab_chunk * itemsize + bp * hp * 4 + 2 * hp * p.vocab_chunk * itemsize
+    # on the GEMM the forward's statistics fit in the backward's buffers or dw's output (lean_stats_on_gemm)
+    return mem + max(0 if p.stats_gemm else stats, _lean_backward_bytes(p, bp, hp, itemsize))
+  mem += stats
   rows = bp if p.fast_design == "logits" else p.token_chunk
   sums = 0 if probs else rows // bt * vp * 4  # the dz pass's bias column sums per row block
   if probs:  # the reference logits' [B, REF_COLUMNS] float32 product; the recompute's dz and w chunks, should it run
@@ -457,7 +495,9 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
                  f"gradient) per call; H a multiple of {p.block_k} and V of {_v_multiple(p, spec.w_layout)} (at least "
                  f"{p.block_v * (2 if p.warp_specialized else 1)}) avoid it (with a bias V is padded to 64 columns)")
   probs = stores_probs(p, spec.opts, dtype)
-  if p.fast_design is not None:
+  if p.fast_design is None:
+    notes.append(_lean_note(p, num_tokens, hidden, vocab))
+  else:
     notes.extend(_gemm_notes(p, num_tokens, hidden, vocab, spec, probs))
     if probs:
       notes.append(f"the stored tiles are exp(zc - r), r each row's largest logit at the labels of {REF_COLUMNS} "
@@ -473,6 +513,23 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
   return common.Design("pallas_mosaic", mode, name, p, chunking,
                        memory_bytes(p, num_tokens, hidden, vocab, jnp.dtype(dtype).itemsize, probs),
                        notes=tuple(notes))
+
+
+def _lean_note(p: Plan, num_tokens: int, hidden: int, vocab: int) -> str:
+  """explain()'s line on lean mode's kernels."""
+  if p.gemm is None:
+    cta = tuning.DEFAULT.tile_n * (2 if p.warp_specialized else 1)
+    why = gemm_refusal(tuning.DEFAULT, hidden, vocab) or (
+        f"V={vocab} is below one CTA tile" if vocab < cta else "gemm=False")
+    return (f"lean kernels: the forward and dz kernels of kernels_ws.py / kernels.py ({why}); dx and dw of each "
+            "chunk by XLA (cuBLAS)")
+  kind, rows = gemm_lib._device_kind(), cdiv(max(num_tokens, 1), p.block_t) * p.block_t
+  fwd = (f"the forward with the statistics epilogue, {tuning.describe('fwd_stats', rows, vocab, hidden, kind)}"
+         if p.stats_gemm else "the forward on the kernel of kernels_ws.py (the GEMM's statistics, 4 float32 per row "
+         "and 128-column tile, would exceed lean mode's memory here)")
+  return (f"lean kernels on the persistent GEMM (lce_flax/_impl/pallas_mosaic/gemm.py): {fwd}; each chunk's logit "
+          f"gradient recomputed with the LogitGrad epilogue, "
+          f"{tuning.describe('lean_dz', rows, p.vocab_chunk, hidden, kind)}; dx and dw of each chunk by XLA (cuBLAS)")
 
 
 def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.Spec, probs: bool) -> list[str]:
@@ -551,11 +608,24 @@ def prepare(x, w, bias, labels, spec: common.Spec, p: Plan, store: bool = False)
   return x, w, bias, labels, d
 
 
+def _in_place(d: kernels.Dims, x, w, spec: common.Spec):
+  """Checks that a plan on the GEMM reads x and w as they are: the GEMM's statistics count every column of w."""
+  h, v = x.shape[1], common.vocab_size(w, spec.w_layout)
+  if (d.h, d.vp) != (h, v):
+    raise ValueError(f"pallas_mosaic: a plan on the GEMM for H×V = {h}×{v}, which its kernels would pad to "
+                     f"{d.h}×{d.vp} (plan with this call's own shapes: lce_flax.explain)")
+
+
 def _stats(x, w, bias, labels, spec, p) -> _math.RowStats:
   b = x.shape[0]
   xp, wp, bp, yp, d = prepare(x, w, bias, labels, spec, p)
-  st, _ = run_forward(xp, wp, bp, yp, d, p, spec.opts)
-  return _math.RowStats(*(a[:b] for a in st))
+  if not p.stats_gemm:
+    st, _ = run_forward(xp, wp, bp, yp, d, p, spec.opts)
+    return _math.RowStats(*(a[:b] for a in st))
+  _in_place(d, x, w, spec)
+  st = gemm_lib.gemm(xp, wp, transpose_b=d.w_layout == "vh", config=p.gemm, interpret=d.interpret,
+                     approx_math=epilogue.approx_exp(spec.opts), epilogue=gemm_lib.RowStats(yp, spec.opts, bias=bp))
+  return gemm_lib.merge_row_stats(st, b)
 
 
 def _chunk(k, vp: int, cw: int):
@@ -580,13 +650,19 @@ def _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   coef, a, c = (jnp.pad(t, (0, pad)) for t in (coef, a, c))
   cw = p.vocab_chunk
   dz_chunk = kernels_ws.dz_chunk_ws if p.warp_specialized else kernels.dz_chunk
+  if p.gemm is not None:
+    _in_place(d, x, w, spec)
 
   def dz_of(start, lo):
     w_c = common.slice_vocab(wp, start, cw, spec.w_layout)
     b_c = None if bp is None else lax.dynamic_slice_in_dim(bp, start, cw)
     local = jnp.where(yp >= 0, yp - start, -1)  # chunk-local target column (-1: none)
     first = jnp.full(yp.shape, lo, jnp.int32)  # (a row vector: the kernels fetch per-row values only)
-    return dz_chunk(xp, w_c, b_c, local, first, lse_p, coef, a, c, d, p, opts), w_c
+    if p.gemm is None:
+      return dz_chunk(xp, w_c, b_c, local, first, lse_p, coef, a, c, d, p, opts), w_c
+    part = gemm_lib.LogitGrad(lse_p, coef, a, c, local, opts, first=first, bias=b_c)
+    return gemm_lib.gemm(xp, w_c, transpose_b=d.w_layout == "vh", epilogue=part, role="lean_dz",
+                         interpret=d.interpret, approx_math=epilogue.approx_exp(opts)), w_c
 
   return xp, wp, bp, d, dz_of
 

@@ -7,7 +7,8 @@ GPU and read once. :func:`select_config` picks the row at trace time; :func:`des
 
 Roles: the bare products ``fwd`` (x·w), ``dx`` (dz·wᵀ), ``dw`` (xᵀ·dz, bf16 out), and with their loss work
 ``fwd_stats`` (statistics epilogue), ``fwd_store`` (statistics + stored logits), ``dx_prologue`` (dz formed in the
-prologue), ``dw_acc`` (xᵀ·dz + C in float32); ``plain`` for anything else. Shape bucket: ``(M, N, K)`` rounded
+prologue), ``dw_acc`` (xᵀ·dz + C in float32), ``lean_dz`` (lean mode's recompute of a vocabulary chunk, its
+logit gradient formed and stored in the epilogue); ``plain`` for anything else. Shape bucket: ``(M, N, K)`` rounded
 to powers of two; the row nearest in log-distance serves a shape. A role with loss work and no row of its own
 takes its bare product's row (:func:`fit_role` makes it fit the hooks' SMEM), then (``plain`` too) the nearest row
 of any bare product of the device, then :data:`DEFAULT`. A row's config names its schedule (``"schedule"``:
@@ -143,14 +144,14 @@ def _pick(rows, m: int, n: int, k: int):
 
 
 # roles with loss work run on their bare product's row, adjusted to fit their extra shared memory
-BASE_ROLE = {"fwd_stats": "fwd", "fwd_store": "fwd", "dx_prologue": "dx", "dw_acc": "dw"}
+BASE_ROLE = {"fwd_stats": "fwd", "fwd_store": "fwd", "lean_dz": "fwd", "dx_prologue": "dx", "dw_acc": "dw"}
 
 
 def fit_role(role: str, cfg: GemmConfig) -> GemmConfig:
   """A bare product's config made to fit the extra SMEM of ``role``'s hooks (227 KB in all): the stored bf16
   tiles next to the statistics or the prologue's vectors take half-width sub-tiles; a float32 ``+C`` output one
   stage fewer (and, under the ping-pong schedules, whose operand rings already take 192 KB, half-width sub-tiles)."""
-  if role in ("fwd_store", "dx_prologue"):
+  if role in ("fwd_store", "lean_dz", "dx_prologue"):
     return dataclasses.replace(cfg, epi_n=min(cfg.epi_n, 32))
   if role == "dw_acc":
     if cfg.schedule == "cooperative":
