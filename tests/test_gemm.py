@@ -425,7 +425,8 @@ def test_table_rows_of_the_op_products_lower_on_h100(monkeypatch):
     # the forwards (gpt2-small's rows are the clustered ping-pong), with the op's hooks: a bias, a reference row
     y, bias = SDS((b,), jnp.int32), SDS((v,), jnp.float32)
     assert "mosaic_gpu" in _lower(lambda x, w, y, bias, r: G.gemm(
-        x, w, epilogue=G.RowStats(y, store=True, bias=bias, ref=r), role="fwd_store", approx_math=True), x, w, y, bias, sc)
+        x, w, epilogue=G.RowStats(y, store=True, bias=bias, ref=r), role="fwd_store", approx_math=True),
+        x, w, y, bias, sc)
     assert "mosaic_gpu" in _lower(lambda x, w, y: G.gemm(x, w, epilogue=G.RowStats(y), role="fwd_stats",
                                                          approx_math=True), x, w, y)
     # lean mode's recompute of one vocabulary chunk (its columns copied out of w), a bias slice with it
