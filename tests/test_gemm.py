@@ -509,6 +509,24 @@ def test_select_config():
         got.validate()
 
 
+def test_a_kind_without_rows_takes_those_of_its_chip(monkeypatch):
+  """The H200 (GH100, as the H100) takes the H100's rows where it has none of its own, its own where it has them,
+  and explain()'s line says whose rows it runs; another chip takes the default."""
+  row = lambda tile_n: {"bucket": [8192, 131072, 4096], "shape": [8192, 128256, 4096],
+                        "config": {"tile_m": 128, "tile_n": tile_n, "cluster": "n"},
+                        "vs_xla": {"ours_ms": 9.0, "xla_ms": 8.0}}
+  table = {"nvidia h100 80gb hbm3": {"fwd": [row(128)], "dx": [row(128)]}}
+  monkeypatch.setattr(tuning, "load_table", lambda: table)
+  got, src = tuning.select_row("fwd", 8192, 128256, 4096, "NVIDIA H200")
+  assert got.cluster == "n" and src == ("table: nvidia h100 80gb hbm3/fwd/8192x131072x4096, the same chip as "
+                                        "NVIDIA H200")
+  assert "the same chip as NVIDIA H200" in tuning.xla_faster("dx", 8192, 128256, 4096, "NVIDIA H200")
+  assert tuning.select_config("fwd", 8192, 128256, 4096, "NVIDIA A100-SXM4-80GB") == tuning.DEFAULT
+  table["nvidia h200"] = {"fwd": [row(192)]}
+  got, src = tuning.select_row("fwd", 8192, 128256, 4096, "NVIDIA H200")
+  assert got.tile_n == 192 and src == "table: nvidia h200/fwd/8192x131072x4096"
+
+
 def test_table_row_picks_the_schedule(monkeypatch):
   """A table row's config names its schedule; the roles with loss work fit it to their SMEM, and it lowers."""
   row = {"bucket": [1024, 2048, 512], "shape": [1000, 2112, 576],

@@ -13,7 +13,8 @@ to powers of two; the row nearest in log-distance serves a shape. A role with lo
 takes its bare product's row (:func:`fit_role` makes it fit the hooks' SMEM), then (``plain`` too) the nearest row
 of any bare product of the device, then :data:`DEFAULT`. A row's config names its schedule (``"schedule"``:
 ``cooperative`` when absent, ``pingpong`` or ``pingpong_ws``; ``benchmarks/bench_gemm.py --schedules`` writes rows
-for the faster one).
+for the faster one). A device kind with no rows of its own takes those of a kind of the same chip (the H200 the
+H100's: :func:`device_rows`), and :func:`describe` says so.
 """
 
 from __future__ import annotations
@@ -137,6 +138,31 @@ def load_table() -> dict:
   return {_norm_kind(kind): roles for kind, roles in raw.get("devices", {}).items()}
 
 
+# Device kinds that are one chip: the H100 and H200 are both GH100 (SM90, 227 KB of shared memory per block), the
+# H200 with more and faster HBM. A kind with no rows of its own takes those of a kind of the same chip.
+CHIPS = (("h100", "h200", "gh200"),)
+
+
+def device_rows(device_kind: str) -> tuple[dict, str]:
+  """``({role: rows}, the kind they were measured on)`` for ``device_kind``: its own rows, else those of a kind of
+  the same chip (:data:`CHIPS`), else none."""
+  table, kind = load_table(), _norm_kind(device_kind)
+  if kind in table:
+    return table[kind], kind
+  for marks in CHIPS:
+    if any(mk in kind for mk in marks):
+      for other in sorted(table):
+        if any(mk in other for mk in marks):
+          return table[other], other
+  return {}, kind
+
+
+def _source(device_kind: str, measured_on: str, role: str, row) -> str:
+  b = "x".join(str(x) for x in row["bucket"])
+  same = "" if measured_on == _norm_kind(device_kind) else f", the same chip as {device_kind}"
+  return f"table: {measured_on}/{role}/{b}{same}"
+
+
 def _pick(rows, m: int, n: int, k: int):
   """The (role, row) of ``rows`` whose bucket is nearest to (m, n, k) in log-distance."""
   want = [math.log2(d) for d in bucket(m, n, k)]
@@ -164,16 +190,15 @@ def fit_role(role: str, cfg: GemmConfig) -> GemmConfig:
 
 def select_row(role: str, m: int, n: int, k: int, device_kind: str) -> tuple[GemmConfig, str]:
   """The chosen config and where it came from (``"table: <kind>/<role>/<bucket>"`` or ``"default"``)."""
-  table = load_table().get(_norm_kind(device_kind), {})
+  table, measured_on = device_rows(device_kind)
   bare = [(r, row) for r in ("fwd", "dx", "dw") for row in table.get(r, ())]
   for tier in (role, BASE_ROLE.get(role, role), "bare"):
     rows = bare if tier == "bare" else [(tier, row) for row in table.get(tier, ())]
     if not rows:
       continue
     r, row = _pick(rows, m, n, k)
-    b = "x".join(str(x) for x in row["bucket"])
     cfg = GemmConfig(**row["config"])
-    return (cfg if r == role else fit_role(role, cfg)), f"table: {device_kind}/{r}/{b}"
+    return (cfg if r == role else fit_role(role, cfg)), _source(device_kind, measured_on, r, row)
   return fit_role(role, DEFAULT), "default"
 
 
@@ -185,15 +210,16 @@ XLA_MARGIN = 1.03
 def xla_faster(role: str, m: int, n: int, k: int, device_kind: str) -> str | None:
   """For a bare product (``dx`` or ``dw``): why XLA's GEMM runs it instead of ours at this shape (its table row's
   ``vs_xla`` times, ours over XLA's above :data:`XLA_MARGIN`), else None (ours; also where no row has them)."""
-  rows = [(role, row) for row in load_table().get(_norm_kind(device_kind), {}).get(role, ())]
+  table, measured_on = device_rows(device_kind)
+  rows = [(role, row) for row in table.get(role, ())]
   if not rows:
     return None
   _, row = _pick(rows, m, n, k)
   t = row.get("vs_xla")
   if not t or t["ours_ms"] <= XLA_MARGIN * t["xla_ms"]:
     return None
-  b = "x".join(str(x) for x in row["bucket"])
-  return f"{role} {m}x{n}x{k} on XLA: {t['xla_ms']:.2f} vs {t['ours_ms']:.2f} ms ours (table: {device_kind}/{role}/{b})"
+  return (f"{role} {m}x{n}x{k} on XLA: {t['xla_ms']:.2f} vs {t['ours_ms']:.2f} ms ours "
+          f"({_source(device_kind, measured_on, role, row)})")
 
 
 def select_config(role: str, m: int, n: int, k: int, device_kind: str) -> GemmConfig:
