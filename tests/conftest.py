@@ -1,6 +1,8 @@
 """Test-wide setup: 8 simulated CPU devices (for the mesh tests), set before JAX initialises its backends; and the
 one place GPU tests are skipped. ``@pytest.mark.gpu`` runs a test only where the default backend is a GPU;
-``gpu(min_cc=(9, 0))`` also needs that compute capability, ``gpu(needs="jax_triton")`` that module."""
+``gpu(min_cc=(9, 0))`` also needs that compute capability, ``gpu(needs="jax_triton")`` that module;
+``gpu(long=True)`` marks a test at an LLM shape (a minute or more): collected first, so that pytest-xdist's workers
+start the longest tests first and the run ends without a long tail (``benchmarks/gpu_check.sh``)."""
 
 import importlib.util
 import os
@@ -26,9 +28,15 @@ def _why_not(marker) -> str | None:
   return None
 
 
+def _long(item) -> bool:
+  marker = item.get_closest_marker("gpu")
+  return marker is not None and bool(marker.kwargs.get("long"))
+
+
 def pytest_collection_modifyitems(config, items):
   del config
   for item in items:
     marker = item.get_closest_marker("gpu")
     if marker is not None and (why := _why_not(marker)) is not None:
       item.add_marker(pytest.mark.skip(reason=why))
+  items.sort(key=lambda item: not _long(item))  # (stable: the rest keep their order)

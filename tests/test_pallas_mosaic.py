@@ -538,7 +538,7 @@ def test_supported_and_plan():
     Config(fp32_inputs="bf16")  # gone: float32 inputs are refused, dtype=jnp.bfloat16 rounds them
 
 
-@pytest.mark.gpu(min_cc=(9, 0))
+@pytest.mark.gpu(min_cc=(9, 0), long=True)
 @pytest.mark.parametrize("mode", ["fast", "lean"])
 @pytest.mark.parametrize("w_layout", ["vh", "hv"])
 def test_gpu_llama3_against_xla(w_layout, mode):

@@ -129,7 +129,7 @@ def test_plan_heuristic():
 # ------------------------------------------------------------------------------------------------ GPU, LLM shape
 
 
-@pytest.mark.gpu(min_cc=(8, 0))
+@pytest.mark.gpu(min_cc=(8, 0), long=True)
 def test_llama3_8b_shape():
   check_llama3_8b("pallas_triton")
 

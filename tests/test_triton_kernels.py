@@ -129,6 +129,6 @@ def test_configs_ragged(config):
         bias=True, seed=5)
 
 
-@pytest.mark.gpu(min_cc=(8, 0), needs="jax_triton")
+@pytest.mark.gpu(min_cc=(8, 0), needs="jax_triton", long=True)
 def test_llama3_8b_shape():
   check_llama3_8b("triton")
