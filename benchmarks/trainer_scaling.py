@@ -13,6 +13,10 @@ no evaluation or sampling, and records the median step time, tokens/s per device
 compiled step's peak and temporaries; on a GPU the allocator's peak). Weak-scaling efficiency is t(1) / t(k) of the
 same head. ``--max-batch`` also runs the trainer's ``--find-max-batch`` on each mesh (the largest batch each head fits).
 
+``--ks`` and ``--meshes`` pick some of the runs, so that one measurement can be spread over several jobs;
+``--previous FILE`` (repeatable) takes the rows of earlier jobs' ``trainer_scaling.json`` (same preset and
+per-device batch), runs none of their (k, mesh, head) again and counts them in the weak-scaling ratios.
+
 ``--schedule`` compiles the fused head's step on the largest data-parallel mesh in this process and reads the
 compiled HLO's entry schedule: for each asynchronous all-reduce (``all-reduce-start`` … ``all-reduce-done``) its
 shape and how many instructions the schedule places between its start and its done (the work it can overlap); a
@@ -98,6 +102,30 @@ def schedule_rows(argv: list[str], k: int) -> dict:
           "note": None if found else "no asynchronous all-reduce in this backend's compiled step"}
 
 
+def weak_scaling(rows: list[dict]) -> list[dict]:
+  """Each row with ``weak_scaling`` = t(1) / t(k), t(1) the step time of its head on one device (None where either
+  is missing)."""
+  base = {r["head"]: r["step_time_s"] for r in rows if r["k"] == 1 and r.get("step_time_s")}
+  out = []
+  for r in rows:
+    t1 = base.get(r["head"])
+    out.append({**r, "weak_scaling": round(t1 / r["step_time_s"], 4) if t1 and r.get("step_time_s") else None})
+  return out
+
+
+def previous_rows(paths: list[str], preset: str, per_device_batch: int) -> list[dict]:
+  """The rows of earlier jobs' ``trainer_scaling.json``; each file must be of the same preset and per-device batch."""
+  rows = []
+  for path in paths:
+    with open(path) as f:
+      prev = json.load(f)
+    if (prev.get("preset"), prev.get("per_device_batch")) != (preset, per_device_batch):
+      raise SystemExit(f"--previous {path}: preset {prev.get('preset')!r}, per-device batch "
+                       f"{prev.get('per_device_batch')}; this run: {preset!r}, {per_device_batch}")
+    rows += [{**r, "from": os.path.basename(os.path.dirname(os.path.abspath(path))) or path} for r in prev["rows"]]
+  return rows
+
+
 def write(out: str, meta: dict, rows: list, sched: dict | None):
   with open(os.path.join(out, "trainer_scaling.json"), "w") as f:
     json.dump({**meta, "rows": rows, "schedule": sched}, f, indent=1)
@@ -110,6 +138,11 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=6)
   ap.add_argument("--heads", default="fused,plain")
   ap.add_argument("--max-devices", type=int, default=None)
+  ap.add_argument("--ks", default=None, help="comma-separated device counts to run (default: 1, 2, 4, ... up to "
+                  "the visible devices)")
+  ap.add_argument("--meshes", default="data,fsdp,tensor", help="comma-separated mesh kinds to run")
+  ap.add_argument("--previous", action="append", default=[], help="trainer_scaling.json of an earlier job (its "
+                  "rows are not run again and enter the weak-scaling ratios); repeatable")
   ap.add_argument("--max-batch", action="store_true", help="also --find-max-batch on each mesh")
   ap.add_argument("--max-batch-limit", type=int, default=None, help="--find-max-batch stops doubling here "
                   "(default: the preset's)")
@@ -121,6 +154,12 @@ def main(argv=None) -> int:
   os.makedirs(a.out, exist_ok=True)
   n = min(jax.device_count(), a.max_devices or jax.device_count())
   ks = [k for k in (1, 2, 4, 8, 16) if k <= n]
+  if a.ks:
+    want = [int(k) for k in a.ks.split(",")]
+    if any(k > n for k in want):
+      raise SystemExit(f"--ks {a.ks}: this process sees {n} device(s)")
+    ks = want
+  kinds = a.meshes.split(",")
   common = ["--preset", a.preset, "--steps", str(a.steps), "--eval-every", "0", "--eval-batches", "1",
             "--sample-tokens", "0", "--bench-steps", "3", *(SMALL if a.small else [])]
   dev = jax.devices()[0]
@@ -128,10 +167,13 @@ def main(argv=None) -> int:
           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
           "commit": os.environ.get("LCE_FLAX_COMMIT"), "command": " ".join(sys.argv),
           "per_device_batch": a.per_device_batch, "preset": a.preset}
-  rows = []
+  rows = previous_rows(a.previous, a.preset, a.per_device_batch)
+  done = {(r["k"], r["mesh"], r["head"]) for r in rows}
   for k in ks:
     for mesh_name, mesh in meshes(k).items():
       for head in a.heads.split(","):
+        if mesh_name not in kinds or (k, mesh, head) in done:
+          continue
         sub = os.path.join(a.out, f"{k}dev_{mesh_name}_{head}")
         res = run_trainer([*common, "--loss", head, "--only-this-head", "--num-devices", str(k), "--mesh", mesh,
                            "--batch-size", str(a.per_device_batch * k)], sub, a.timeout_s)
@@ -151,11 +193,8 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
         write(a.out, meta, rows, None)  # (so far: a run cut short keeps what it measured)
-  base = {r["head"]: r["step_time_s"] for r in rows if r["k"] == 1 and r["step_time_s"]}
-  for r in rows:
-    t1 = base.get(r["head"])
-    r["weak_scaling"] = round(t1 / r["step_time_s"], 4) if t1 and r["step_time_s"] else None
-  sched = schedule_rows(common, ks[-1]) if a.schedule and ks[-1] > 1 else None
+  rows = weak_scaling(rows)
+  sched = schedule_rows(common, max(ks)) if a.schedule and max(ks) > 1 else None
   write(a.out, meta, rows, sched)
   print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} {'peak GB':>8}")
   for r in rows:

@@ -274,3 +274,23 @@ ENTRY %main (p0: f32[4], p1: bf16[1024,512]) -> f32[4] {
   assert schedule(hlo.replace("all-reduce-done(bf16", "copy(bf16"))[0]["between"] is None
   assert meshes(1) == {"data": "data=1"}
   assert meshes(4) == {"data": "data=4", "fsdp": "fsdp=4", "tensor": "data=2,tensor=2"}
+
+
+def test_trainer_scaling_joins_earlier_jobs(tmp_path):
+  """benchmarks/trainer_scaling.py: rows of an earlier job (same preset and per-device batch) are taken as done and
+  enter the weak-scaling ratios t(1)/t(k) of their head; a job of another per-device batch is refused."""
+  import json
+
+  from benchmarks.trainer_scaling import previous_rows, weak_scaling
+
+  row = lambda k, head, t: {"k": k, "mesh": f"data={k}", "head": head, "step_time_s": t, "error": None}
+  job = tmp_path / "job1"
+  job.mkdir()
+  (job / "trainer_scaling.json").write_text(json.dumps(
+      {"preset": "gpu", "per_device_batch": 8, "rows": [row(1, "fused", 0.10), row(1, "plain", 0.12)]}))
+  prev = previous_rows([str(job / "trainer_scaling.json")], "gpu", 8)
+  assert [(r["k"], r["head"], r["from"]) for r in prev] == [(1, "fused", "job1"), (1, "plain", "job1")]
+  got = weak_scaling(prev + [row(4, "fused", 0.104), row(4, "plain", None)])
+  assert [r["weak_scaling"] for r in got] == [1.0, 1.0, round(0.10 / 0.104, 4), None]
+  with pytest.raises(SystemExit, match="per-device batch 8"):
+    previous_rows([str(job / "trainer_scaling.json")], "gpu", 16)
