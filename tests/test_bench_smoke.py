@@ -294,3 +294,22 @@ def test_trainer_scaling_joins_earlier_jobs(tmp_path):
   assert [r["weak_scaling"] for r in got] == [1.0, 1.0, round(0.10 / 0.104, 4), None]
   with pytest.raises(SystemExit, match="per-device batch 8"):
     previous_rows([str(job / "trainer_scaling.json")], "gpu", 16)
+
+
+def test_bench_lean_runs_each_kernel_and_checks_it(tmp_path, monkeypatch):
+  """benchmarks/bench_lean.py in interpret mode at a tiny head: the chunk's recompute on the GEMM equals the
+  kernels_ws design's, every contender is timed, and the sweep writes a tuning row of the table's format."""
+  import json
+
+  from benchmarks import bench_lean
+
+  monkeypatch.setenv("SWEEP_N", "1")  # (one config of the sweep's grid beside the table's)
+  assert bench_lean.main(["--interpret", "--shapes", "tiny", "--rounds", "1", "--sweep", "--out", str(tmp_path)]) == 0
+  rows = json.loads((tmp_path / "bench_lean.json").read_text())["rows"]
+  check, chunk, sweep = rows
+  assert check["kind"] == "check" and check["lean_dz_vs_kernels_ws_rel_err"] < 1e-2
+  assert set(chunk["ms"]) == {"xla", "gemm", "lean_dz", "kernels_ws"} and "gemm[lean_dz] 128x512x64" in chunk[
+      "lean_dz_config"]
+  assert sweep["best"] in sweep["ms"] and sweep["best"] != "xla"
+  (row,) = json.loads((tmp_path / "lean_dz_rows.json").read_text())["lean_dz"]
+  assert row["shape"] == [128, 512, 64] and set(row["vs_xla"]) == {"ours_ms", "xla_ms"}

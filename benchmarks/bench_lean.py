@@ -1,0 +1,151 @@
+"""Lean mode's recompute of one vocabulary chunk, per kernel, at the four LLM heads; and a sweep for its tuning rows.
+
+Lean mode (``impl="pallas_mosaic"``, ``mode="lean"``) walks the vocabulary in chunks of ``vocab_chunk`` columns
+(``op.lean_chunk``: the most that keep its buffers within B·H·4 + 64 MB) and recomputes each chunk's logit gradient
+``dz`` [B, chunk] before XLA's two products. For one chunk of each head (B × chunk × H), timed in alternation (median
+of ``--rounds`` rounds of 10-run medians, bf16):
+
+  xla        jnp.dot(x, w_chunk): the bare product, bf16 out (what the recompute cannot beat by much)
+  gemm       our GEMM's bare product at the chunk's shape (the tuning table's ``fwd`` row)
+  lean_dz    the op's recompute on the GEMM: the ``LogitGrad`` epilogue, the table's ``lean_dz`` row
+  kernels_ws the recompute on the dz kernel of ``kernels_ws.py`` (``PallasMosaicConfig(gemm=False)``)
+
+and, with ``--sweep``, ``lean_dz`` on each config of a grid (the warpgroup split, the 2-CTA cluster and its
+direction, the snake's order and width); the fastest per head goes into ``lean_dz_rows.json`` in the table's
+format, with its time against XLA's bare product (``vs_xla``), to be merged into
+``lce_flax/_impl/pallas_mosaic/gemm_tuning.json`` under this device's kind. Every kernel's dz is checked against
+the kernels_ws one on the same inputs (``check`` rows).
+
+    python -m benchmarks.bench_lean [--shapes llama3-8b,...] [--rounds 3] [--sweep] [--out DIR]
+    python -m benchmarks.bench_lean --interpret --shapes tiny --rounds 1     # a CPU check of the harness
+
+Writes ``DIR/bench_lean.json`` (device, versions, date, rows) and prints one JSON line per row. BUDGET_S (default
+400): no new work starts past it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_gemm import interleaved, sweep_configs  # noqa: E402
+from lce_flax import _math  # noqa: E402
+from lce_flax._impl import common  # noqa: E402
+from lce_flax._impl.pallas_mosaic import Config, op, tuning  # noqa: E402
+from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
+
+SHAPES = {"gpt2-small": (16384, 768, 50304), "llama3-8b": (8192, 4096, 128256),
+          "qwen3-8b": (4096, 4096, 151936), "gemma2-2b": (8192, 2304, 256000), "tiny": (128, 64, 512)}
+
+
+def chunk_inputs(b: int, h: int, v: int, interpret: bool):
+  """x, w, labels, the rows' lse, the loss spec and the two lean plans (GEMM, kernels_ws) of one head."""
+  k = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k[0], (b, h), jnp.float32).astype(jnp.bfloat16)
+  w = (0.02 * jax.random.normal(k[1], (h, v), jnp.float32)).astype(jnp.bfloat16)
+  y = jax.random.randint(k[2], (b,), 0, v, jnp.int32)
+  lse = jnp.full((b,), jnp.log(v) + 0.5, jnp.float32)
+  spec = common.Spec(_math.LossSpec(vocab_size=v), "hv", interpret)
+  plans = {"lean_dz": op.plan(b, h, v, None, interpret, "lean"),
+           "kernels_ws": op.plan(b, h, v, Config(gemm=False), interpret, "lean")}
+  return x, w, y, lse, spec, plans
+
+
+def dz_fn(x, w, y, lse, spec, plan):
+  """A jitted call of one chunk's recompute (the op's own ``dz_of``, the chunk at column 0)."""
+  g = jnp.ones(y.shape, jnp.float32)
+
+  def f(x, w, y, lse):
+    _, _, _, _, dz_of = op._dz_chunks(x, w, None, y, lse, g, jnp.zeros_like(g), spec, plan)
+    return dz_of(0, 0)[0]
+
+  return jax.jit(f)
+
+
+def lean_dz_with(cfg, spec):
+  """The chunk's recompute on the GEMM with ``cfg`` (the LogitGrad part as the op builds it)."""
+  def f(x, w_c, y, lse):
+    coef, a, c = (jnp.ones_like(lse), jnp.ones_like(lse), jnp.zeros_like(lse))
+    part = G.LogitGrad(lse, coef, a, c, y, spec.opts)
+    return G.gemm(x, w_c, epilogue=part, config=cfg, interpret=spec.interpret)
+  return jax.jit(f)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--shapes", default="gpt2-small,llama3-8b,qwen3-8b,gemma2-2b")
+  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--interpret", action="store_true")
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_lean"))
+  a = ap.parse_args(argv)
+  os.makedirs(a.out, exist_ok=True)
+  budget, t0 = float(os.environ.get("BUDGET_S", "400")), time.time()
+  kind = G._device_kind()
+  meta = {"device": kind, "jax": jax.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(
+      timespec="minutes"), "command": " ".join(sys.argv), "rounds": a.rounds}
+  rows, table = [], []
+
+  def emit(**r):
+    rows.append(r)
+    print(json.dumps(r), flush=True)
+    with open(os.path.join(a.out, "bench_lean.json"), "w") as f:
+      json.dump({**meta, "rows": rows}, f, indent=1)
+
+  for name in a.shapes.split(","):
+    if time.time() - t0 > budget:
+      emit(shape=name, skipped="past BUDGET_S")
+      continue
+    b, h, v = SHAPES[name]
+    x, w, y, lse, spec, plans = chunk_inputs(b, h, v, a.interpret)
+    cw = plans["lean_dz"].vocab_chunk
+    w_c = w[:, :cw]
+    y_c = jnp.where(y < cw, y, -1)
+    mnk = (b, cw, h)
+    fns = {"xla": (jax.jit(jnp.dot), (x, w_c)),
+           "gemm": (jax.jit(lambda x, w: G.gemm(x, w, role="fwd", interpret=a.interpret)), (x, w_c)),
+           "lean_dz": (dz_fn(x, w, y, lse, spec, plans["lean_dz"]), (x, w, y, lse)),
+           "kernels_ws": (dz_fn(x, w, y, lse, spec, plans["kernels_ws"]), (x, w, y, lse))}
+    outs = {k: f(*args) for k, (f, args) in fns.items() if k in ("lean_dz", "kernels_ws")}
+    err = float(jnp.linalg.norm(outs["lean_dz"].astype(jnp.float32) - outs["kernels_ws"].astype(jnp.float32))
+                / jnp.linalg.norm(outs["kernels_ws"].astype(jnp.float32)))
+    emit(kind="check", shape=name, chunk=cw, lean_dz_vs_kernels_ws_rel_err=err)
+    t = interleaved(fns, rounds=a.rounds)
+    flops = 2 * b * cw * h
+    emit(kind="chunk", shape=name, mnk=list(mnk), chunks=-(-v // cw),
+         lean_dz_config=tuning.describe("lean_dz", *mnk, kind),
+         ms={k: round(val, 4) for k, val in t.items()},
+         tflops={k: round(flops / val / 1e9, 1) for k, val in t.items()},
+         lean_dz_vs_xla=round(t["xla"] / t["lean_dz"], 3),
+         lean_dz_vs_kernels_ws=round(t["kernels_ws"] / t["lean_dz"], 3))
+    if not a.sweep:
+      continue
+    cands = {"table": plans["lean_dz"].gemm and tuning.select_config("lean_dz", *mnk, kind)}
+    cands.update({c.short(): tuning.fit_role("lean_dz", c) for c in sweep_configs("fwd")})
+    fns = {"xla": (jax.jit(jnp.dot), (x, w_c))}
+    for tag, cfg in cands.items():
+      if cfg is not None and time.time() - t0 < budget:
+        fns[tag] = (lean_dz_with(cfg, spec), (x, w_c, y_c, lse))
+    t = interleaved(fns, rounds=a.rounds)
+    best = min((k for k in t if k != "xla"), key=t.get)
+    emit(kind="sweep", shape=name, mnk=list(mnk), ms={k: round(val, 4) for k, val in t.items()}, best=best)
+    cfg = cands[best]
+    table.append({"bucket": list(tuning.bucket(*mnk)), "shape": list(mnk), "config": dataclasses.asdict(cfg),
+                  "vs_xla": {"ours_ms": round(t[best], 4), "xla_ms": round(t["xla"], 4)}})
+    with open(os.path.join(a.out, "lean_dz_rows.json"), "w") as f:
+      json.dump({"device": kind, "date": meta["date"], "lean_dz": table}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
