@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the docs promise on a GPU, in one run of at most 9 minutes on one H100 (16 CPU cores): run it before
+# Everything the docs promise on a GPU, in one run of at most 9.5 minutes on one H100 (16 CPU cores): run it before
 # submitting any kernel change, and commit its log under benchmarks/results/.
 #
 #   benchmarks/gpu_check.sh [LOG]      LOG: a file, or a folder for gpu-check-<date>.log
@@ -12,7 +12,7 @@
 #    with one GPU, the Multi-GPU block (and tests/test_readme.py, if present) on 8 simulated CPU devices;
 # 3. every `-m gpu` test, with pytest-xdist (-n 4) on the one GPU: XLA_PYTHON_CLIENT_PREALLOCATE=false and a memory
 #    fraction per worker, so that the four workers compile in parallel on the CPU cores and share the GPU's memory;
-#    the slowest tests are listed (--durations). It gets the time left of GPU_CHECK_SECONDS (default 530);
+#    the slowest tests are listed (--durations). It gets the time left of GPU_CHECK_SECONDS (default 570);
 # 4. with 2 or more GPUs: the trainer's fused step compiled on a data-parallel mesh of 2 against one GPU at the same
 #    per-device batch (temporary bytes per device; they should be equal).
 # Each section has a time limit; the log ends with one line per section and the script exits non-zero if any failed.
@@ -150,7 +150,7 @@ readme() {  # on the GPU (blocks whose mesh needs 2 devices left out on one), th
 export -f readme readme_blocks
 section "README code blocks" 90 readme
 
-# 3. The GPU tests, in the time left of the 9 minutes (less 15 s for the summary, and a minute for section 4 where
+# 3. The GPU tests, in the time left of the 9.5 minutes (less 15 s for the summary, and a minute for section 4 where
 #    it runs): four workers on one GPU, each allowed 22% of its memory, allocating as they go. A run cut short prints
 #    what ran and the slowest.
 # The client-stack tests (tests/test_integrations_<client>.py) are CPU tests with no gpu mark; where their client is
@@ -162,7 +162,7 @@ for pair in tunix:tunix kauldron:gemma; do  # test file's client : the module it
     IGNORE+=("--ignore=$f"); echo "gpu tests: $f left out ($mod is not installed here; it has no gpu tests)"
   fi
 done
-left=$(( ${GPU_CHECK_SECONDS:-530} - SECONDS - (NGPU >= 2 ? 75 : 15) ))
+left=$(( ${GPU_CHECK_SECONDS:-570} - SECONDS - (NGPU >= 2 ? 75 : 15) ))
 section "gpu tests (pytest -m gpu -n 4)" "$(( left > 60 ? left : 60 ))" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.22 "$PY" -m pytest -m gpu -n 4 -q -rfEs -p no:cacheprovider --durations=15 "${IGNORE[@]}" tests
 
