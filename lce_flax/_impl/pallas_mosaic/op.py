@@ -29,9 +29,11 @@ Forward (O(B) output)
 
 Backward (recompute, bounded memory)
   ``jax.custom_vjp`` keeps x, w, bias, labels and the [B] lse. The vocabulary is walked in chunks of
-  ``vocab_chunk`` columns; per chunk one persistent Mosaic kernel (a CTA per SM looping over the chunk's tiles)
-  recomputes the chunk's logit tiles and writes the logit gradient ``dz`` [B, chunk] in the input dtype (its
-  epilogue is the factored form of :func:`lce_flax._math.dlogits`, see :func:`.epilogue.row_coefficients`), then
+  ``vocab_chunk`` columns; per chunk one persistent Mosaic kernel (a CTA per SM looping over the chunk's tiles:
+  the GEMM of :mod:`.gemm` with its :class:`.gemm.LogitGrad` epilogue where it reads w as it is, see
+  :attr:`Config.gemm`, else the dz kernel of :mod:`.kernels_ws`) recomputes the chunk's logit tiles and writes the
+  logit gradient ``dz`` [B, chunk] in the input dtype (its epilogue is the factored form of
+  :func:`lce_flax._math.dlogits`, see :func:`.epilogue.row_coefficients`), then
   two XLA matmuls give ``dw[chunk] += xᵀ dz`` (into zeros: complete after one chunk) and ``dx += dz wᵀ[chunk]``
   (float32 accumulator); dz is zero in the clamped last chunk's columns that the chunk before did.
   FLOPs 2·B·H·V (forward) + 2·B·H·V (recompute) + 4·B·H·V (gradients) = 8·B·H·V.
