@@ -98,6 +98,38 @@ def test_lean_on_the_gemm(opt, w_layout, bias, reduction):
              for n in d.notes), d.notes
 
 
+def test_lean_on_the_gemm_for_a_vocabulary_shard():
+  """The backend protocol's halves on one shard of a vocabulary split two ways (what the vocab-parallel head runs on
+  each device), on the GEMM: shard-local labels (a label held by the other shard is ``columns``, matching no column
+  here), the statistics of the shard's columns, and with the *global* lse the shard's exact dw and its part of dx,
+  against float64 NumPy; chunks of 256 of the 384 columns, the second clamped."""
+  rng = np.random.default_rng(71)
+  b, h, cols = 150, 128, 384
+  x64, w64 = rng.standard_normal((b, h)), 0.1 * rng.standard_normal((h, 2 * cols))
+  x, w = jnp.asarray(x64, jnp.bfloat16), jnp.asarray(w64, jnp.bfloat16)
+  x64, w64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w))
+  labels = rng.integers(0, 2 * cols, b)
+  labels[:7] = -1  # ignored
+  z = x64 @ w64
+  lse = np.log(np.exp(z).sum(1))
+  local = np.where(labels < 0, -1, np.where(labels >= cols, labels - cols, cols))  # the second shard's view
+  spec = common.Spec(_math.LossSpec(vocab_size=2 * cols), "hv", interpret=True)
+  plan = op.plan(b, h, cols, LEAN_GEMM, interpret=True, mode="lean")
+  assert plan.gemm is not None and plan.stats_gemm and plan.vocab_chunk == 256
+  ws, zs, y = w[:, cols:], z[:, cols:], jnp.asarray(local, jnp.int32)
+  st = pallas_mosaic.stats(x, ws, None, y, spec, plan)
+  np.testing.assert_allclose(np.asarray(st.m) + np.log(np.asarray(st.s)), np.log(np.exp(zs).sum(1)), rtol=1e-5)
+  here = (local >= 0) & (local < cols)
+  np.testing.assert_allclose(np.asarray(st.target), np.where(here, zs[np.arange(b), np.minimum(local, cols - 1)], 0),
+                             rtol=1e-5, atol=1e-5)
+  g = jnp.asarray(rng.uniform(0.5, 1.5, b), jnp.float32)
+  dx, dw, _ = pallas_mosaic.grads(x, ws, None, y, jnp.asarray(lse, jnp.float32), g, jnp.zeros_like(g), spec, plan)
+  gn = np.where(labels >= 0, np.asarray(g, np.float64), 0.0)
+  dz = gn[:, None] * np.exp(zs - lse[:, None])
+  dz[np.flatnonzero(here), local[here]] -= gn[here]
+  assert rel_err(dw, x64.T @ dz) < 1e-2 and rel_err(dx, dz @ w64[:, cols:].T) < 1e-2
+
+
 def test_lean_gemm_routing():
   """Where the GEMM cannot read w as it is (V not a multiple of 128, or below one CTA tile), lean mode keeps the
   kernels of kernels_ws.py / kernels.py and explain() says why; ``gemm=True`` there is an error, ``gemm=False``
