@@ -3,7 +3,8 @@
 Lean mode (``impl="pallas_mosaic"``, ``mode="lean"``) walks the vocabulary in chunks of ``vocab_chunk`` columns
 (``op.lean_chunk``: the most that keep its buffers within B·H·4 + 64 MB) and recomputes each chunk's logit gradient
 ``dz`` [B, chunk] before XLA's two products. For one chunk of each head (B × chunk × H), timed in alternation (median
-of ``--rounds`` rounds of 10-run medians, bf16):
+of ``--rounds`` rounds of 10-run medians of a jitted loop over 8 of the head's chunks, divided by 8: the op's own
+loop has no dispatch between chunks, and a chunk takes only ~0.1–0.4 ms; bf16):
 
   xla        jnp.dot(x, w_chunk): the bare product, bf16 out (what the recompute cannot beat by much)
   gemm       our GEMM's bare product at the chunk's shape (the tuning table's ``fwd`` row)
@@ -35,6 +36,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,6 +46,7 @@ from lce_flax._impl import common  # noqa: E402
 from lce_flax._impl.pallas_mosaic import Config, op, tuning  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 
+LOOP = 8  # chunks timed in one jitted loop (each contender over the same columns)
 SHAPES = {"gpt2-small": (16384, 768, 50304), "llama3-8b": (8192, 4096, 128256),
           "qwen3-8b": (4096, 4096, 151936), "gemma2-2b": (8192, 2304, 256000), "tiny": (128, 64, 512)}
 
@@ -61,24 +64,40 @@ def chunk_inputs(b: int, h: int, v: int, interpret: bool):
   return x, w, y, lse, spec, plans
 
 
-def dz_fn(x, w, y, lse, spec, plan):
-  """A jitted call of one chunk's recompute (the op's own ``dz_of``, the chunk at column 0)."""
-  g = jnp.ones(y.shape, jnp.float32)
+def looped(chunk_call, n: int, cw: int):
+  """One jitted loop over ``n`` chunks at columns 0, cw, 2·cw, ...: ``chunk_call(start, *args)`` each (as the op's
+  own loop runs them: no dispatch between chunks, so a chunk's time is the loop's over n)."""
+  def f(*args):
+    out = jax.eval_shape(lambda: chunk_call(0, *args))
+    return lax.fori_loop(0, n, lambda k, _: chunk_call(k * cw, *args), jnp.zeros(out.shape, out.dtype))
+  return jax.jit(f)
 
-  def f(x, w, y, lse):
+
+def op_recompute(spec, plan):
+  """``chunk_call`` of the op's own recompute (``dz_of`` of :func:`.op._dz_chunks`) under ``plan``."""
+  def call(start, x, w, y, lse):
+    g = jnp.ones(y.shape, jnp.float32)
     _, _, _, _, dz_of = op._dz_chunks(x, w, None, y, lse, g, jnp.zeros_like(g), spec, plan)
-    return dz_of(0, 0)[0]
+    return dz_of(start, 0)[0]
+  return call
 
-  return jax.jit(f)
 
-
-def lean_dz_with(cfg, spec):
-  """The chunk's recompute on the GEMM with ``cfg`` (the LogitGrad part as the op builds it)."""
-  def f(x, w_c, y, lse):
+def logit_grad_with(cfg, spec, cw: int):
+  """``chunk_call`` of the recompute on the GEMM with ``cfg`` (the LogitGrad part as the op builds it)."""
+  def call(start, x, w, y, lse):
     coef, a, c = (jnp.ones_like(lse), jnp.ones_like(lse), jnp.zeros_like(lse))
-    part = G.LogitGrad(lse, coef, a, c, y, spec.opts)
-    return G.gemm(x, w_c, epilogue=part, config=cfg, interpret=spec.interpret)
-  return jax.jit(f)
+    part = G.LogitGrad(lse, coef, a, c, y - start, spec.opts)
+    return G.gemm(x, lax.dynamic_slice_in_dim(w, start, cw, 1), epilogue=part, config=cfg,
+                  interpret=spec.interpret)
+  return call
+
+
+def bare(cw: int, ours: bool, interpret: bool):
+  """``chunk_call`` of the chunk's bare product: XLA's, or our GEMM's (the table's ``fwd`` row)."""
+  def call(start, x, w, *_):
+    w_c = lax.dynamic_slice_in_dim(w, start, cw, 1)
+    return G.gemm(x, w_c, role="fwd", interpret=interpret) if ours else jnp.dot(x, w_c)
+  return call
 
 
 def main(argv=None) -> int:
@@ -109,20 +128,20 @@ def main(argv=None) -> int:
     b, h, v = SHAPES[name]
     x, w, y, lse, spec, plans = chunk_inputs(b, h, v, a.interpret)
     cw = plans["lean_dz"].vocab_chunk
-    w_c = w[:, :cw]
-    y_c = jnp.where(y < cw, y, -1)
+    n = min(LOOP, v // cw)
     mnk = (b, cw, h)
-    fns = {"xla": (jax.jit(jnp.dot), (x, w_c)),
-           "gemm": (jax.jit(lambda x, w: G.gemm(x, w, role="fwd", interpret=a.interpret)), (x, w_c)),
-           "lean_dz": (dz_fn(x, w, y, lse, spec, plans["lean_dz"]), (x, w, y, lse)),
-           "kernels_ws": (dz_fn(x, w, y, lse, spec, plans["kernels_ws"]), (x, w, y, lse))}
-    outs = {k: f(*args) for k, (f, args) in fns.items() if k in ("lean_dz", "kernels_ws")}
+    args = (x, w, y, lse)
+    fns = {"xla": (looped(bare(cw, False, a.interpret), n, cw), args),
+           "gemm": (looped(bare(cw, True, a.interpret), n, cw), args),
+           "lean_dz": (looped(op_recompute(spec, plans["lean_dz"]), n, cw), args),
+           "kernels_ws": (looped(op_recompute(spec, plans["kernels_ws"]), n, cw), args)}
+    outs = {k: fns[k][0](*args) for k in ("lean_dz", "kernels_ws")}  # (the last chunk's dz)
     err = float(jnp.linalg.norm(outs["lean_dz"].astype(jnp.float32) - outs["kernels_ws"].astype(jnp.float32))
                 / jnp.linalg.norm(outs["kernels_ws"].astype(jnp.float32)))
     emit(kind="check", shape=name, chunk=cw, lean_dz_vs_kernels_ws_rel_err=err)
-    t = interleaved(fns, rounds=a.rounds)
+    t = {k: val / n for k, val in interleaved(fns, rounds=a.rounds).items()}  # (per chunk)
     flops = 2 * b * cw * h
-    emit(kind="chunk", shape=name, mnk=list(mnk), chunks=-(-v // cw),
+    emit(kind="chunk", shape=name, mnk=list(mnk), chunks=-(-v // cw), chunks_timed=n,
          lean_dz_config=tuning.describe("lean_dz", *mnk, kind),
          ms={k: round(val, 4) for k, val in t.items()},
          tflops={k: round(flops / val / 1e9, 1) for k, val in t.items()},
@@ -132,11 +151,11 @@ def main(argv=None) -> int:
       continue
     cands = {"table": plans["lean_dz"].gemm and tuning.select_config("lean_dz", *mnk, kind)}
     cands.update({c.short(): tuning.fit_role("lean_dz", c) for c in sweep_configs("fwd")})
-    fns = {"xla": (jax.jit(jnp.dot), (x, w_c))}
+    fns = {"xla": fns["xla"]}
     for tag, cfg in cands.items():
       if cfg is not None and time.time() - t0 < budget:
-        fns[tag] = (lean_dz_with(cfg, spec), (x, w_c, y_c, lse))
-    t = interleaved(fns, rounds=a.rounds)
+        fns[tag] = (looped(logit_grad_with(cfg, spec, cw), n, cw), args)
+    t = {k: val / n for k, val in interleaved(fns, rounds=a.rounds).items()}
     best = min((k for k in t if k != "xla"), key=t.get)
     emit(kind="sweep", shape=name, mnk=list(mnk), ms={k: round(val, 4) for k, val in t.items()}, best=best)
     cfg = cands[best]
