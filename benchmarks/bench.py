@@ -260,8 +260,8 @@ def _config_variant(name: str, interpret: bool = False) -> Variant:
     config = getattr(lce_flax, cls)(**fields)
   except Exception as e:  # noqa: BLE001 - e.g. the backend's optional dependency is missing
     return Variant(impl, tag, None, 10, f"{type(e).__name__}: {e}")
-  lean = "vocab_chunk" in fields or tag.startswith("lean")
-  return _lce_variant(impl, "lean" if lean else None, interpret, config=config, tag=tag)
+  # (":lean<N>" and ":lean_kernels_ws" are lean mode's rows)
+  return _lce_variant(impl, "lean" if tag.startswith("lean") else None, interpret, config=config, tag=tag)
 
 
 def _plain_variant(name: str) -> Variant:

@@ -335,6 +335,11 @@ def per_token_config(config: Config | None) -> Config | None:
   return dataclasses.replace(c, fast_design="logits")
 
 
+def _lean_min_vocab(cfg: GemmConfig, ws: bool) -> int:
+  """Lean mode's least V on the GEMM: one CTA tile of its kernels (the padding of :func:`prepare` below it)."""
+  return cfg.tile_n * (2 if ws else 1)
+
+
 def _gemm_config(c: Config, role: str, tokens: int, hidden: int, vocab: int, interpret: bool, ws: bool
                  ) -> GemmConfig | None:
   """The tuning table's tiling of the forward on the GEMM of :mod:`.gemm` (``role``: "fwd_store", the fast
@@ -345,9 +350,7 @@ def _gemm_config(c: Config, role: str, tokens: int, hidden: int, vocab: int, int
   bias = jax.ShapeDtypeStruct((vocab,), F32)
   cfg = gemm_lib.table_config(role, tokens, vocab, hidden, jnp.bfloat16, interpret=interpret,
                               epilogue=gemm_lib.RowStats(None, store=role == "fwd_store", bias=bias))
-  why = gemm_refusal(cfg, hidden, vocab)
-  if why is None and role == "fwd_stats" and vocab < cfg.tile_n * (2 if ws else 1):
-    why = f"V={vocab} is below one CTA tile of the kernels ({cfg.tile_n * (2 if ws else 1)} columns)"
+  why = gemm_refusal(cfg, hidden, vocab, _lean_min_vocab(cfg, ws) if role == "fwd_stats" else 0)
   if why is not None:
     if c.gemm:
       raise ValueError(f"gemm=True: {why}")
@@ -400,11 +403,14 @@ def stores_probs(p: Plan, opts, dtype) -> bool:
   return p.fast_design is not None and shifted_reason(p, opts, dtype) is None
 
 
-def gemm_refusal(cfg: GemmConfig, hidden: int, vocab: int) -> str | None:
-  """Why the fast forward cannot run on the GEMM of :mod:`.gemm` at this shape (None: it can)."""
+def gemm_refusal(cfg: GemmConfig, hidden: int, vocab: int, min_vocab: int = 0) -> str | None:
+  """Why the kernels cannot run on the GEMM of :mod:`.gemm` at this shape (None: they can). ``min_vocab``: the
+  columns the design's other kernels need at least (lean mode's: one CTA tile, else :func:`prepare` pads w)."""
   if vocab % cfg.tile_n or hidden % 64:
     return (f"H×V = {hidden}×{vocab}: the GEMM forward needs V a multiple of its {cfg.tile_n}-column tile (whole "
             "stored tiles, no copy of w) and H of 64")
+  if vocab < min_vocab:
+    return f"V={vocab} is below one CTA tile of the kernels ({min_vocab} columns)"
   return None
 
 
@@ -520,9 +526,8 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
 def _lean_note(p: Plan, num_tokens: int, hidden: int, vocab: int) -> str:
   """explain()'s line on lean mode's kernels."""
   if p.gemm is None:
-    cta = tuning.DEFAULT.tile_n * (2 if p.warp_specialized else 1)
-    why = gemm_refusal(tuning.DEFAULT, hidden, vocab) or (
-        f"V={vocab} is below one CTA tile" if vocab < cta else "gemm=False")
+    cfg = tuning.DEFAULT
+    why = gemm_refusal(cfg, hidden, vocab, _lean_min_vocab(cfg, p.warp_specialized)) or "gemm=False"
     return (f"lean kernels: the forward and dz kernels of kernels_ws.py / kernels.py ({why}); dx and dw of each "
             "chunk by XLA (cuBLAS)")
   kind, rows = gemm_lib._device_kind(), cdiv(max(num_tokens, 1), p.block_t) * p.block_t
