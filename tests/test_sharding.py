@@ -535,6 +535,43 @@ def test_gpu_auto_path_is_custom_partitioned(monkeypatch, impl, wspec):
   assert "CustomSPMDPartitioning" in targets and not any(GPU_KERNEL_TARGETS[impl] in t for t in targets), targets
 
 
+MOSAIC_CFG = {"logits": dict(fast_design="logits"), "tokens": dict(fast_design="tokens", token_chunk=256, gemm=True)}
+
+
+@pytest.mark.parametrize("impl, mode, design, reduction", [
+    ("pallas_mosaic", "fast", "logits", "mean"), ("pallas_mosaic", "fast", "tokens", "mean"),
+    ("pallas_mosaic", "fast", "logits", "none"), ("pallas_mosaic", "lean", None, "mean"),
+    ("pallas_triton", "lean", None, "mean"), ("pallas_triton", "lean", None, "none")])
+def test_gpu_data_parallel_step_traces(monkeypatch, impl, mode, design, reduction):
+  """A data-parallel training step as the example trainer runs it (w replicated, tokens split over 2 devices,
+  bias, ignored tokens, soft cap), lowered for CUDA with the H100's tuning rows: every partitioned primitive's
+  global body traces without constants (a NumPy array formed at trace time becomes one, and custom_partitioning
+  refuses it: this failed on GPUs while the lean-only lowering tests above passed)."""
+  from lce_flax._impl.pallas_mosaic import fast, gemm
+  from lce_flax._impl.pallas_mosaic import op as mosaic_op
+  _as_gpu(monkeypatch, impl)
+  monkeypatch.setattr(gemm, "_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+  monkeypatch.setattr(fast, "_note_fallback", lambda: None)  # (a host callback lowers only for the host's platform)
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
+  tok = NamedSharding(mesh, P("data"))
+  b, h, v = 512, 128, 1024
+  xs = jax.ShapeDtypeStruct((b, h), jnp.bfloat16, sharding=tok)
+  ws = jax.ShapeDtypeStruct((h, v), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  bs = jax.ShapeDtypeStruct((v,), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  ys = jax.ShapeDtypeStruct((b,), jnp.int32, sharding=tok)
+  cfg = mosaic_op.Config(**MOSAIC_CFG[design]) if design else None
+  kw = dict(impl=impl, interpret=False, mode=mode, reduction=reduction, logit_softcap=30.0, config=cfg)
+
+  def loss(x, w, bias, y):
+    out = linear_cross_entropy(x, w, y, bias=bias, where=y != 7, **kw)
+    return out.sum() if reduction == "none" else out
+
+  with jax.set_mesh(mesh):
+    text = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(xs, ws, bs, ys).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "CustomSPMDPartitioning" in text
+
+
 def _per_shard_cuda_lines(options, b: int, h: int, v: int, vocab: tuple) -> list[str]:
   """The per-shard body of the op's gradients (``_partition._shard_map``, tokens over data × fsdp, w's H over fsdp
   and V over ``vocab``) on a bf16 [b, h] x and [h, v] w, lowered for an abstract 2×2×2 H100 mesh: its lines."""

@@ -35,7 +35,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -115,7 +114,10 @@ def _reference(xp, wp, bp, yp, layout: str, opts, v: int):
   llama3-8b on an H100, ``benchmarks/probe_fast_parts.py``). Rows whose lse lies too far above it take the
   recompute backward (:func:`_grads_from_probs`)."""
   rows = yp.shape[0]
-  picks = jnp.asarray(np.linspace(0, rows - 1, min(REF_COLUMNS, rows)).round().astype(np.int32))
+  n = min(REF_COLUMNS, rows)
+  # (evenly spaced, formed by traced ops: a NumPy array here would be a constant of the traced function, which a
+  # custom_partitioning primitive refuses, so the multi-device path would fail to trace)
+  picks = jnp.round(lax.iota(F32, n) * ((rows - 1) / max(n - 1, 1))).astype(jnp.int32)
   col = yp[picks]
   col = jnp.where((col >= 0) & (col < v), col, 0)
   ws = jnp.take(wp, col, axis=1 if layout == "hv" else 0)
