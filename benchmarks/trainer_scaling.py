@@ -17,10 +17,10 @@ same head. ``--max-batch`` also runs the trainer's ``--find-max-batch`` on each 
 ``--previous FILE`` (repeatable) takes the rows of earlier jobs' ``trainer_scaling.json`` (same preset and
 per-device batch), runs none of their (k, mesh, head) again and counts them in the weak-scaling ratios.
 
-``--schedule`` compiles the fused head's step on the largest data-parallel mesh in this process and reads the
-compiled HLO's entry schedule: for each asynchronous all-reduce (``all-reduce-start`` … ``all-reduce-done``) its
-shape and how many instructions the schedule places between its start and its done (the work it can overlap); a
-backend without asynchronous collectives (the CPU) says so.
+``--schedule`` compiles the fused head's step on the largest data-parallel mesh in this process (its HLO kept as
+``DIR/step_data{k}.hlo.txt.gz``) and reads the compiled HLO's entry schedule: for each asynchronous all-reduce
+(``all-reduce-start`` … ``all-reduce-done``) its shape and how many instructions the schedule places between its
+start and its done (the work it can overlap); a backend without asynchronous collectives (the CPU) says so.
 
 Writes ``DIR/trainer_scaling.json`` (device, n_devices, versions, date, commit, rows) and prints a table.
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import os
 import re
@@ -87,8 +88,9 @@ def schedule(text: str) -> list[dict]:
   return rows
 
 
-def schedule_rows(argv: list[str], k: int) -> dict:
-  """The fused head's step on data = k, compiled here; its async all-reduces (see :func:`schedule`)."""
+def schedule_rows(argv: list[str], k: int, out: str | None = None) -> dict:
+  """The fused head's step on data = k, compiled here; its async all-reduces (see :func:`schedule`). With ``out``,
+  the compiled HLO goes to ``out/step_data{k}.hlo.txt.gz``."""
   sys.path.insert(0, ROOT)
   from examples.lm import main as lm_main  # noqa: PLC0415
   from examples.lm.train import compile_step, trainer_from_args  # noqa: PLC0415
@@ -96,6 +98,9 @@ def schedule_rows(argv: list[str], k: int) -> dict:
   args = lm_main.parse_args([*argv, "--mesh", f"data={k}", "--num-devices", str(k)])
   tr = trainer_from_args(args, "fused")
   text = compile_step(tr, tr.abstract_state(args.seed), args.seq_len).as_text()
+  if out:
+    with gzip.open(os.path.join(out, f"step_data{k}.hlo.txt.gz"), "wt") as f:
+      f.write(text)
   found = schedule(text)
   sync = len(re.findall(r" all-reduce\(", text))
   return {"mesh": f"data={k}", "async_all_reduces": found, "sync_all_reduces": sync,
@@ -194,7 +199,7 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
         write(a.out, meta, rows, None)  # (so far: a run cut short keeps what it measured)
   rows = weak_scaling(rows)
-  sched = schedule_rows(common, max(ks)) if a.schedule and max(ks) > 1 else None
+  sched = schedule_rows(common, max(ks), a.out) if a.schedule and max(ks) > 1 else None
   write(a.out, meta, rows, sched)
   print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} {'peak GB':>8}")
   for r in rows:

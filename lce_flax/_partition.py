@@ -42,6 +42,10 @@ partitioner, by returning the wanted ``arg_shardings`` from :func:`_partition`):
 * ``w``'s V dim (and ``bias``) over mesh axes not used by the tokens or by H (vocab parallel): each device runs
   the vocab-parallel head (:mod:`lce_flax._impl.vocab_parallel`) on its columns — the backend's own kernels for
   the lean design, row statistics combined across those axes, dx psum'd; dw and dbias stay split like w.
+
+x and w enter the primitives in the op's compute dtype (``LossOptions.dtype``) where it is narrower than theirs
+(:func:`narrow`): a head of float32 parameters computing in bf16 then gathers w and reduces dw in bf16, as
+``nn.Dense(dtype=bf16)`` does, and the cast's transpose hands back float32 gradients.
 """
 
 from __future__ import annotations
@@ -79,6 +83,21 @@ class Layout:
   tok: tuple[str, ...]
   wh: tuple[str, ...]
   v: tuple[str, ...] = ()
+
+
+def narrow(x, w, opts: LossOptions):
+  """``x`` and ``w`` cast to ``opts.dtype`` where it is narrower than theirs (a float32 parameter of a bf16 head).
+
+  Each device casts them before its matmuls anyway; casting before the primitives makes what crosses devices (the
+  FSDP gather of w, dw's reduction over the token axes) move in that dtype, half the bytes of float32. Each
+  device's dw is rounded to it before the sum instead of after (the sum of n shards is rounded n - 1 more times,
+  as for the plain head's gradient). Within a device nothing changes: dw is accumulated in float32 and rounded
+  to the compute dtype as on one device."""
+  if opts.dtype is None:
+    return x, w
+  to = jnp.dtype(opts.dtype)
+  cast = lambda a: a.astype(to) if jnp.finfo(a.dtype).bits > jnp.finfo(to).bits else a
+  return cast(x), cast(w)
 
 
 # --------------------------------------------------------------------------------------- per-shard bodies
@@ -417,6 +436,7 @@ def linear_cross_entropy(x, w, labels, *, bias=None, where=None, w_layout="hv", 
     return base.per_device(x, w, labels, bias=bias, where=where, w_layout=w_layout, return_aux=return_aux,
                            options=options)
   s = Static(options, w_layout, common.vocab_size(w, w_layout))
+  x, w = narrow(x, w, options)
   n = math.prod(batch_shape)
   x2, y2 = x.reshape(n, x.shape[-1]), labels.reshape(n)
   wh2 = None if where is None else where.reshape(n)

@@ -200,6 +200,7 @@ def sharded_linear_cross_entropy(
 
   # one token dim: the per-shard bodies of lce_flax._partition take 2-D x and 1-D labels / where
   n = math.prod(labels.shape)
+  x, w = _partition.narrow(x, w, opts)
   args = (x.reshape(n, hidden), w, bias, labels.reshape(n), None if where is None else where.reshape(n))
   lay = _partition.Layout(batch, (faxis,) if faxis else (), (vaxis,) if vaxis else ())
   if any(t == AxisType.Explicit for t in mesh.axis_types):

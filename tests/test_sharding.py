@@ -501,6 +501,52 @@ def test_auto_fsdp_gathers_only_w_over_fsdp():
   assert "reduce-scatter" in hlo  # dw back to this device's H slice
 
 
+def _eqns(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs in its parameters."""
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for sub in p if isinstance(p, (tuple, list)) else (p,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("route", ["auto", "explicit"])
+def test_bf16_head_of_float32_params_communicates_in_bf16(route):
+  """float32 x and w, dtype=bf16 (a mixed-precision head), data × FSDP: x and w enter the partitioned op in bf16,
+  so w is gathered and dw reduced in bf16 (half the bytes, as for nn.Dense(dtype=bf16)); loss and the float32
+  grads of x and w match float64 NumPy to the bf16 tolerances. (Read before compilation: the CPU backend promotes
+  bf16 collectives to float32 when it compiles them; GPUs run them in bf16.)"""
+  mesh = _mesh((2, 2, 2))
+  x, w, _, y, where = _inputs(11, batch_shape=(64,), h=48, v=1000)
+  tok, wsh = NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P("fsdp", None))
+  kw = dict(label_smoothing=0.1, where=where, dtype=jnp.bfloat16, impl="chunked")
+  if route == "auto":
+    f = lambda x, w: linear_cross_entropy(x, w, y, **kw)
+  else:
+    f = lambda x, w: sharded_linear_cross_entropy(x, w, y, mesh=mesh, **kw)
+  step = jax.value_and_grad(f, (0, 1))
+  args = (jax.device_put(x, tok), jax.device_put(w, wsh))
+  with jax.set_mesh(mesh):
+    if route == "auto":  # the partitioned primitives take x and w in bf16
+      prims = [e for e in _eqns(jax.make_jaxpr(step)(*args).jaxpr) if e.primitive.name == "custom_partitioning"]
+      assert prims and all(e.invars[i].aval.dtype == jnp.bfloat16 for e in prims for i in (0, 1)), prims
+    else:  # the shard_map body's gather of w and reduction of dw, in bf16
+      text = jax.jit(step).lower(*args).as_text()
+      moved = re.findall(r"stablehlo\.(all_gather|reduce_scatter|all_reduce).*?-> tensor<([\w]+)>", text, re.S)
+      head = [(op, t) for op, t in moved if re.fullmatch(r"\d+x500x\w+", t)]  # w's [H, V / tensor] pieces
+      assert {op for op, _ in head} == {"all_gather", "reduce_scatter", "all_reduce"}, moved
+      assert all(t.endswith("xbf16") for _, t in head), head
+    loss, (dx, dw) = jax.jit(step)(*args)
+  assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32
+  bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
+  ref = linear_cross_entropy_np(bf(x), bf(w), np.asarray(y), where=np.asarray(where), label_smoothing=0.1)
+  rtol, gtol = tolerances(jnp.bfloat16)
+  assert abs(float(loss) - ref["loss"]) <= rtol * abs(ref["loss"])
+  assert rel_err(dx, ref["dx"]) < gtol and rel_err(dw, ref["dw"]) < gtol
+
+
 # ------------------------------------------------------------------------- the GPU proof (lowered for CUDA)
 
 GPU_KERNEL_TARGETS = {"pallas_triton": "__gpu$xla.gpu.triton", "pallas_mosaic": "mosaic_gpu"}
