@@ -93,11 +93,13 @@ def narrow(x, w, opts: LossOptions):
   device's dw is rounded to it before the sum instead of after (the sum of n shards is rounded n - 1 more times,
   as for the plain head's gradient). Within a device nothing changes: dw is accumulated in float32 and rounded
   to the compute dtype as on one device."""
-  if opts.dtype is None:
-    return x, w
-  to = jnp.dtype(opts.dtype)
-  cast = lambda a: a.astype(to) if jnp.finfo(a.dtype).bits > jnp.finfo(to).bits else a
+  cast = lambda a: a.astype(opts.dtype) if narrows(a.dtype, opts) else a
   return cast(x), cast(w)
+
+
+def narrows(dtype, opts: LossOptions) -> bool:
+  """Whether :func:`narrow` casts an operand of ``dtype``."""
+  return opts.dtype is not None and jnp.finfo(dtype).bits > jnp.finfo(opts.dtype).bits
 
 
 # --------------------------------------------------------------------------------------- per-shard bodies

@@ -101,7 +101,8 @@ def _routing(x, w, labels, bias, where, opts: LossOptions, route: base.Route | N
     return "explicit", (f"the inputs are typed as sharded over Explicit mesh axes {axes}: the op runs under "
                         "shard_map (lce_flax.sharding), each device runs it on its shard (the design shown is the "
                         "whole problem's; x, labels split over their first dim; w's V split: the vocab-parallel "
-                        "head, explain(vocab_shards=...); w's H split: gathered once per call)",)
+                        "head, explain(vocab_shards=...); w's H split: gathered once per call)"
+                        + _narrow_note(x, w, opts),)
   n = jax.device_count()
   if _partition.auto_mesh_active():
     why = "the context mesh has Auto axes of size > 1"
@@ -119,7 +120,18 @@ def _routing(x, w, labels, bias, where, opts: LossOptions, route: base.Route | N
           "the gradients are formed in the forward on each shard (the FLOPs of this design) and scaled in the "
           "backward")
   return "partitioned", (f"{why}: the op runs as custom-partitioned primitives (lce_flax._partition), each device "
-                         f"runs it on its shard (the design shown is the whole problem's); {cost}",)
+                         f"runs it on its shard (the design shown is the whole problem's); {cost}"
+                         + _narrow_note(x, w, opts),)
+
+
+def _narrow_note(x, w, opts: LossOptions) -> str:
+  """What :func:`lce_flax._partition.narrow` does to this call, if anything."""
+  wide = [f"{n} is {a.dtype}" for n, a in (("x", x), ("w", w)) if _partition.narrows(a.dtype, opts)]
+  if not wide:
+    return ""
+  to = jnp.dtype(opts.dtype).name
+  return (f"; {' and '.join(wide)}: cast to {to} before the partitioned op, so w's gather and dw's reduction "
+          f"across devices move {to} (as for nn.Dense(dtype={to})); the gradients come back in their dtypes")
 
 
 def _on_many_devices(route: base.Route | None, num_tokens: int) -> bool:

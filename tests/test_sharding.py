@@ -532,6 +532,9 @@ def test_bf16_head_of_float32_params_communicates_in_bf16(route):
     if route == "auto":  # the partitioned primitives take x and w in bf16
       prims = [e for e in _eqns(jax.make_jaxpr(step)(*args).jaxpr) if e.primitive.name == "custom_partitioning"]
       assert prims and all(e.invars[i].aval.dtype == jnp.bfloat16 for e in prims for i in (0, 1)), prims
+      from lce_flax import explain
+      notes = explain(x, w, **{k: v for k, v in kw.items() if k != "where"}).notes
+      assert any("x is float32 and w is float32: cast to bfloat16 before the partitioned op" in n for n in notes)
     else:  # the shard_map body's gather of w and reduction of dw, in bf16
       text = jax.jit(step).lower(*args).as_text()
       moved = re.findall(r"stablehlo\.(all_gather|reduce_scatter|all_reduce).*?-> tensor<([\w]+)>", text, re.S)
