@@ -22,7 +22,8 @@ per-device batch), runs none of their (k, mesh, head) again and counts them in t
 (``all-reduce-start`` … ``all-reduce-done``) its shape and how many instructions the schedule places between its
 start and its done (the work it can overlap); a backend without asynchronous collectives (the CPU) says so.
 
-Writes ``DIR/trainer_scaling.json`` (device, n_devices, versions, date, commit, rows) and prints a table.
+Writes ``DIR/trainer_scaling.json`` (device, n_devices, versions, date, commit, rows) and prints a table; each
+trainer process's own output stays in a temporary folder unless ``--keep-runs``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 import sys
 
 import jax
@@ -155,6 +157,8 @@ def main(argv=None) -> int:
   ap.add_argument("--schedule", action="store_true", help="also the fused step's all-reduce schedule")
   ap.add_argument("--small", action="store_true", help="a tiny model (a CPU check of the driver)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/trainer_scaling"))
+  ap.add_argument("--keep-runs", action="store_true", help="keep each trainer process's train_lm.json and plot in "
+                  "DIR/<k>dev_<mesh>_<head>/ (default: a temporary folder; the rows hold what was measured)")
   a = ap.parse_args(argv)
   os.makedirs(a.out, exist_ok=True)
   n = min(jax.device_count(), a.max_devices or jax.device_count())
@@ -173,13 +177,14 @@ def main(argv=None) -> int:
           "commit": os.environ.get("LCE_FLAX_COMMIT"), "command": " ".join(sys.argv),
           "per_device_batch": a.per_device_batch, "preset": a.preset}
   rows = previous_rows(a.previous, a.preset, a.per_device_batch)
+  runs = a.out if a.keep_runs else tempfile.mkdtemp(prefix="trainer_scaling_")
   done = {(r["k"], r["mesh"], r["head"]) for r in rows}
   for k in ks:
     for mesh_name, mesh in meshes(k).items():
       for head in a.heads.split(","):
         if mesh_name not in kinds or (k, mesh, head) in done:
           continue
-        sub = os.path.join(a.out, f"{k}dev_{mesh_name}_{head}")
+        sub = os.path.join(runs, f"{k}dev_{mesh_name}_{head}")
         res = run_trainer([*common, "--loss", head, "--only-this-head", "--num-devices", str(k), "--mesh", mesh,
                            "--batch-size", str(a.per_device_batch * k)], sub, a.timeout_s)
         run = res.get("runs", {}).get(head, {})
