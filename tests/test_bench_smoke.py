@@ -313,3 +313,52 @@ def test_bench_lean_runs_each_kernel_and_checks_it(tmp_path, monkeypatch):
   assert sweep["best"] in sweep["ms"] and sweep["best"] != "xla"
   (row,) = json.loads((tmp_path / "lean_dz_rows.json").read_text())["lean_dz"]
   assert row["shape"] == [128, 512, 64] and set(row["vs_xla"]) == {"ours_ms", "xla_ms"}
+
+
+def test_trainer_profile_sums_device_time():
+  """benchmarks/trainer_profile.py: on a trace of a GPU's streams (and its "XLA Ops" copies, not counted), busy
+  time is the union of the kernels' intervals, the collectives are summed apart, launches of one kernel group
+  together; ms per step, against hand-computed values."""
+  from benchmarks.trainer_profile import device_summary, growth, kernel_group
+
+  meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+          {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": 8, "args": {"name": "/device:GPU:1"}},
+          {"ph": "M", "name": "thread_name", "pid": 7, "tid": 1, "args": {"name": "Stream #13(Compute)"}},
+          {"ph": "M", "name": "thread_name", "pid": 7, "tid": 2, "args": {"name": "Stream #20(Nccl)"}},
+          {"ph": "M", "name": "thread_name", "pid": 7, "tid": 3, "args": {"name": "XLA Ops"}}]
+  x = lambda pid, tid, ts, dur, name: {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}
+  events = meta + [
+      x(7, 1, 0, 1000, "loop_add_fusion.3"), x(7, 1, 1000, 500, "loop_add_fusion.17"),
+      x(7, 1, 3000, 2000, "mosaic_gpu_kernel"),
+      x(7, 2, 1200, 1000, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"),
+      x(7, 3, 0, 9000, "loop_add_fusion.3"),  # the op line: not a stream
+      x(8, 1, 0, 99000, "other device"), x(1, 1, 0, 99000, "host")]
+  got = device_summary(events, steps=2)
+  # busy: [0, 2200] ∪ [3000, 5000] = 4200 us over 2 steps; collectives 1000 us
+  assert got["device"] == "/device:GPU:0" and got["busy_ms"] == 2.1 and got["collective_ms"] == 0.5
+  assert got["kernels"] == {"mosaic_gpu_kernel": 1.0, "loop_add_fusion": 0.75,
+                           "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 0.5}
+  assert kernel_group("input_reduce_fusion.140") == "input_reduce_fusion"
+  assert device_summary(meta[:1] + events[-1:], 1)["busy_ms"] is None  # no device: the CPU
+  more = {**got, "kernels": {**got["kernels"], "loop_add_fusion": 2.0}}
+  assert growth(got, more)[0] == ("loop_add_fusion", 0.75, 2.0)
+
+
+def test_trainer_profile_runs_on_cpu(tmp_path):
+  """benchmarks/trainer_profile.py end to end on 2 simulated CPU devices with a tiny model: one run per (k, head),
+  each step timed (the CPU trace has no device process, so no device numbers)."""
+  import json
+  import subprocess
+  import sys
+
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.trainer_profile", "--preset", "cpu", "--small", "--ks",
+                         "1,2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
+                        capture_output=True, text=True, env=env, timeout=600,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  runs = json.loads((tmp_path / "trainer_profile.json").read_text())["runs"]
+  assert [(r["k"], r["head"], r["batch_size"]) for r in runs] == [(1, "fused", 8), (2, "fused", 16), (1, "plain", 8),
+                                                                   (2, "plain", 16)]
+  assert all(r["step_ms"] > 0 and len(r["step_ms_all"]) == 2 and r["busy_ms"] is None for r in runs)

@@ -1,0 +1,185 @@
+"""Where the example trainer's step spends its device time, on 1 and k devices: a profile of each head's step and
+the kernels whose time grows from one device to k.
+
+    python3 -m benchmarks.trainer_profile --ks 1,2 --out DIR          # on a machine with 2 GPUs
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
+      python3 -m benchmarks.trainer_profile --preset cpu --small --ks 1,2 --out DIR   # a CPU check of the driver
+
+For each k and head (``fused``: lce_flax's, ``plain``: ``nn.Dense`` + optax) the trainer's step (its preset's
+model, ``--per-device-batch`` sequences per device, a data-parallel mesh of k devices) is compiled, run
+``--warmup`` times, then ``--steps`` times under ``jax.profiler.trace`` (Perfetto JSON). From the trace: each step's
+host wall time; on the first device, the time its streams are busy (the union of its kernels' intervals) and what
+they run, grouped by kernel name (numbers stripped), with the collectives (NCCL kernels) summed apart. A step that
+is longer than its device's busy time waited on something else (the host, another device).
+
+Writes ``DIR/trainer_profile.json`` (device, versions, date, commit, one entry per (k, head): step ms, busy ms,
+collective ms, the kernel groups) and prints, per head, the kernel groups whose time per step grew most from k = 1
+to the largest k. The traces themselves stay in a temporary folder unless ``--keep-traces``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--vocab-size", "512", "--d-model", "64", "--num-layers", "1", "--num-heads", "2", "--d-ff", "128",
+         "--seq-len", "32"]
+COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|collective", re.I)
+
+
+# ------------------------------------------------------------------------------------------- the trace
+
+def kernel_group(name: str) -> str:
+  """A kernel's name without its instance number and its template or argument lists, so that launches of one
+  kernel group together (``loop_add_fusion.12`` → ``loop_add_fusion``)."""
+  name = re.sub(r"<.*>|\(.*\)", "", name).strip()
+  return re.sub(r"\.\d+$", "", name)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+  total, end = 0.0, -float("inf")
+  for a, b in sorted(intervals):
+    if b <= end:
+      continue
+    total += b - max(a, end)
+    end = b
+  return total
+
+
+def device_summary(events: list[dict], steps: int) -> dict:
+  """Per-step device time of the first device in a Chrome/Perfetto trace's ``events``: busy (union of its
+  complete events' intervals on its "Stream" lines, or on all its lines if none is named so), collectives, and the
+  kernel groups (ms per step), largest first. ``device`` is the process name read (None where the trace has no
+  device process, as on the CPU: then every number is None)."""
+  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  devices = sorted((n, pid) for pid, n in names.items() if re.match(r"/device:(GPU|TPU):0\b", n or ""))
+  if not devices:
+    return {"device": None, "busy_ms": None, "collective_ms": None, "kernels": {}}
+  name, pid = devices[0]
+  threads = {e.get("tid"): e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") == pid}
+  streams = {t for t, n in threads.items() if n.startswith("Stream")}  # kernels; not the "XLA Ops" line's copies
+  spans, groups = [], collections.Counter()
+  coll = []
+  for e in events:
+    if e.get("pid") != pid or e.get("ph") != "X" or "dur" not in e or (streams and e.get("tid") not in streams):
+      continue
+    a, d = float(e["ts"]), float(e["dur"])
+    spans.append((a, a + d))
+    groups[kernel_group(e.get("name", "?"))] += d
+    if COLLECTIVE.search(e.get("name", "")):
+      coll.append((a, a + d))
+  per = lambda us: round(us / 1e3 / steps, 4)
+  return {"device": name, "busy_ms": per(_union(spans)), "collective_ms": per(_union(coll)),
+          "kernels": {g: per(t) for g, t in groups.most_common()}}
+
+
+def read_trace(folder: str) -> list[dict]:
+  """The events of the Perfetto trace ``jax.profiler.trace(folder, create_perfetto_trace=True)`` wrote."""
+  paths = sorted(glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True))
+  if not paths:
+    raise FileNotFoundError(f"no perfetto_trace.json.gz under {folder}")
+  with gzip.open(paths[-1], "rt") as f:
+    trace = json.load(f)
+  return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def growth(one: dict, many: dict, top: int = 12) -> list[tuple[str, float, float]]:
+  """The kernel groups whose ms per step grew most from ``one`` to ``many`` (device summaries): (group, ms at
+  one, ms at many)."""
+  keys = set(one["kernels"]) | set(many["kernels"])
+  rows = [(k, one["kernels"].get(k, 0.0), many["kernels"].get(k, 0.0)) for k in keys]
+  return sorted(rows, key=lambda r: r[1] - r[2])[:top]
+
+
+# ------------------------------------------------------------------------------------------- the runs
+
+def profile_one(argv: list[str], k: int, head: str, per_device_batch: int, warmup: int, steps: int,
+                trace_dir: str) -> dict:
+  sys.path.insert(0, ROOT)
+  from examples.lm import main as lm_main  # noqa: PLC0415
+  from examples.lm.train import compile_step, compiled_memory, trainer_from_args  # noqa: PLC0415
+
+  args = lm_main.parse_args([*argv, "--mesh", f"data={k}", "--num-devices", str(k),
+                             "--batch-size", str(per_device_batch * k)])
+  tr = trainer_from_args(args, head)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, args.vocab_size, (args.batch_size, args.seq_len + 1)).astype(np.int32)
+  with jax.set_mesh(tr.mesh):
+    state = tr.init(args.seed)
+    batch = tr.put_batch({"inputs": tokens[:, :-1], "labels": tokens[:, 1:]})
+    compiled = compile_step(tr, state, args.seq_len)
+    for _ in range(warmup):
+      state, metrics = compiled(state, batch)
+    float(metrics["loss"])
+    times = []
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        float(metrics["loss"])
+        times.append(time.perf_counter() - t0)
+  summary = device_summary(read_trace(trace_dir), steps)
+  return {"k": k, "head": head, "batch_size": args.batch_size, "step_ms": round(1e3 * float(np.median(times)), 3),
+          "step_ms_all": [round(1e3 * t, 3) for t in times], "memory": compiled_memory(compiled), **summary}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--preset", default="gpu")
+  ap.add_argument("--per-device-batch", type=int, default=8, help="sequences per device")
+  ap.add_argument("--ks", default="1,2", help="comma-separated device counts (data-parallel meshes)")
+  ap.add_argument("--heads", default="fused,plain")
+  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--steps", type=int, default=5, help="profiled steps per (k, head)")
+  ap.add_argument("--small", action="store_true", help="a tiny model (a CPU check of the driver)")
+  ap.add_argument("--keep-traces", action="store_true", help="keep the traces in DIR/traces/")
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/trainer_profile"))
+  a = ap.parse_args(argv)
+  os.makedirs(a.out, exist_ok=True)
+  ks = [int(k) for k in a.ks.split(",")]
+  if max(ks) > jax.device_count():
+    raise SystemExit(f"--ks {a.ks}: this process sees {jax.device_count()} device(s)")
+  common = ["--preset", a.preset, *(SMALL if a.small else [])]
+  traces = os.path.join(a.out, "traces") if a.keep_traces else tempfile.mkdtemp(prefix="trainer_profile_")
+  dev = jax.devices()[0]
+  meta = {"device": getattr(dev, "device_kind", dev.platform), "n_devices": jax.device_count(),
+          "jax": jax.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
+          "commit": os.environ.get("LCE_FLAX_COMMIT"), "command": " ".join(sys.argv),
+          "per_device_batch": a.per_device_batch, "preset": a.preset, "steps": a.steps}
+  runs = []
+  for head in a.heads.split(","):
+    for k in ks:
+      r = profile_one(common, k, head, a.per_device_batch, a.warmup, a.steps, os.path.join(traces, f"{head}_{k}"))
+      runs.append(r)
+      print(json.dumps({key: v for key, v in r.items() if key != "kernels"}), flush=True)
+      with open(os.path.join(a.out, "trainer_profile.json"), "w") as f:
+        json.dump({**meta, "runs": runs}, f, indent=1)
+  lo, hi = min(ks), max(ks)
+  for head in a.heads.split(","):
+    one = next(r for r in runs if r["head"] == head and r["k"] == lo)
+    many = next(r for r in runs if r["head"] == head and r["k"] == hi)
+    print(f"\n{head}: step {one['step_ms']} -> {many['step_ms']} ms; device busy {one['busy_ms']} -> "
+          f"{many['busy_ms']} ms; collectives {one['collective_ms']} -> {many['collective_ms']} ms")
+    if one["device"] is not None:
+      for g, t1, tk in growth(one, many):
+        print(f"  {tk - t1:+8.3f} ms  {t1:8.3f} -> {tk:8.3f}  {g[:100]}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
