@@ -11,13 +11,16 @@ loop has no dispatch between chunks, and a chunk takes only ~0.1–0.4 ms; bf16)
   lean_dz    the op's recompute on the GEMM: the ``LogitGrad`` epilogue, the table's ``lean_dz`` row
   kernels_ws the recompute on the dz kernel of ``kernels_ws.py`` (``PallasMosaicConfig(gemm=False)``)
 
-and, with ``--sweep``, ``lean_dz`` on each config of a grid (the warpgroup split, the 2-CTA cluster and its
-direction, the snake's order and width); the fastest per head goes into ``lean_dz_rows.json`` in the table's
-format, with its time against XLA's bare product (``vs_xla``), to be merged into
-``lce_flax/_impl/pallas_mosaic/gemm_tuning.json`` under this device's kind. Every kernel's dz is checked against
-the kernels_ws one on the same inputs (``check`` rows).
+and, with ``--widths``, lean mode's whole forward and backward (``value_and_grad`` of x and w) at its own chunk
+width and at the narrower widths whose recompute fills the GPU's waves best (the persistent GEMM's tiles over the
+SMs: llama3-8b's 1792 columns make 448 CTA tiles of 256×128, 3.4 waves on 132 SMs), each with its wave efficiency
+(tiles ÷ the whole waves they take); and, with ``--sweep``, ``lean_dz`` on each config of a grid (the warpgroup
+split, the 2-CTA cluster and its direction, the snake's order and width); the fastest per head goes into
+``lean_dz_rows.json`` in the table's format, with its time against XLA's bare product (``vs_xla``), to be merged
+into ``lce_flax/_impl/pallas_mosaic/gemm_tuning.json`` under this device's kind. Every kernel's dz is checked
+against the kernels_ws one on the same inputs (``check`` rows).
 
-    python -m benchmarks.bench_lean [--shapes llama3-8b,...] [--rounds 3] [--sweep] [--out DIR]
+    python -m benchmarks.bench_lean [--shapes llama3-8b,...] [--rounds 3] [--widths] [--sweep] [--out DIR]
     python -m benchmarks.bench_lean --interpret --shapes tiny --rounds 1     # a CPU check of the harness
 
 Writes ``DIR/bench_lean.json`` (device, versions, date, rows) and prints one JSON line per row. BUDGET_S (default
@@ -41,7 +44,7 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_gemm import interleaved, sweep_configs  # noqa: E402
-from lce_flax import _math  # noqa: E402
+from lce_flax import _device, _math  # noqa: E402
 from lce_flax._impl import common  # noqa: E402
 from lce_flax._impl.pallas_mosaic import Config, op, tuning  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
@@ -100,11 +103,40 @@ def bare(cw: int, ours: bool, interpret: bool):
   return call
 
 
+def wave_efficiency(cfg, m: int, n: int, sms: int) -> float:
+  """The share of the persistent GEMM's capacity that an [m, n] output uses: m·n ÷ (whole waves × tiles per wave ×
+  a tile's area), with ``cfg``'s cluster tile on ``sms`` SMs (a ping-pong CTA holds two tiles at once); ragged
+  edge tiles count as the whole tiles they occupy."""
+  tm, tn = cfg.cluster_tile()
+  tiles = -(-m // tm) * -(-n // tn)
+  per_wave = sms // cfg.cluster_size() * (1 if cfg.schedule == "cooperative" else 2)
+  return m * n / (-(-tiles // per_wave) * per_wave * tm * tn)
+
+
+def chunk_widths(b: int, h: int, cw: int, kind: str, sms: int, step: int = 128, extra: int = 3) -> dict[int, float]:
+  """Lean chunk widths to time: the op's own (``cw``) and the ``extra`` narrower ones (at least half of it, in
+  multiples of ``step``) whose recompute fills its waves best; width -> wave efficiency."""
+  eff = {c: wave_efficiency(tuning.select_config("lean_dz", b, c, h, kind), b, c, sms)
+         for c in range(max(step, cw // 2 // step * step), cw + 1, step)}
+  best = sorted((c for c in eff if c != cw), key=lambda c: (-eff[c], -c))[:extra]
+  return {c: round(eff[c], 3) for c in sorted({cw, *best}, reverse=True)}
+
+
+def lean_step(y, width: int, interpret: bool):
+  """The jitted forward and backward (x and w) of lean mode on the GEMM with ``width`` columns per chunk."""
+  from lce_flax import linear_cross_entropy  # noqa: PLC0415
+  cfg = Config(vocab_chunk=width)
+  loss = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=cfg,
+                                           interpret=interpret)
+  return jax.jit(jax.value_and_grad(loss, (0, 1)))
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--shapes", default="gpt2-small,llama3-8b,qwen3-8b,gemma2-2b")
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--widths", action="store_true", help="lean's forward and backward at wave-aligned chunk widths")
   ap.add_argument("--interpret", action="store_true")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_lean"))
   a = ap.parse_args(argv)
@@ -147,6 +179,17 @@ def main(argv=None) -> int:
          tflops={k: round(flops / val / 1e9, 1) for k, val in t.items()},
          lean_dz_vs_xla=round(t["xla"] / t["lean_dz"], 3),
          lean_dz_vs_kernels_ws=round(t["kernels_ws"] / t["lean_dz"], 3))
+    if a.widths:
+      widths = chunk_widths(b, h, cw, kind, _device.num_sms())
+      fns = {w_: (lean_step(y, w_, a.interpret), (x, w)) for w_ in widths}
+      ref = {w_: f(*fa) for w_, (f, fa) in fns.items()}
+      t = interleaved(fns, rounds=a.rounds)
+      rel = lambda a, b_: float(jnp.linalg.norm((a - b_).astype(jnp.float32)) / jnp.linalg.norm(b_.astype(
+          jnp.float32)))
+      emit(kind="widths", shape=name, default=cw, wave_efficiency={str(k): e for k, e in widths.items()},
+           ms={str(k): round(val, 3) for k, val in t.items()},
+           vs_default={str(k): round(t[cw] / val, 3) for k, val in t.items()},
+           max_grad_rel_diff=max(rel(g, g0) for r in ref.values() for g, g0 in zip(r[1], ref[cw][1])))
     if not a.sweep:
       continue
     cands = {"table": plans["lean_dz"].gemm and tuning.select_config("lean_dz", *mnk, kind)}

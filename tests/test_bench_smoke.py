@@ -362,3 +362,21 @@ def test_trainer_profile_runs_on_cpu(tmp_path):
   assert [(r["k"], r["head"], r["batch_size"]) for r in runs] == [(1, "fused", 8), (2, "fused", 16), (1, "plain", 8),
                                                                    (2, "plain", 16)]
   assert all(r["step_ms"] > 0 and len(r["step_ms_all"]) == 2 and r["busy_ms"] is None for r in runs)
+
+
+def test_bench_lean_widths(tmp_path):
+  """benchmarks/bench_lean.py --widths in interpret mode at a tiny head: lean's forward and backward at its own
+  chunk width and narrower ones, the same gradients at each; and the wave efficiency against hand counts."""
+  import json
+
+  from benchmarks import bench_lean
+  from lce_flax._impl.pallas_mosaic import tuning
+
+  assert bench_lean.main(["--interpret", "--shapes", "tiny", "--rounds", "1", "--widths", "--out", str(tmp_path)]) == 0
+  (row,) = [r for r in json.loads((tmp_path / "bench_lean.json").read_text())["rows"] if r["kind"] == "widths"]
+  assert row["default"] == 512 and set(row["ms"]) == {"512", "384", "256"} and row["vs_default"]["512"] == 1.0
+  assert row["max_grad_rel_diff"] < 1e-2
+  # llama3-8b's lean chunk on a 256×256 cluster tile: 32 × 7 = 224 tiles on 66 clusters: 4 waves, 3.39 used
+  cfg = tuning.GemmConfig(wg_split="m", cluster="n")
+  assert bench_lean.wave_efficiency(cfg, 8192, 1792, 132) == 8192 * 1792 / (4 * 66 * 256 * 256)
+  assert bench_lean.wave_efficiency(cfg, 8192, 1536, 132) == 8192 * 1536 / (3 * 66 * 256 * 256)
