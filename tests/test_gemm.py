@@ -527,6 +527,31 @@ def test_a_kind_without_rows_takes_those_of_its_chip(monkeypatch):
   assert got.tile_n == 192 and src == "table: nvidia h200/fwd/8192x131072x4096"
 
 
+def test_config_fits_a_small_output(monkeypatch):
+  """A row of an LLM head (warpgroups along M, a cluster along N) keeps its tiling there and is fitted to a small
+  head's output: the warpgroups side by side along N where M is below the CTA tile (dw of an H = 128 head), no
+  cluster where the cluster tile overhangs; explain()'s line says so; the fitted GEMM lowers for CUDA (JAX 0.12
+  refuses a window larger than its array at trace time) and computes xᵀ·dz in interpret mode."""
+  row = {"bucket": [4096, 131072, 8192], "shape": [4096, 128256, 8192],
+         "config": {"tile_m": 128, "tile_n": 128, "wg_split": "m", "cluster": "n"}}
+  monkeypatch.setattr(tuning, "load_table", lambda: {"gpu x": {"dw": [row]}})
+  assert tuning.select_row("dw", 4096, 128256, 8192, "GPU X") == (G.GemmConfig(**row["config"]),
+                                                                 "table: gpu x/dw/4096x131072x8192")
+  got, src = tuning.select_row("dw", 128, 1024, 8192, "GPU X")
+  assert (got.wg_split, got.cluster) == ("n", "n") and src.endswith(", fitted to the 128x1024 output")
+  got, _ = tuning.select_row("dw", 128, 256, 8192, "GPU X")
+  assert (got.wg_split, got.cluster) == ("n", None)
+  assert tuning.fit_shape(dataclasses.replace(tuning.PINGPONG_WS, cluster="m"), 128, 4096).cluster is None
+  monkeypatch.setattr(G, "_device_kind", lambda: "GPU X")
+  xs, dzs = SDS((512, 128), BF), SDS((512, 1024), BF)
+  assert "mosaic_gpu" in _lower(lambda x, dz: G.gemm(x, dz, transpose_a=True, role="dw"), xs, dzs)
+  rng = np.random.default_rng(3)
+  x, dz = (jnp.asarray(rng.standard_normal(sh), BF) for sh in ((256, 128), (256, 256)))
+  got = G.gemm(x, dz, transpose_a=True, role="dw", interpret=True)
+  want = np.asarray(x, np.float64).T @ np.asarray(dz, np.float64)
+  assert got.shape == (128, 256) and _rel(got, want) < 1e-2
+
+
 def test_table_row_picks_the_schedule(monkeypatch):
   """A table row's config names its schedule; the roles with loss work fit it to their SMEM, and it lowers."""
   row = {"bucket": [1024, 2048, 512], "shape": [1000, 2112, 576],

@@ -188,8 +188,33 @@ def fit_role(role: str, cfg: GemmConfig) -> GemmConfig:
   return cfg
 
 
+def fit_shape(cfg: GemmConfig, m: int, n: int) -> GemmConfig:
+  """``cfg`` with its CTA and cluster tiles no larger than the [m, n] output where a smaller one serves: the two
+  warpgroups side by side along the other dimension when the output is narrower than the CTA tile along theirs,
+  and no cluster when the cluster tile overhangs the output (the CTAs past the edge would load and store nothing).
+  A row measured at an LLM head keeps its tiling there; a small head (H = 128, whose dw is [128, V]) gets a CTA
+  tile that lies within its arrays."""
+  if cfg.schedule == "cooperative":
+    cm, cn = cfg.cta_tile()
+    if cfg.wg_split == "m" and m < cm and n >= 2 * cfg.tile_n:
+      cfg = dataclasses.replace(cfg, wg_split="n")
+    elif cfg.wg_split == "n" and n < cn and m >= 2 * cfg.tile_m:
+      cfg = dataclasses.replace(cfg, wg_split="m")
+  cm, cn = cfg.cluster_tile()
+  if (cfg.cluster == "m" and m < cm) or (cfg.cluster == "n" and n < cn):
+    cfg = dataclasses.replace(cfg, cluster=None)
+  return cfg
+
+
 def select_row(role: str, m: int, n: int, k: int, device_kind: str) -> tuple[GemmConfig, str]:
-  """The chosen config and where it came from (``"table: <kind>/<role>/<bucket>"`` or ``"default"``)."""
+  """The chosen config and where it came from (``"table: <kind>/<role>/<bucket>"`` or ``"default"``; ", fitted to
+  the MxN output" where :func:`fit_shape` changed it)."""
+  cfg, src = _row(role, m, n, k, device_kind)
+  fitted = fit_shape(cfg, m, n)
+  return fitted, (src if fitted == cfg else f"{src}, fitted to the {m}x{n} output")
+
+
+def _row(role: str, m: int, n: int, k: int, device_kind: str) -> tuple[GemmConfig, str]:
   table, measured_on = device_rows(device_kind)
   bare = [(r, row) for r in ("fwd", "dx", "dw") for row in table.get(r, ())]
   for tier in (role, BASE_ROLE.get(role, role), "bare"):
