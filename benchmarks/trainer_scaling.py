@@ -13,9 +13,11 @@ no evaluation or sampling, and records the median step time, tokens/s per device
 compiled step's peak and temporaries; on a GPU the allocator's peak). Weak-scaling efficiency is t(1) / t(k) of the
 same head. ``--max-batch`` also runs the trainer's ``--find-max-batch`` on each mesh (the largest batch each head fits).
 
-``--ks`` and ``--meshes`` pick some of the runs, so that one measurement can be spread over several jobs;
-``--previous FILE`` (repeatable) takes the rows of earlier jobs' ``trainer_scaling.json`` (same preset and
-per-device batch), runs none of their (k, mesh, head) again and counts them in the weak-scaling ratios.
+``--repeats N`` runs each process N times, in turns, and a row takes the median (a process's step time moved by
+±4% between processes on the same machine). ``--ks`` and ``--meshes`` pick some of the runs, so that one
+measurement can be spread over several jobs; ``--previous FILE`` (repeatable) takes the rows of earlier jobs'
+``trainer_scaling.json`` (same preset and per-device batch), runs none of their (k, mesh, head) again and counts
+them in the weak-scaling ratios.
 
 ``--schedule`` compiles the fused head's step on the largest data-parallel mesh in this process (its HLO kept as
 ``DIR/step_data{k}.hlo.txt.gz``) and reads the compiled HLO's entry schedule: for each asynchronous all-reduce
@@ -34,6 +36,7 @@ import gzip
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,6 +123,28 @@ def weak_scaling(rows: list[dict]) -> list[dict]:
   return out
 
 
+def aggregate(rows: list[dict]) -> list[dict]:
+  """One row per (k, mesh, head), in first-seen order: the repeats' median step time and tokens/s per device, all
+  of their step times (``step_times_s``), the first repeat's memory, max batch and error (the error only where
+  every repeat failed)."""
+  groups: dict[tuple, list[dict]] = {}
+  for r in rows:
+    groups.setdefault((r["k"], r["mesh"], r["head"]), []).append(r)
+  out = []
+  for reps in groups.values():
+    ok = [r for r in reps if r.get("step_time_s")]
+    row = {key: v for key, v in reps[0].items() if key != "repeat"}
+    row.update(step_time_s=_median(ok, "step_time_s"), tokens_per_s_per_device=_median(ok, "tokens_per_s_per_device"),
+               step_times_s=[r.get("step_time_s") for r in reps], error=None if ok else reps[0].get("error"))
+    out.append(row)
+  return out
+
+
+def _median(rows: list[dict], key: str):
+  vals = [r.get(key) for r in rows]
+  return statistics.median(vals) if vals and all(v is not None for v in vals) else None
+
+
 def previous_rows(paths: list[str], preset: str, per_device_batch: int) -> list[dict]:
   """The rows of earlier jobs' ``trainer_scaling.json``; each file must be of the same preset and per-device batch."""
   rows = []
@@ -154,6 +179,8 @@ def main(argv=None) -> int:
   ap.add_argument("--max-batch", action="store_true", help="also --find-max-batch on each mesh")
   ap.add_argument("--max-batch-limit", type=int, default=None, help="--find-max-batch stops doubling here "
                   "(default: the preset's)")
+  ap.add_argument("--repeats", type=int, default=1, help="processes per (k, mesh, head), run in turns; a row takes "
+                  "their median")
   ap.add_argument("--timeout-s", type=float, default=900, help="per trainer process")
   ap.add_argument("--schedule", action="store_true", help="also the fused step's all-reduce schedule")
   ap.add_argument("--small", action="store_true", help="a tiny model (a CPU check of the driver)")
@@ -180,31 +207,30 @@ def main(argv=None) -> int:
   rows = previous_rows(a.previous, a.preset, a.per_device_batch)
   runs = a.out if a.keep_runs else tempfile.mkdtemp(prefix="trainer_scaling_")
   done = {(r["k"], r["mesh"], r["head"]) for r in rows}
-  for k in ks:
-    for mesh_name, mesh in meshes(k).items():
-      for head in a.heads.split(","):
-        if mesh_name not in kinds or (k, mesh, head) in done:
-          continue
-        sub = os.path.join(runs, f"{k}dev_{mesh_name}_{head}")
-        res = run_trainer([*common, "--loss", head, "--only-this-head", "--num-devices", str(k), "--mesh", mesh,
-                           "--batch-size", str(a.per_device_batch * k)], sub, a.timeout_s)
-        run = res.get("runs", {}).get(head, {})
-        mem = run.get("memory", {})
-        row = {"k": k, "mesh": mesh, "mesh_kind": mesh_name, "head": head, "batch_size": a.per_device_batch * k,
-               "step_time_s": run.get("step_time_s"),
-               "tokens_per_s_per_device": run["tokens_per_s"] / k if run.get("tokens_per_s") else None,
-               "compiled_peak_bytes": mem.get("compiled", {}).get("peak"),
-               "compiled_temp_bytes": mem.get("compiled", {}).get("temp"),
-               "gpu_peak_bytes": mem.get("gpu_peak_bytes_in_use"), "error": res.get("error")}
-        if a.max_batch:
-          limit = ["--max-batch-limit", str(a.max_batch_limit * k)] if a.max_batch_limit else []
-          mb = run_trainer([*common, "--find-max-batch", "--heads", head, "--num-devices", str(k), "--mesh", mesh,
-                            *limit], sub + "_maxbatch", a.timeout_s)
-          row["max_batch"] = mb.get("max_batch", {}).get(head, mb.get("error"))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        write(a.out, meta, rows, None)  # (so far: a run cut short keeps what it measured)
-  rows = weak_scaling(rows)
+  todo = [(k, mesh_name, mesh, head) for k in ks for mesh_name, mesh in meshes(k).items()
+          for head in a.heads.split(",") if mesh_name in kinds and (k, mesh, head) not in done]
+  for rep in range(a.repeats):  # (each repeat runs every process once: drift over the job spreads over all rows)
+    for k, mesh_name, mesh, head in todo:
+      sub = os.path.join(runs, f"{k}dev_{mesh_name}_{head}" + (f"_{rep}" if a.repeats > 1 else ""))
+      res = run_trainer([*common, "--loss", head, "--only-this-head", "--num-devices", str(k), "--mesh", mesh,
+                         "--batch-size", str(a.per_device_batch * k)], sub, a.timeout_s)
+      run = res.get("runs", {}).get(head, {})
+      mem = run.get("memory", {})
+      row = {"k": k, "mesh": mesh, "mesh_kind": mesh_name, "head": head, "batch_size": a.per_device_batch * k,
+             "step_time_s": run.get("step_time_s"),
+             "tokens_per_s_per_device": run["tokens_per_s"] / k if run.get("tokens_per_s") else None,
+             "compiled_peak_bytes": mem.get("compiled", {}).get("peak"),
+             "compiled_temp_bytes": mem.get("compiled", {}).get("temp"),
+             "gpu_peak_bytes": mem.get("gpu_peak_bytes_in_use"), "error": res.get("error"), "repeat": rep}
+      if a.max_batch and rep == 0:
+        limit = ["--max-batch-limit", str(a.max_batch_limit * k)] if a.max_batch_limit else []
+        mb = run_trainer([*common, "--find-max-batch", "--heads", head, "--num-devices", str(k), "--mesh", mesh,
+                          *limit], sub + "_maxbatch", a.timeout_s)
+        row["max_batch"] = mb.get("max_batch", {}).get(head, mb.get("error"))
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+      write(a.out, meta, rows, None)  # (so far: a run cut short keeps what it measured)
+  rows = weak_scaling(aggregate(rows))
   sched = schedule_rows(common, max(ks), a.out) if a.schedule and max(ks) > 1 else None
   write(a.out, meta, rows, sched)
   print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} {'peak GB':>8}")

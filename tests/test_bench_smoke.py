@@ -296,6 +296,25 @@ def test_trainer_scaling_joins_earlier_jobs(tmp_path):
     previous_rows([str(job / "trainer_scaling.json")], "gpu", 16)
 
 
+def test_trainer_scaling_takes_the_median_of_repeats():
+  """benchmarks/trainer_scaling.py --repeats: one row per (k, mesh, head) in first-seen order, the median of the
+  repeats that ran, all their times kept; an error only where every repeat failed."""
+  from benchmarks.trainer_scaling import aggregate, weak_scaling
+
+  row = lambda k, head, t, rep, err=None: {"k": k, "mesh": f"data={k}", "head": head, "step_time_s": t,
+                                           "tokens_per_s_per_device": t and 8192 / t, "error": err, "repeat": rep}
+  raw = [row(1, "fused", 0.10, 0), row(2, "fused", 0.12, 0), row(2, "plain", None, 0, ["OOM"]),
+         row(1, "fused", 0.14, 1), row(2, "fused", 0.11, 1), row(2, "plain", None, 1, ["OOM"]),
+         row(1, "fused", 0.11, 2), row(2, "fused", None, 2, ["timeout"]), row(2, "plain", None, 2, ["OOM"])]
+  got = aggregate(raw)
+  assert [(r["k"], r["head"]) for r in got] == [(1, "fused"), (2, "fused"), (2, "plain")]
+  assert got[0]["step_time_s"] == 0.11 and got[0]["step_times_s"] == [0.10, 0.14, 0.11] and "repeat" not in got[0]
+  assert got[1]["step_time_s"] == pytest.approx(0.115) and got[1]["error"] is None
+  assert got[1]["tokens_per_s_per_device"] == pytest.approx((8192 / 0.12 + 8192 / 0.11) / 2)
+  assert got[2]["step_time_s"] is None and got[2]["error"] == ["OOM"]
+  assert weak_scaling(got)[1]["weak_scaling"] == round(0.11 / got[1]["step_time_s"], 4)
+
+
 def test_bench_lean_runs_each_kernel_and_checks_it(tmp_path, monkeypatch):
   """benchmarks/bench_lean.py in interpret mode at a tiny head: the chunk's recompute on the GEMM equals the
   kernels_ws design's, every contender is timed, and the sweep writes a tuning row of the table's format."""
