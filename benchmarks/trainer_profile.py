@@ -66,9 +66,10 @@ def device_summary(events: list[dict], steps: int) -> dict:
   device process, as on the CPU: then every number is None)."""
   names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
-  devices = sorted((n, pid) for pid, n in names.items() if re.match(r"/device:(GPU|TPU):0\b", n or ""))
-  if not devices:
-    return {"device": None, "busy_ms": None, "collective_ms": None, "kernels": {}}
+  devices = sorted((n, pid) for pid, n in names.items() if re.search(r"/device:(GPU|TPU):0\b", n or ""))
+  if not devices:  # (the names it has, to adapt this reader to another exporter's naming)
+    return {"device": None, "busy_ms": None, "collective_ms": None, "kernels": {},
+            "processes": sorted(n for n in names.values() if n)}
   name, pid = devices[0]
   threads = {e.get("tid"): e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") == pid}
