@@ -1,4 +1,4 @@
-"""Where the example trainer's step spends its device time, on 1 and k devices: a profile of each head's step and
+"""Where the example trainer's step spends its GPU time, on 1 and k GPUs: a profile of each head's step and
 the kernels whose time grows from one device to k.
 
     python3 -m benchmarks.trainer_profile --ks 1,2 --out DIR          # on a machine with 2 GPUs
@@ -60,7 +60,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 def device_summary(events: list[dict], steps: int) -> dict:
-  """Per-step device time of the first device in a Chrome/Perfetto trace's ``events``: busy (union of its
+  """Per-step kernel time of the first GPU in a Chrome/Perfetto trace's ``events``: busy (union of its
   complete events' intervals on its "Stream" lines, or on all its lines if none is named so), collectives, and the
   kernel groups (ms per step), largest first. ``device`` is the process name read (None where the trace has no
   device process, as on the CPU: then every number is None)."""
