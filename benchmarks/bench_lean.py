@@ -44,7 +44,7 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_gemm import interleaved, sweep_configs  # noqa: E402
-from lce_flax import _device, _math  # noqa: E402
+from lce_flax import _device, _math, linear_cross_entropy  # noqa: E402
 from lce_flax._impl import common  # noqa: E402
 from lce_flax._impl.pallas_mosaic import Config, op, tuning  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
@@ -124,7 +124,6 @@ def chunk_widths(b: int, h: int, cw: int, kind: str, sms: int, step: int = 128, 
 
 def lean_step(y, width: int, interpret: bool):
   """The jitted forward and backward (x and w) of lean mode on the GEMM with ``width`` columns per chunk."""
-  from lce_flax import linear_cross_entropy  # noqa: PLC0415
   cfg = Config(vocab_chunk=width)
   loss = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=cfg,
                                            interpret=interpret)

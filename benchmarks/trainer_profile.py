@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import glob
 import gzip
 import json
@@ -35,8 +34,10 @@ import jax
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--vocab-size", "512", "--d-model", "64", "--num-layers", "1", "--num-heads", "2", "--d-ff", "128",
-         "--seq-len", "32"]
+sys.path.insert(0, ROOT)  # (the example trainer's package, examples.lm)
+
+from benchmarks.trainer_scaling import SMALL, job_meta  # noqa: E402
+
 COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|collective", re.I)
 
 
@@ -111,7 +112,6 @@ def growth(one: dict, many: dict, top: int = 12) -> list[tuple[str, float, float
 
 def profile_one(argv: list[str], k: int, head: str, per_device_batch: int, warmup: int, steps: int,
                 trace_dir: str) -> dict:
-  sys.path.insert(0, ROOT)
   from examples.lm import main as lm_main  # noqa: PLC0415
   from examples.lm.train import compile_step, compiled_memory, trainer_from_args  # noqa: PLC0415
 
@@ -157,11 +157,7 @@ def main(argv=None) -> int:
     raise SystemExit(f"--ks {a.ks}: this process sees {jax.device_count()} device(s)")
   common = ["--preset", a.preset, *(SMALL if a.small else [])]
   traces = os.path.join(a.out, "traces") if a.keep_traces else tempfile.mkdtemp(prefix="trainer_profile_")
-  dev = jax.devices()[0]
-  meta = {"device": getattr(dev, "device_kind", dev.platform), "n_devices": jax.device_count(),
-          "jax": jax.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
-          "commit": os.environ.get("LCE_FLAX_COMMIT"), "command": " ".join(sys.argv),
-          "per_device_batch": a.per_device_batch, "preset": a.preset, "steps": a.steps}
+  meta = {**job_meta(jax.device_count(), a.preset, a.per_device_batch), "steps": a.steps}
   runs = []
   for head in a.heads.split(","):
     for k in ks:

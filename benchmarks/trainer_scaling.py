@@ -58,6 +58,15 @@ def meshes(k: int) -> dict[str, str]:
   return out
 
 
+def job_meta(n: int, preset: str, per_device_batch: int) -> dict:
+  """What a trainer measurement's JSON says of its job: device, device count, versions, date, commit, command."""
+  dev = jax.devices()[0]
+  return {"device": getattr(dev, "device_kind", dev.platform), "n_devices": n, "jax": jax.__version__,
+          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
+          "commit": os.environ.get("LCE_FLAX_COMMIT"), "command": " ".join(sys.argv),
+          "per_device_batch": per_device_batch, "preset": preset}
+
+
 def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> dict:
   """One trainer process; its train_lm.json (or the error it ended with, or that it ran past ``timeout_s``)."""
   cmd = [sys.executable, SCRIPT, *argv, "--out", out, "--quiet"]
@@ -199,11 +208,7 @@ def main(argv=None) -> int:
   kinds = a.meshes.split(",")
   common = ["--preset", a.preset, "--steps", str(a.steps), "--eval-every", "0", "--eval-batches", "1",
             "--sample-tokens", "0", "--bench-steps", "3", *(SMALL if a.small else [])]
-  dev = jax.devices()[0]
-  meta = {"device": getattr(dev, "device_kind", dev.platform), "n_devices": n, "jax": jax.__version__,
-          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
-          "commit": os.environ.get("LCE_FLAX_COMMIT"), "command": " ".join(sys.argv),
-          "per_device_batch": a.per_device_batch, "preset": a.preset}
+  meta = job_meta(n, a.preset, a.per_device_batch)
   rows = previous_rows(a.previous, a.preset, a.per_device_batch)
   runs = a.out if a.keep_runs else tempfile.mkdtemp(prefix="trainer_scaling_")
   done = {(r["k"], r["mesh"], r["head"]) for r in rows}

@@ -505,11 +505,8 @@ def _eqns(jaxpr):
   """Every equation of ``jaxpr`` and of the jaxprs in its parameters."""
   for e in jaxpr.eqns:
     yield e
-    for p in e.params.values():
-      for sub in p if isinstance(p, (tuple, list)) else (p,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          yield from _eqns(inner)
+    for sub in jax.extend.core.jaxprs_in_params(e.params):
+      yield from _eqns(sub)
 
 
 @pytest.mark.parametrize("route", ["auto", "explicit"])
