@@ -19,10 +19,17 @@ measurement can be spread over several jobs; ``--previous FILE`` (repeatable) ta
 ``trainer_scaling.json`` (same preset and per-device batch), runs none of their (k, mesh, head) again and counts
 them in the weak-scaling ratios.
 
-``--schedule`` compiles the fused head's step on the largest data-parallel mesh in this process (its HLO kept as
-``DIR/step_data{k}.hlo.txt.gz``) and reads the compiled HLO's entry schedule: for each asynchronous all-reduce
-(``all-reduce-start`` … ``all-reduce-done``) its shape and how many instructions the schedule places between its
-start and its done (the work it can overlap); a backend without asynchronous collectives (the CPU) says so.
+``--variant NAME:KEY=VALUE[,KEY=VALUE…]`` (repeatable) runs every process once more per variant, with those XLA
+options for the train step (the trainer's ``--compiler-option``), e.g.
+``--variant lhs:xla_gpu_enable_latency_hiding_scheduler=true``; rows carry their variant (``default``: none) and
+weak scaling compares a row with k = 1 of its own head and variant.
+
+``--schedule`` compiles each head's step on the largest data-parallel mesh in this process, once per variant (the
+HLO kept as ``DIR/hlo/step_data{k}_{head}_{variant}.hlo.txt.gz``), and reads its schedule
+(:mod:`benchmarks.hlo_schedule`): for each asynchronous collective its shape, how many instructions and kernels
+the schedule places between its start and its done (the work it can overlap) and how many of the step's kernels
+come after its start; and the instructions at which the host waits for the device. A backend without
+asynchronous collectives (the CPU) says so.
 
 Writes ``DIR/trainer_scaling.json`` (device, n_devices, versions, date, commit, rows) and prints a table; each
 trainer process's own output stays in a temporary folder unless ``--keep-runs``.
@@ -42,6 +49,8 @@ import sys
 import tempfile
 
 import jax
+
+from benchmarks import hlo_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_lm.py")
@@ -83,62 +92,58 @@ def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> di
     return json.load(f)
 
 
-def schedule(text: str) -> list[dict]:
-  """The asynchronous all-reduces of the entry computation, in schedule order: shape, position and how many
-  instructions lie between start and done."""
-  entry = text[text.index("ENTRY"):]
-  body = entry[:entry.index("\n}")] if "\n}" in entry else entry
-  lines = [ln.strip() for ln in body.splitlines()[1:] if " = " in ln]
-  rows = []
-  for i, ln in enumerate(lines):
-    lhs, _, rhs = ln.partition(" = ")
-    if " all-reduce-start(" not in f" {rhs}":
-      continue
-    name = re.sub(r"^(ROOT\s+)?%?", "", lhs.strip())
-    used = re.compile(rf"all-reduce-done\([^)]*%?{re.escape(name)}(?![\w.])")
-    done = next((j for j in range(i + 1, len(lines)) if used.search(lines[j])), None)
-    rows.append({"name": name, "shape": rhs.split(" all-reduce-start(")[0].strip(), "position": i,
-                 "between": None if done is None else done - i - 1})
-  return rows
-
-
-def schedule_rows(argv: list[str], k: int, out: str | None = None) -> dict:
-  """The fused head's step on data = k, compiled here; its async all-reduces (see :func:`schedule`). With ``out``,
-  the compiled HLO goes to ``out/step_data{k}.hlo.txt.gz``."""
+def schedule_rows(argv: list[str], k: int, head: str, variant: str, out: str | None = None) -> dict:
+  """``head``'s step on data = k with ``argv`` (the variant's options among them), compiled here, read by
+  :func:`benchmarks.hlo_schedule.summary`; with ``out``, its HLO goes to
+  ``out/hlo/step_data{k}_{head}_{variant}.hlo.txt.gz``."""
   sys.path.insert(0, ROOT)
   from examples.lm import main as lm_main  # noqa: PLC0415
   from examples.lm.train import compile_step, trainer_from_args  # noqa: PLC0415
 
   args = lm_main.parse_args([*argv, "--mesh", f"data={k}", "--num-devices", str(k)])
-  tr = trainer_from_args(args, "fused")
+  tr = trainer_from_args(args, head)
   text = compile_step(tr, tr.abstract_state(args.seed), args.seq_len).as_text()
   if out:
-    with gzip.open(os.path.join(out, f"step_data{k}.hlo.txt.gz"), "wt") as f:
+    os.makedirs(os.path.join(out, "hlo"), exist_ok=True)
+    with gzip.open(os.path.join(out, "hlo", f"step_data{k}_{head}_{variant}.hlo.txt.gz"), "wt") as f:
       f.write(text)
-  found = schedule(text)
+  found = hlo_schedule.summary(text)
   sync = len(re.findall(r" all-reduce\(", text))
-  return {"mesh": f"data={k}", "async_all_reduces": found, "sync_all_reduces": sync,
-          "note": None if found else "no asynchronous all-reduce in this backend's compiled step"}
+  return {"mesh": f"data={k}", "head": head, "variant": variant, **found, "sync_all_reduces": sync,
+          "note": None if found["collectives"] else "no asynchronous collective in this backend's compiled step"}
+
+
+def parse_variants(items: list[str]) -> dict[str, list[str]]:
+  """``NAME:KEY=VALUE,KEY=VALUE`` items as name -> the trainer's ``--compiler-option`` arguments; ``default`` (no
+  options) first unless a variant takes that name."""
+  out: dict[str, list[str]] = {"default": []}
+  for item in items:
+    name, sep, opts = item.partition(":")
+    if not sep or not name or not opts or any("=" not in o for o in opts.split(",")):
+      raise SystemExit(f"--variant {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+    out[name] = [a for o in opts.split(",") for a in ("--compiler-option", o)]
+  return out
 
 
 def weak_scaling(rows: list[dict]) -> list[dict]:
-  """Each row with ``weak_scaling`` = t(1) / t(k), t(1) the step time of its head on one device (None where either
-  is missing)."""
-  base = {r["head"]: r["step_time_s"] for r in rows if r["k"] == 1 and r.get("step_time_s")}
+  """Each row with ``weak_scaling`` = t(1) / t(k), t(1) the step time of its head (and variant) on one device (None
+  where either is missing)."""
+  base = {(r["head"], r.get("variant", "default")): r["step_time_s"] for r in rows
+          if r["k"] == 1 and r.get("step_time_s")}
   out = []
   for r in rows:
-    t1 = base.get(r["head"])
+    t1 = base.get((r["head"], r.get("variant", "default")))
     out.append({**r, "weak_scaling": round(t1 / r["step_time_s"], 4) if t1 and r.get("step_time_s") else None})
   return out
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
-  """One row per (k, mesh, head), in first-seen order: the repeats' median step time and tokens/s per device, all
-  of their step times (``step_times_s``), the first repeat's memory, max batch and error (the error only where
-  every repeat failed)."""
+  """One row per (k, mesh, head, variant), in first-seen order: the repeats' median step time and tokens/s per
+  device, all of their step times (``step_times_s``), the first repeat's memory, max batch and error (the error
+  only where every repeat failed)."""
   groups: dict[tuple, list[dict]] = {}
   for r in rows:
-    groups.setdefault((r["k"], r["mesh"], r["head"]), []).append(r)
+    groups.setdefault((r["k"], r["mesh"], r["head"], r.get("variant", "default")), []).append(r)
   out = []
   for reps in groups.values():
     ok = [r for r in reps if r.get("step_time_s")]
@@ -163,7 +168,8 @@ def previous_rows(paths: list[str], preset: str, per_device_batch: int) -> list[
     if (prev.get("preset"), prev.get("per_device_batch")) != (preset, per_device_batch):
       raise SystemExit(f"--previous {path}: preset {prev.get('preset')!r}, per-device batch "
                        f"{prev.get('per_device_batch')}; this run: {preset!r}, {per_device_batch}")
-    rows += [{**r, "from": os.path.basename(os.path.dirname(os.path.abspath(path))) or path} for r in prev["rows"]]
+    rows += [{"variant": "default", **r, "from": os.path.basename(os.path.dirname(os.path.abspath(path))) or path}
+             for r in prev["rows"]]
   return rows
 
 
@@ -191,7 +197,9 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=1, help="processes per (k, mesh, head), run in turns; a row takes "
                   "their median")
   ap.add_argument("--timeout-s", type=float, default=900, help="per trainer process")
-  ap.add_argument("--schedule", action="store_true", help="also the fused step's all-reduce schedule")
+  ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                  help="also run every process with these XLA options for the step (repeatable)")
+  ap.add_argument("--schedule", action="store_true", help="also each head's (and variant's) compiled schedule")
   ap.add_argument("--small", action="store_true", help="a tiny model (a CPU check of the driver)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/trainer_scaling"))
   ap.add_argument("--keep-runs", action="store_true", help="keep each trainer process's train_lm.json and plot in "
@@ -211,17 +219,21 @@ def main(argv=None) -> int:
   meta = job_meta(n, a.preset, a.per_device_batch)
   rows = previous_rows(a.previous, a.preset, a.per_device_batch)
   runs = a.out if a.keep_runs else tempfile.mkdtemp(prefix="trainer_scaling_")
-  done = {(r["k"], r["mesh"], r["head"]) for r in rows}
-  todo = [(k, mesh_name, mesh, head) for k in ks for mesh_name, mesh in meshes(k).items()
-          for head in a.heads.split(",") if mesh_name in kinds and (k, mesh, head) not in done]
+  variants = parse_variants(a.variant)
+  done = {(r["k"], r["mesh"], r["head"], r.get("variant", "default")) for r in rows}
+  todo = [(k, mesh_name, mesh, head, var) for k in ks for mesh_name, mesh in meshes(k).items()
+          for head in a.heads.split(",") for var in variants
+          if mesh_name in kinds and (k, mesh, head, var) not in done]
   for rep in range(a.repeats):  # (each repeat runs every process once: drift over the job spreads over all rows)
-    for k, mesh_name, mesh, head in todo:
-      sub = os.path.join(runs, f"{k}dev_{mesh_name}_{head}" + (f"_{rep}" if a.repeats > 1 else ""))
-      res = run_trainer([*common, "--loss", head, "--only-this-head", "--num-devices", str(k), "--mesh", mesh,
-                         "--batch-size", str(a.per_device_batch * k)], sub, a.timeout_s)
+    for k, mesh_name, mesh, head, var in todo:
+      sub = os.path.join(runs, f"{k}dev_{mesh_name}_{head}" + (f"_{var}" if len(variants) > 1 else "")
+                         + (f"_{rep}" if a.repeats > 1 else ""))
+      res = run_trainer([*common, *variants[var], "--loss", head, "--only-this-head", "--num-devices", str(k),
+                         "--mesh", mesh, "--batch-size", str(a.per_device_batch * k)], sub, a.timeout_s)
       run = res.get("runs", {}).get(head, {})
       mem = run.get("memory", {})
-      row = {"k": k, "mesh": mesh, "mesh_kind": mesh_name, "head": head, "batch_size": a.per_device_batch * k,
+      row = {"k": k, "mesh": mesh, "mesh_kind": mesh_name, "head": head, "variant": var,
+             "compiler_options": variants[var][1::2], "batch_size": a.per_device_batch * k,
              "step_time_s": run.get("step_time_s"),
              "tokens_per_s_per_device": run["tokens_per_s"] / k if run.get("tokens_per_s") else None,
              "compiled_peak_bytes": mem.get("compiled", {}).get("peak"),
@@ -229,24 +241,32 @@ def main(argv=None) -> int:
              "gpu_peak_bytes": mem.get("gpu_peak_bytes_in_use"), "error": res.get("error"), "repeat": rep}
       if a.max_batch and rep == 0:
         limit = ["--max-batch-limit", str(a.max_batch_limit * k)] if a.max_batch_limit else []
-        mb = run_trainer([*common, "--find-max-batch", "--heads", head, "--num-devices", str(k), "--mesh", mesh,
-                          *limit], sub + "_maxbatch", a.timeout_s)
+        mb = run_trainer([*common, *variants[var], "--find-max-batch", "--heads", head, "--num-devices", str(k),
+                          "--mesh", mesh, *limit], sub + "_maxbatch", a.timeout_s)
         row["max_batch"] = mb.get("max_batch", {}).get(head, mb.get("error"))
       rows.append(row)
       print(json.dumps(row), flush=True)
       write(a.out, meta, rows, None)  # (so far: a run cut short keeps what it measured)
   rows = weak_scaling(aggregate(rows))
-  sched = schedule_rows(common, max(ks), a.out) if a.schedule and max(ks) > 1 else None
+  sched = None
+  if a.schedule and max(ks) > 1:
+    sched = [schedule_rows([*common, *opts], max(ks), head, var, a.out) for head in a.heads.split(",")
+             for var, opts in variants.items()]
   write(a.out, meta, rows, sched)
-  print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} {'peak GB':>8}")
+  print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'variant':<10} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} "
+        f"{'peak GB':>8}")
   for r in rows:
     ms = f"{r['step_time_s'] * 1e3:9.1f}" if r["step_time_s"] else f"{'error':>9}"
     tps = f"{r['tokens_per_s_per_device']:11,.0f}" if r["tokens_per_s_per_device"] else f"{'':>11}"
     ws = f"{r['weak_scaling']:6.3f}" if r["weak_scaling"] else f"{'':>6}"
     pk = f"{r['compiled_peak_bytes'] / 2**30:8.2f}" if r["compiled_peak_bytes"] else f"{'':>8}"
-    print(f"{r['k']:>3} {r['mesh']:<18} {r['head']:<6} {ms} {tps} {ws} {pk}")
-  if sched is not None:
-    print(f"\nschedule ({sched['mesh']}): {sched['note'] or sched['async_all_reduces']}")
+    print(f"{r['k']:>3} {r['mesh']:<18} {r['head']:<6} {r.get('variant', 'default'):<10} {ms} {tps} {ws} {pk}")
+  for sc in sched or ():
+    print(f"\nschedule ({sc['mesh']}, {sc['head']}, {sc['variant']}): {sc['note'] or ''}")
+    for c in sc["collectives"]:
+      print(f"  {c['name']:<22} {c['shape'][:40]:<40} between {c['between']!s:>4} ({c['compute_between']} compute), "
+            f"kernels after its start {c['kernels_after']}/{c['kernels']}")
+    print(f"  host syncs: {len(sc['host_syncs'])} " + ", ".join(f"{h['kind']} {h['name']}" for h in sc["host_syncs"]))
   return 0 if all(r["error"] is None for r in rows) else 1
 
 

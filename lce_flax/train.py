@@ -38,7 +38,7 @@ turn each process's own rows of the batch into global arrays with :func:`global_
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -203,7 +203,9 @@ def batch_axes(mesh: Mesh, rules: Rules | None = None) -> tuple[str, ...]:
 
 def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, *,
                     mesh: Mesh | None = None, rules: Rules | None = None, grad_accum_steps: int = 1,
-                    donate: bool = True, has_aux: bool = False) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+                    donate: bool = True, has_aux: bool = False,
+                    compiler_options: Mapping[str, Any] | None = None,
+                    ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
   """A jitted ``step(state, batch) -> (state, metrics)``: gradients of ``loss_fn``, one optimizer update.
 
   Args:
@@ -218,6 +220,10 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       divisible by ``grad_accum_steps`` × (size of the batch mesh axes).
     donate: donate the incoming state's buffers to the new state.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; aux's leaves (averaged over micro-batches) join the metrics.
+    compiler_options: XLA options for compiling the step (``jax.jit(..., compiler_options=...)``), e.g.
+      ``{"xla_gpu_enable_latency_hiding_scheduler": True}``: XLA's GPU backend leaves its latency-hiding scheduler
+      off by default, and then schedules the gradients' all-reduces after the backward instead of beside it
+      (``docs/multi_gpu.md``). An unknown name fails the step's compile, naming it.
 
   Returns:
     ``step(state, batch)``. ``batch`` is a pytree of arrays ``[B, ...]`` split over the batch axes on dim 0.
@@ -226,6 +232,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
   """
   if grad_accum_steps < 1:
     raise ValueError(f"{grad_accum_steps=} must be >= 1")
+  copts = dict(compiler_options or {})
   rules = tuple(DEFAULT_RULES if rules is None else rules)
   accum = grad_accum_steps
   baxes = batch_axes(mesh, rules) if mesh is not None else ()
@@ -273,7 +280,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
 
   donate_argnums = (0,) if donate else ()
   if mesh is None:
-    return jax.jit(step, donate_argnums=donate_argnums)
+    return jax.jit(step, donate_argnums=donate_argnums, compiler_options=copts)
 
   compiled: dict[Any, Callable] = {}
 
@@ -288,7 +295,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
       st = state_shardings(state, mesh, rules)
       bt = jax.tree.unflatten(treedef, [NamedSharding(mesh, P(bspec)) for _ in leaves])
       compiled[key] = jax.jit(step, in_shardings=(st, bt), out_shardings=(st, NamedSharding(mesh, P())),
-                              donate_argnums=donate_argnums)
+                              donate_argnums=donate_argnums, compiler_options=copts)
     return compiled[key]
 
   def sharded_step(state: TrainState, batch):

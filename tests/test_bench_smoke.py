@@ -245,15 +245,17 @@ def test_kernels_in_interpret_mode(tmp_path):
     assert r["loss_rel_err"] < 1e-3 and r["dw_norm"] == pytest.approx(ref["dw_norm"], rel=2e-2), r
 
 
-def test_trainer_scaling_reads_the_all_reduce_schedule():
-  """benchmarks/trainer_scaling.py: each async all-reduce of the entry computation with the instructions scheduled
-  between its start and its done (names with and without %, a done of another start not counted)."""
-  from benchmarks.trainer_scaling import meshes, schedule
-
-  hlo = """HloModule step
+_HLO = """HloModule step, is_scheduled=true
 
 %add (a: f32[], b: f32[]) -> f32[] {
   ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %c = () conditional(pred[] %q, () %t, () %t), true_computation=%add, false_computation=%add, metadata={op_name="jit(step)/cond"}
+  %cb = () custom-call(), custom_call_target="xla_ffi_python_gpu_callback", metadata={op_name="jit(step)/debug_callback"}
+  ROOT %r = (s32[], f32[4]{0}) tuple(s32[] %i, f32[4]{0} %x)
 }
 
 ENTRY %main (p0: f32[4], p1: bf16[1024,512]) -> f32[4] {
@@ -263,17 +265,94 @@ ENTRY %main (p0: f32[4], p1: bf16[1024,512]) -> f32[4] {
   all-reduce-start.1 = f32[4]{0} all-reduce-start(f32[4]{0} %p0), to_apply=%add
   %a = f32[4]{0} add(f32[4]{0} %p0, f32[4]{0} %p0)
   %all-reduce-done.1 = f32[4]{0} all-reduce-done(f32[4]{0} %all-reduce-start.1)
-  %b = f32[4]{0} multiply(f32[4]{0} %a, f32[4]{0} %all-reduce-done.1)
+  %g = f32[4]{0} fusion(f32[4]{0} %a), kind=kCustom, calls=%add, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %w = (s32[], f32[4]{0}) while((s32[], f32[4]{0}) %t0), condition=%add, body=%body, backend_config={"known_trip_count":{"n":"2"}}
+  %w2 = (s32[], f32[4]{0}) while((s32[], f32[4]{0}) %t0), condition=%add, body=%body, metadata={op_name="jit(step)/while"}
   %all-reduce-done = bf16[1024,512]{1,0} all-reduce-done(bf16[1024,512]{1,0} %all-reduce-start)
+  %k = (f32[4]{0}, s8[4]{0}) custom-call(f32[4]{0} %a), custom_call_target="__cublas$lt$matmul"
   ROOT %r = f32[4]{0} add(f32[4]{0} %b, f32[4]{0} %b)
 }
-"""
-  got = schedule(hlo)
-  assert [(r["name"], r["shape"], r["between"]) for r in got] == [
-      ("all-reduce-start", "bf16[1024,512]{1,0}", 4), ("all-reduce-start.1", "f32[4]{0}", 1)]
-  assert schedule(hlo.replace("all-reduce-done(bf16", "copy(bf16"))[0]["between"] is None
+"""  # noqa: E501
+
+
+def test_hlo_schedule_reads_collectives_and_host_syncs():
+  """benchmarks/hlo_schedule.py on a hand-written scheduled module: each async collective of the entry with the
+  instructions and compute between its start and its done (names with and without %, a done of another start not
+  counted) and the kernels after its start; every conditional, while of unknown trip count and host callback of
+  any computation."""
+  from benchmarks import hlo_schedule
+
+  got = hlo_schedule.collectives(_HLO)
+  assert [(r["name"], r["kind"], r["shape"], r["between"], r["compute_between"], r["kernels_after"], r["kernels"])
+          for r in got] == [("all-reduce-start", "all-reduce", "bf16[1024,512]{1,0}", 6, 3, 4, 4),
+                            ("all-reduce-start.1", "all-reduce", "f32[4]{0}", 1, 0, 4, 4)]
+  assert got[0]["position"] == 2 and got[0]["position_frac"] == round(2 / 11, 3)
+  assert hlo_schedule.collectives(_HLO.replace("all-reduce-done(bf16", "copy(bf16"))[0]["between"] is None
+  syncs = hlo_schedule.host_syncs(_HLO)
+  assert [(h["computation"], h["name"], h["kind"], h["op_name"]) for h in syncs] == [
+      ("body", "c", "conditional", "jit(step)/cond"), ("body", "cb", "host callback", "jit(step)/debug_callback"),
+      ("ENTRY", "w2", "while", "jit(step)/while")]
+
+
+def test_hlo_schedule_of_a_recorded_gpu_step():
+  """benchmarks/hlo_schedule.py on the fused head's compiled step recorded on two H200s (data=2, results of
+  2026-11-27): the counts read off that file by hand. Eleven all-reduces, all started after 157 of the step's
+  189 kernels; the head's (bf16[1024,131072]) and the embedding's after the last; six host syncs in the head."""
+  from benchmarks import hlo_schedule
+
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
+                      "trainer-scaling-2026-11-27", "run3_bf10960", "step_data2.hlo.txt.gz")
+  s = hlo_schedule.summary(hlo_schedule.read(path))
+  cs = s["collectives"]
+  assert s["entry_instructions"] == 2299 and len(cs) == 11 and {c["kind"] for c in cs} == {"all-reduce"}
+  assert all(c["kernels"] == 189 for c in cs) and max(c["kernels_after"] for c in cs) == 32
+  head = next(c for c in cs if c["shape"].startswith("((bf16[1024,131072]"))
+  assert (head["between"], head["kernels_after"]) == (2, 0) and head["op_name"].endswith("head/jit(_op)/shard_map/psum")
+  assert sorted(h["kind"] for h in s["host_syncs"]) == ["conditional"] * 2 + ["host callback"] * 2 + ["while"] * 2
+  assert all("/head/" in h["op_name"] for h in s["host_syncs"])
+
+
+def test_trainer_scaling_variants():
+  """benchmarks/trainer_scaling.py --variant: NAME:KEY=VALUE,... as the trainer's --compiler-option arguments
+  (``default`` first), malformed ones refused; weak scaling within a variant; the mesh kinds of k devices."""
+  from benchmarks.trainer_scaling import meshes, parse_variants, weak_scaling
+
+  assert parse_variants(["lhs:xla_gpu_enable_latency_hiding_scheduler=true,xla_x=2"]) == {
+      "default": [], "lhs": ["--compiler-option", "xla_gpu_enable_latency_hiding_scheduler=true",
+                             "--compiler-option", "xla_x=2"]}
+  for bad in ("lhs", "lhs:", ":a=1", "lhs:a"):
+    with pytest.raises(SystemExit, match="--variant"):
+      parse_variants([bad])
+  row = lambda k, var, t: {"k": k, "mesh": f"data={k}", "head": "fused", "variant": var, "step_time_s": t}
+  got = weak_scaling([row(1, "default", 0.10), row(1, "lhs", 0.08), row(2, "default", 0.125), row(2, "lhs", 0.1)])
+  assert [r["weak_scaling"] for r in got] == [1.0, 1.0, 0.8, 0.8]
   assert meshes(1) == {"data": "data=1"}
   assert meshes(4) == {"data": "data=4", "fsdp": "fsdp=4", "tensor": "data=2,tensor=2"}
+
+
+def test_trainer_scaling_runs_on_cpu(tmp_path):
+  """benchmarks/trainer_scaling.py end to end on 2 simulated CPU devices with a tiny model: the fused head with
+  and without a variant's compiler option, and the schedule of each (the CPU has no asynchronous collectives)."""
+  import json
+  import subprocess
+  import sys
+
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.trainer_scaling", "--preset", "cpu", "--small", "--ks",
+                         "2", "--meshes", "data", "--heads", "fused", "--steps", "2", "--schedule",
+                         "--variant", "lhs:xla_gpu_enable_latency_hiding_scheduler=true", "--out", str(tmp_path)],
+                        capture_output=True, text=True, env=env, timeout=600,
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = json.loads((tmp_path / "trainer_scaling.json").read_text())
+  assert [(r["k"], r["variant"], r["compiler_options"]) for r in got["rows"]] == [
+      (2, "default", []), (2, "lhs", ["xla_gpu_enable_latency_hiding_scheduler=true"])]
+  assert all(r["step_time_s"] > 0 and r["error"] is None for r in got["rows"])
+  assert [(sc["head"], sc["variant"], sc["collectives"]) for sc in got["schedule"]] == [
+      ("fused", "default", []), ("fused", "lhs", [])]
+  assert all(sc["note"] and sc["entry_instructions"] > 0 for sc in got["schedule"])
+  assert sorted(os.listdir(tmp_path / "hlo")) == ["step_data2_fused_default.hlo.txt.gz",
+                                                  "step_data2_fused_lhs.hlo.txt.gz"]
 
 
 def test_trainer_scaling_joins_earlier_jobs(tmp_path):

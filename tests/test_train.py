@@ -172,6 +172,36 @@ def test_indivisible_batch_raises():
     step(state, _batches(1)[0])
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_compiler_options_reach_the_step(sharded):
+  """``compiler_options`` go to the step's compile: a misspelled name fails it, naming the name; the GPU scheduler
+  option (a no-op on the CPU) trains exactly as without it, and ``step.lower`` compiles with it too."""
+  mesh = make_mesh(2, 2, 2) if sharded else None
+  model = TinyLM(mesh=mesh)
+  batches = _batches(2)
+  params = TinyLM().init(jax.random.key(0), batches[0]["tokens"], batches[0]["labels"])["params"]
+  opt = optax.adam(1e-2)
+  loss = lambda p, b: model.apply({"params": p}, b["tokens"], b["labels"])  # noqa: E731
+
+  def run(options):
+    state = TrainState.create(params, opt, mesh=mesh)
+    step = make_train_step(loss, opt, mesh=mesh, compiler_options=options)
+    losses = []
+    for b in batches:
+      state, m = step(state, b)
+      losses.append(float(m["loss"]))
+    return losses, step, state
+
+  typo = {"xla_gpu_enable_latency_hiding_schedulr": True}
+  with pytest.raises(Exception, match="xla_gpu_enable_latency_hiding_schedulr"):
+    run(typo)
+  base, _, state = run(None)
+  got, _, _ = run({"xla_gpu_enable_latency_hiding_scheduler": True})
+  assert got == base
+  with pytest.raises(Exception, match="xla_gpu_enable_latency_hiding_schedulr"):  # the lowered step carries them
+    make_train_step(loss, opt, mesh=mesh, compiler_options=typo).lower(state, batches[0]).compile()
+
+
 def test_vocab_parallel_train_step_never_holds_the_head():
   """The whole compiled step on a 1×1×8 mesh (grads, Adam update) keeps the [H, V] head split over V."""
   mesh = make_mesh(1, 1, 8)

@@ -30,7 +30,7 @@ from .data import load_data
 from .maxbatch import find_max_batch, probe
 from .model import HEADS
 from .report import print_table, write_outputs
-from .train import parse_mesh, train
+from .train import compiler_options, parse_mesh, train
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_lm.py")
 
@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--num-devices", type=int, help="use the first N devices (default: all that divide the batch)")
   p.add_argument("--mesh", help="mesh axis sizes, e.g. data=2,fsdp=2,tensor=2 (axes data, fsdp, tensor; missing: 1; "
                  "one may be -1). Default: data parallel over the devices that divide the batch")
+  p.add_argument("--compiler-option", action="append", metavar="KEY=VALUE",
+                 help="an XLA option for compiling the train step (repeatable), e.g. "
+                 "xla_gpu_enable_latency_hiding_scheduler=true to overlap the gradients' all-reduces with the backward")
   p.add_argument("--coordinator", help="multi-process run: HOST:PORT of process 0 (jax.distributed.initialize)")
   p.add_argument("--num-processes", type=int, default=1, help="multi-process run: number of processes")
   p.add_argument("--process-id", type=int, default=0, help="multi-process run: this process's index")
@@ -125,6 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.error("--resume needs --ckpt-dir")
   try:
     parse_mesh(args.mesh)
+    compiler_options(args.compiler_option)
   except ValueError as e:
     p.error(str(e))
   if args.num_processes > 1 and not args.coordinator:

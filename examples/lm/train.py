@@ -119,7 +119,8 @@ def _unboxed(tree: Any) -> Any:
 
 
 def make_trainer(cfg: ModelConfig, head: str, impl: str, batch_size: int, tx: optax.GradientTransformation,
-                 seq_len: int, num_devices: int | None = None, mesh: str | None = None) -> Trainer:
+                 seq_len: int, num_devices: int | None = None, mesh: str | None = None,
+                 compiler_options: dict | None = None) -> Trainer:
   mesh_ = build_mesh(batch_size, mesh, num_devices)
   model = TransformerLM(cfg, head=head, impl=impl)
   repl = NamedSharding(mesh_, P())
@@ -143,7 +144,7 @@ def make_trainer(cfg: ModelConfig, head: str, impl: str, batch_size: int, tx: op
   # Plain jit: the state's and the batch's shardings are in their types (Explicit axes), and the fused head runs
   # per shard from them; ``.lower()`` stays available for the compiled memory analysis. The step returns the
   # loss and the gradient norm only: no logits are formed for metrics.
-  step = make_train_step(loss_fn, tx, mesh=None, donate=True)
+  step = make_train_step(loss_fn, tx, mesh=None, donate=True, compiler_options=compiler_options)
 
   def next_logits(params, tokens, pos):
     # Causal attention: logits at `pos` do not depend on the (padding) tokens after it, so one compiled length.
@@ -162,7 +163,28 @@ def make_trainer(cfg: ModelConfig, head: str, impl: str, batch_size: int, tx: op
 
 def trainer_from_args(args: argparse.Namespace, head: str, batch_size: int | None = None) -> Trainer:
   return make_trainer(model_config(args), head, args.impl, batch_size or args.batch_size,
-                      make_optimizer(args.lr, args.warmup, args.steps), args.seq_len, args.num_devices, args.mesh)
+                      make_optimizer(args.lr, args.warmup, args.steps), args.seq_len, args.num_devices, args.mesh,
+                      compiler_options(args.compiler_option))
+
+
+def compiler_options(items: list[str] | None) -> dict:
+  """``--compiler-option KEY=VALUE`` items as the step's XLA options: true/false as booleans, integers and floats
+  as numbers, anything else as a string."""
+  out = {}
+  for item in items or ():
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+      raise ValueError(f"--compiler-option {item!r}: expected KEY=VALUE")
+    value: object = {"true": True, "false": False}.get(text.lower(), text)
+    if isinstance(value, str):
+      for kind in (int, float):
+        try:
+          value = kind(text)
+          break
+        except ValueError:
+          pass
+    out[key] = value
+  return out
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:

@@ -1,0 +1,139 @@
+"""What a compiled step's HLO says of its schedule: where each asynchronous collective starts and ends, and which
+instructions make the host wait for the device.
+
+    python3 -m benchmarks.hlo_schedule STEP.hlo.txt[.gz]      # a compiled module's text (``compiled.as_text()``)
+
+Two readings, both of the text XLA prints for a compiled (scheduled) module, whose computations list their
+instructions in schedule order:
+
+- :func:`collectives`: each ``*-start`` … ``*-done`` pair of the entry computation (all-reduce, all-gather,
+  reduce-scatter, collective-permute, all-to-all): its shape, its position in the entry's schedule (also as a
+  fraction of it), how many instructions lie between start and done, and how many of those are compute (fusions,
+  custom calls, while loops, conditionals): the work the collective can overlap; and how many of the entry's
+  kernels (custom calls, Triton GEMM fusions, while loops) are scheduled after its start, of all.
+- :func:`host_syncs`: the instructions of any computation at which XLA's GPU runtime copies a value to the host
+  and blocks until the device has reached it: a ``conditional`` (its predicate or branch index), a ``while``
+  whose trip count the compiler did not find (its condition, once per trip), and a host callback. Each drains the
+  device's queue of launched work, so the device idles while the host launches what follows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+
+_ASYNC = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_COMPUTE = ("fusion", "custom-call", "while", "conditional", "convolution", "dot")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z\-]*)\((.*)$")
+
+
+def read(path: str) -> str:
+  """The text of an HLO file (gzip-compressed where its name ends in ``.gz``)."""
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rt") as f:
+    return f.read()
+
+
+def computations(text: str) -> dict[str, list[tuple[str, str, str, str]]]:
+  """Each computation's instructions in printed (schedule) order: (name, shape, opcode, rest of the line); the
+  entry computation under the key ``"ENTRY"``."""
+  out: dict[str, list] = {}
+  current = None
+  for line in text.splitlines():
+    head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+    if head and not line.startswith(" "):
+      current = "ENTRY" if head.group(1) else head.group(2)
+      out[current] = []
+      continue
+    if line.startswith("}"):
+      current = None
+      continue
+    m = _INSTR.match(line) if current is not None else None
+    if m:
+      out[current].append((m.group(1), m.group(2).strip(), m.group(3), m.group(4)))
+  return out
+
+
+def _op_name(rest: str) -> str:
+  m = re.search(r'op_name="([^"]*)"', rest)
+  return m.group(1) if m else ""
+
+
+def collectives(text: str) -> list[dict]:
+  """The entry computation's asynchronous collectives in schedule order (see the module's docstring)."""
+  entry = computations(text).get("ENTRY", [])
+  rows = []
+  for i, (name, shape, op, rest) in enumerate(entry):
+    kind = op.removesuffix("-start")
+    if not op.endswith("-start") or kind not in _ASYNC:
+      continue
+    used = re.compile(rf"(?<![\w.\-])%?{re.escape(name)}(?![\w.\-])")
+    done = next((j for j in range(i + 1, len(entry))
+                 if entry[j][2] == f"{kind}-done" and used.search(entry[j][3])), None)
+    between = entry[i + 1:done] if done is not None else []
+    rows.append({"name": name, "kind": kind, "shape": shape, "position": i,
+                 "position_frac": round(i / max(len(entry) - 1, 1), 3),
+                 "between": None if done is None else done - i - 1,
+                 "compute_between": sum(op_ in _COMPUTE for _, _, op_, _ in between),
+                 "kernels_after": sum(_kernel(op_, r) for _, _, op_, r in entry[i + 1:]),
+                 "kernels": sum(_kernel(op_, r) for _, _, op_, r in entry),
+                 "op_name": _op_name(rest)})
+  return rows
+
+
+def _kernel(op: str, rest: str) -> bool:
+  """Whether an instruction is a library or custom kernel (cuBLAS, Mosaic), a Triton GEMM fusion or a loop: the
+  step's heavy work, beside which a collective can hide."""
+  return op in ("custom-call", "while") or (op == "fusion" and "gemm_fusion\"" in rest)
+
+
+def host_syncs(text: str) -> list[dict]:
+  """Every instruction of the module at which the host waits for the device (see the module's docstring): its
+  computation, name, kind (``conditional``, ``while`` or ``host callback``) and op_name."""
+  rows = []
+  for comp, instrs in computations(text).items():
+    for name, _, op, rest in instrs:
+      if op == "conditional":
+        kind = "conditional"
+      elif op == "while" and "known_trip_count" not in rest:
+        kind = "while"
+      elif op == "custom-call" and "callback" in (re.search(r'custom_call_target="([^"]*)"', rest) or [""])[0]:
+        kind = "host callback"
+      else:
+        continue
+      rows.append({"computation": comp, "name": name, "kind": kind, "op_name": _op_name(rest)})
+  return rows
+
+
+def summary(text: str) -> dict:
+  """Both readings of one module, and the entry's length."""
+  return {"entry_instructions": len(computations(text).get("ENTRY", [])), "collectives": collectives(text),
+          "host_syncs": host_syncs(text)}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("hlo", help="a compiled module's text, .gz allowed")
+  ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+  a = ap.parse_args(argv)
+  s = summary(read(a.hlo))
+  if a.json:
+    print(json.dumps(s, indent=1))
+    return 0
+  print(f"entry: {s['entry_instructions']} instructions")
+  print(f"{'collective':<22} {'shape':<34} {'at':>6} {'between':>8} {'compute':>8} {'kernels after':>14}  op")
+  for c in s["collectives"]:
+    after = f"{c['kernels_after']}/{c['kernels']}"
+    print(f"{c['name']:<22} {c['shape'][:34]:<34} {c['position_frac']:6.3f} {c['between']!s:>8} "
+          f"{c['compute_between']:>8} {after:>14}  {c['op_name'][-50:]}")
+  print(f"host syncs: {len(s['host_syncs'])}")
+  for h in s["host_syncs"]:
+    print(f"  {h['kind']:<14} {h['name']:<22} in {h['computation']:<28} {h['op_name'][-70:]}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
