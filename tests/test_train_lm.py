@@ -300,3 +300,26 @@ def test_presets_set_no_option_of_the_fused_head():
     lm_main.parse_args(["--chunk-size", "4096"])
   headroom = lm_main.PRESETS["headroom"]
   assert headroom["vocab_size"] == 256000 and headroom["batch_size"] * headroom["seq_len"] == 65536
+
+
+@pytest.mark.parametrize("head", ["fused", "plain"])
+def test_bf16_step_reduces_the_vocabulary_gradients_in_bf16(head, tmp_path):
+  """A bf16 model on a data-parallel mesh reduces the gradients of its two [V, d] parameters, the embedding table
+  (rows looked up in the compute dtype, as ``nn.Embed(dtype=...)`` does) and the head, in bf16: the step's largest
+  all-reduces move half the bytes. Read from the program as XLA's partitioner leaves it (dumped through the step's
+  ``compiler_options``), before the CPU backend widens bf16 collectives."""
+  import glob
+  import re
+
+  v, d = 1024, 32
+  cfg = lm_model.ModelConfig(vocab_size=v, seq_len=16, d_model=d, num_layers=1, num_heads=2, d_ff=64,
+                             dtype="bfloat16")
+  tr = lm_train.make_trainer(cfg, head, "auto", 4, lm_train.make_optimizer(1e-3, 1, 2), 16, num_devices=2,
+                             compiler_options={"xla_dump_to": str(tmp_path),
+                                               "xla_dump_hlo_pass_re": "spmd-partitioning"})
+  lm_train.compile_step(tr, tr.abstract_state(0), 16)
+  (path,) = glob.glob(str(tmp_path / "*jit_step*after_spmd-partitioning*"))
+  with open(path) as f:
+    reduced = re.findall(r"= (\w+)\[([\d,]*)\]\{[\d,]*\} all-reduce\(", f.read())
+  vocab = sorted(dt for dt, dims in reduced if sorted(map(int, dims.split(","))) == [d, v])
+  assert vocab == ["bf16", "bf16"], reduced

@@ -105,7 +105,11 @@ class TransformerLM(nn.Module):
     t = tokens.shape[-1]
     if t > self.cfg.seq_len:
       raise ValueError(f"tokens.shape={tokens.shape}: at most seq_len={self.cfg.seq_len} positions")
-    x = (embed_lookup(self.embed.embedding, tokens) + self.pos[:t]).astype(jnp.dtype(self.cfg.dtype))
+    # The rows are looked up in the compute dtype, as nn.Embed(dtype=...) does: the table's gradient (a scatter-add
+    # of the rows' gradients) is then formed, and reduced over the data axes, in that dtype (bf16: half the bytes of
+    # the step's largest all-reduce; the float32 table itself is what the optimizer updates).
+    dtype = jnp.dtype(self.cfg.dtype)
+    x = (embed_lookup(self.embed.embedding.astype(dtype), tokens) + self.pos[:t]).astype(dtype)
     for blk in self.blocks:
       x = blk(x)
     return self.ln_f(x)
