@@ -147,6 +147,8 @@ def main(argv=None) -> int:
   ap.add_argument("--heads", default="fused,plain")
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--steps", type=int, default=5, help="profiled steps per (k, head)")
+  ap.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
+                  help="an XLA option for compiling the step (the trainer's flag; repeatable)")
   ap.add_argument("--small", action="store_true", help="a tiny model (a CPU check of the driver)")
   ap.add_argument("--keep-traces", action="store_true", help="keep the traces in DIR/traces/")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/trainer_profile"))
@@ -155,7 +157,8 @@ def main(argv=None) -> int:
   ks = [int(k) for k in a.ks.split(",")]
   if max(ks) > jax.device_count():
     raise SystemExit(f"--ks {a.ks}: this process sees {jax.device_count()} device(s)")
-  common = ["--preset", a.preset, *(SMALL if a.small else [])]
+  common = ["--preset", a.preset, *(SMALL if a.small else []),
+            *(arg for opt in a.compiler_option for arg in ("--compiler-option", opt))]
   traces = os.path.join(a.out, "traces") if a.keep_traces else tempfile.mkdtemp(prefix="trainer_profile_")
   meta = {**job_meta(jax.device_count(), a.preset, a.per_device_batch), "steps": a.steps}
   runs = []

@@ -445,16 +445,23 @@ def test_trainer_profile_sums_device_time():
 
 def test_trainer_profile_runs_on_cpu(tmp_path):
   """benchmarks/trainer_profile.py end to end on 2 simulated CPU devices with a tiny model: one run per (k, head),
-  each step timed (the CPU trace has no device process, so no device numbers)."""
+  each step timed (the CPU trace has no device process, so no device numbers); ``--compiler-option`` reaches the
+  step's compile (a misspelled one fails it)."""
   import json
   import subprocess
   import sys
 
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, "-m", "benchmarks.trainer_profile", "--preset", "cpu", "--small", "--ks",
-                         "1,2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
-                        capture_output=True, text=True, env=env, timeout=600,
-                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+  def run(*extra):
+    return subprocess.run([sys.executable, "-m", "benchmarks.trainer_profile", "--preset", "cpu", "--small", "--ks",
+                           "1,2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path), *extra],
+                          capture_output=True, text=True, env=env, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+  bad = run("--heads", "fused", "--compiler-option", "xla_gpu_enable_latency_hiding_schedulr=true")
+  assert bad.returncode != 0 and "xla_gpu_enable_latency_hiding_schedulr" in bad.stderr
+  proc = run("--compiler-option", "xla_gpu_enable_latency_hiding_scheduler=true")
   assert proc.returncode == 0, proc.stderr[-3000:]
   runs = json.loads((tmp_path / "trainer_profile.json").read_text())["runs"]
   assert [(r["k"], r["head"], r["batch_size"]) for r in runs] == [(1, "fused", 8), (2, "fused", 16), (1, "plain", 8),
