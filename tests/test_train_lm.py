@@ -323,3 +323,16 @@ def test_bf16_step_reduces_the_vocabulary_gradients_in_bf16(head, tmp_path):
     reduced = re.findall(r"= (\w+)\[([\d,]*)\]\{[\d,]*\} all-reduce\(", f.read())
   vocab = sorted(dt for dt, dims in reduced if sorted(map(int, dims.split(","))) == [d, v])
   assert vocab == ["bf16", "bf16"], reduced
+
+
+def test_compiler_option_flags():
+  """``--compiler-option KEY=VALUE``: booleans, integers, floats and strings, in the order given; malformed ones
+  are refused by the argument parser, naming the item."""
+  got = lm_train.compiler_options(["a=true", "b=False", "c=2", "d=0.5", "e=some,thing", "c=3"])
+  assert got == {"a": True, "b": False, "c": 3, "d": 0.5, "e": "some,thing"}
+  assert type(got["c"]) is int and lm_train.compiler_options(None) == {}
+  for bad in ("novalue", "=1"):
+    with pytest.raises(SystemExit):
+      lm_main.parse_args(["--compiler-option", bad])
+    with pytest.raises(ValueError, match=repr(bad)):
+      lm_train.compiler_options([bad])
