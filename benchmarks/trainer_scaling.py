@@ -24,12 +24,12 @@ options for the train step (the trainer's ``--compiler-option``), e.g.
 ``--variant lhs:xla_gpu_enable_latency_hiding_scheduler=true``; rows carry their variant (``default``: none) and
 weak scaling compares a row with k = 1 of its own head and variant.
 
-``--schedule`` compiles each head's step on the largest data-parallel mesh in this process, once per variant (the
-HLO kept as ``DIR/hlo/step_data{k}_{head}_{variant}.hlo.txt.gz``), and reads its schedule
-(:mod:`benchmarks.hlo_schedule`): for each asynchronous collective its shape, how many instructions and kernels
-the schedule places between its start and its done (the work it can overlap) and how many of the step's kernels
-come after its start; and the instructions at which the host waits for the device. A backend without
-asynchronous collectives (the CPU) says so.
+``--schedule`` compiles each head's step on one device and on the largest data-parallel mesh in this process,
+once per variant (the HLOs kept in ``DIR/hlo.tar`` as ``step_data{k}_{head}_{variant}.hlo.txt.gz``), records its
+compiled memory, and reads its schedule (:mod:`benchmarks.hlo_schedule`): for each asynchronous collective its
+shape, how many instructions and kernels the schedule places between its start and its done (the work it can
+overlap) and how many of the step's kernels come after its start; and the instructions at which the host waits
+for the device. A backend without asynchronous collectives (the CPU) says so.
 
 Writes ``DIR/trainer_scaling.json`` (device, n_devices, versions, date, commit, rows) and prints a table; each
 trainer process's own output stays in a temporary folder unless ``--keep-runs``.
@@ -40,12 +40,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import gzip
+import io
 import json
 import os
 import re
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 
 import jax
@@ -92,25 +94,29 @@ def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> di
     return json.load(f)
 
 
-def schedule_rows(argv: list[str], k: int, head: str, variant: str, out: str | None = None) -> dict:
-  """``head``'s step on data = k with ``argv`` (the variant's options among them), compiled here, read by
-  :func:`benchmarks.hlo_schedule.summary`; with ``out``, its HLO goes to
-  ``out/hlo/step_data{k}_{head}_{variant}.hlo.txt.gz``."""
+def schedule_rows(argv: list[str], k: int, head: str, variant: str, hlo: tarfile.TarFile | None = None) -> dict:
+  """``head``'s step on data = k with ``argv`` (the variant's options among them), compiled here: its compiled
+  memory (bytes per device) and its schedule as :func:`benchmarks.hlo_schedule.summary` reads it; with ``hlo``,
+  its HLO joins that archive as ``step_data{k}_{head}_{variant}.hlo.txt.gz``."""
   sys.path.insert(0, ROOT)
   from examples.lm import main as lm_main  # noqa: PLC0415
-  from examples.lm.train import compile_step, trainer_from_args  # noqa: PLC0415
+  from examples.lm.train import compile_step, compiled_memory, trainer_from_args  # noqa: PLC0415
 
   args = lm_main.parse_args([*argv, "--mesh", f"data={k}", "--num-devices", str(k)])
   tr = trainer_from_args(args, head)
-  text = compile_step(tr, tr.abstract_state(args.seed), args.seq_len).as_text()
-  if out:
-    os.makedirs(os.path.join(out, "hlo"), exist_ok=True)
-    with gzip.open(os.path.join(out, "hlo", f"step_data{k}_{head}_{variant}.hlo.txt.gz"), "wt") as f:
-      f.write(text)
+  compiled = compile_step(tr, tr.abstract_state(args.seed), args.seq_len)
+  text = compiled.as_text()
+  if hlo is not None:
+    data = gzip.compress(text.encode())
+    info = tarfile.TarInfo(f"step_data{k}_{head}_{variant}.hlo.txt.gz")
+    info.size = len(data)
+    hlo.addfile(info, io.BytesIO(data))
   found = hlo_schedule.summary(text)
   sync = len(re.findall(r" all-reduce\(", text))
-  return {"mesh": f"data={k}", "head": head, "variant": variant, **found, "sync_all_reduces": sync,
-          "note": None if found["collectives"] else "no asynchronous collective in this backend's compiled step"}
+  return {"mesh": f"data={k}", "k": k, "head": head, "variant": variant, "memory": compiled_memory(compiled),
+          **found, "sync_all_reduces": sync,
+          "note": None if found["collectives"] or k == 1 else "no asynchronous collective in this backend's "
+          "compiled step"}
 
 
 def parse_variants(items: list[str]) -> dict[str, list[str]]:
@@ -250,8 +256,9 @@ def main(argv=None) -> int:
   rows = weak_scaling(aggregate(rows))
   sched = None
   if a.schedule and max(ks) > 1:
-    sched = [schedule_rows([*common, *opts], max(ks), head, var, a.out) for head in a.heads.split(",")
-             for var, opts in variants.items()]
+    with tarfile.open(os.path.join(a.out, "hlo.tar"), "w") as hlo:
+      sched = [schedule_rows([*common, *opts], k, head, var, hlo) for head in a.heads.split(",")
+               for var, opts in variants.items() for k in (1, max(ks))]
   write(a.out, meta, rows, sched)
   print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'variant':<10} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} "
         f"{'peak GB':>8}")
@@ -262,7 +269,9 @@ def main(argv=None) -> int:
     pk = f"{r['compiled_peak_bytes'] / 2**30:8.2f}" if r["compiled_peak_bytes"] else f"{'':>8}"
     print(f"{r['k']:>3} {r['mesh']:<18} {r['head']:<6} {r.get('variant', 'default'):<10} {ms} {tps} {ws} {pk}")
   for sc in sched or ():
-    print(f"\nschedule ({sc['mesh']}, {sc['head']}, {sc['variant']}): {sc['note'] or ''}")
+    mem = sc["memory"]
+    print(f"\nschedule ({sc['mesh']}, {sc['head']}, {sc['variant']}): compiled peak {mem['peak'] / 2**30:.2f} GiB, "
+          f"temporaries {mem['temp'] / 2**30:.2f} GiB. {sc['note'] or ''}")
     for c in sc["collectives"]:
       print(f"  {c['name']:<22} {c['shape'][:40]:<40} between {c['between']!s:>4} ({c['compute_between']} compute), "
             f"kernels after its start {c['kernels_after']}/{c['kernels']}")

@@ -332,10 +332,13 @@ def test_trainer_scaling_variants():
 
 def test_trainer_scaling_runs_on_cpu(tmp_path):
   """benchmarks/trainer_scaling.py end to end on 2 simulated CPU devices with a tiny model: the fused head with
-  and without a variant's compiler option, and the schedule of each (the CPU has no asynchronous collectives)."""
+  and without a variant's compiler option, and the schedule and compiled memory of each on one and two devices
+  (the CPU has no asynchronous collectives)."""
+  import gzip
   import json
   import subprocess
   import sys
+  import tarfile
 
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, "-m", "benchmarks.trainer_scaling", "--preset", "cpu", "--small", "--ks",
@@ -348,11 +351,15 @@ def test_trainer_scaling_runs_on_cpu(tmp_path):
   assert [(r["k"], r["variant"], r["compiler_options"]) for r in got["rows"]] == [
       (2, "default", []), (2, "lhs", ["xla_gpu_enable_latency_hiding_scheduler=true"])]
   assert all(r["step_time_s"] > 0 and r["error"] is None for r in got["rows"])
-  assert [(sc["head"], sc["variant"], sc["collectives"]) for sc in got["schedule"]] == [
-      ("fused", "default", []), ("fused", "lhs", [])]
-  assert all(sc["note"] and sc["entry_instructions"] > 0 for sc in got["schedule"])
-  assert sorted(os.listdir(tmp_path / "hlo")) == ["step_data2_fused_default.hlo.txt.gz",
-                                                  "step_data2_fused_lhs.hlo.txt.gz"]
+  assert [(sc["k"], sc["head"], sc["variant"], sc["collectives"]) for sc in got["schedule"]] == [
+      (1, "fused", "default", []), (2, "fused", "default", []), (1, "fused", "lhs", []), (2, "fused", "lhs", [])]
+  assert all(sc["entry_instructions"] > 0 and sc["memory"]["peak"] > 0 for sc in got["schedule"])
+  assert [bool(sc["note"]) for sc in got["schedule"]] == [False, True, False, True]
+  with tarfile.open(tmp_path / "hlo.tar") as hlo:
+    names = hlo.getnames()
+    text = gzip.decompress(hlo.extractfile("step_data2_fused_lhs.hlo.txt.gz").read()).decode()
+  assert sorted(names) == sorted(f"step_data{k}_fused_{v}.hlo.txt.gz" for v in ("default", "lhs") for k in (1, 2))
+  assert "ENTRY" in text
 
 
 def test_trainer_scaling_joins_earlier_jobs(tmp_path):
