@@ -9,8 +9,9 @@ instructions in schedule order:
 - :func:`collectives`: each ``*-start`` … ``*-done`` pair of the entry computation (all-reduce, all-gather,
   reduce-scatter, collective-permute, all-to-all): its shape, its position in the entry's schedule (also as a
   fraction of it), how many instructions lie between start and done, and how many of those are compute (fusions,
-  custom calls, while loops, conditionals): the work the collective can overlap; and how many of the entry's
-  kernels (custom calls, Triton GEMM fusions, while loops) are scheduled after its start, of all.
+  custom calls, while loops, conditionals): the work the collective can overlap; the bytes of its result; and how
+  many of the entry's kernels (custom calls, Triton GEMM fusions, while loops) are scheduled after its start, of
+  all.
 - :func:`host_syncs`: the instructions of any computation at which XLA's GPU runtime copies a value to the host
   and blocks until the device has reached it: a ``conditional`` (its predicate or branch index), a ``while``
   whose trip count the compiler did not find (its condition, once per trip), and a host callback. Each drains the
@@ -75,6 +76,7 @@ def collectives(text: str) -> list[dict]:
                  if entry[j][2] == f"{kind}-done" and used.search(entry[j][3])), None)
     between = entry[i + 1:done] if done is not None else []
     rows.append({"name": name, "kind": kind, "shape": shape, "position": i,
+                 "bytes": None if done is None else shape_bytes(entry[done][1]),
                  "position_frac": round(i / max(len(entry) - 1, 1), 3),
                  "between": None if done is None else done - i - 1,
                  "compute_between": sum(op_ in _COMPUTE for _, _, op_, _ in between),
@@ -82,6 +84,21 @@ def collectives(text: str) -> list[dict]:
                  "kernels": sum(_kernel(op_, r) for _, _, op_, r in entry),
                  "op_name": _op_name(rest)})
   return rows
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+          "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def shape_bytes(shape: str) -> int:
+  """The bytes of an HLO shape (an array, or a tuple of them: summed), e.g. ``bf16[1024,512]{1,0}``."""
+  total = 0
+  for dtype, dims in re.findall(r"([a-z]\w*)\[([\d,]*)\]", shape):
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += n * _BYTES[dtype]
+  return total
 
 
 def _kernel(op: str, rest: str) -> bool:
@@ -123,7 +140,9 @@ def main(argv=None) -> int:
   if a.json:
     print(json.dumps(s, indent=1))
     return 0
-  print(f"entry: {s['entry_instructions']} instructions")
+  moved = sum(c["bytes"] or 0 for c in s["collectives"])
+  print(f"entry: {s['entry_instructions']} instructions; asynchronous collectives: {len(s['collectives'])}, "
+        f"{moved / 1e9:.3f} GB of results")
   print(f"{'collective':<22} {'shape':<34} {'at':>6} {'between':>8} {'compute':>8} {'kernels after':>14}  op")
   for c in s["collectives"]:
     after = f"{c['kernels_after']}/{c['kernels']}"

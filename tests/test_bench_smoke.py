@@ -287,6 +287,8 @@ def test_hlo_schedule_reads_collectives_and_host_syncs():
           for r in got] == [("all-reduce-start", "all-reduce", "bf16[1024,512]{1,0}", 6, 3, 4, 4),
                             ("all-reduce-start.1", "all-reduce", "f32[4]{0}", 1, 0, 4, 4)]
   assert got[0]["position"] == 2 and got[0]["position_frac"] == round(2 / 11, 3)
+  assert [r["bytes"] for r in got] == [1024 * 512 * 2, 16]
+  assert hlo_schedule.shape_bytes("(s32[], f32[2,4096]{1,0}, pred[])") == 4 + 2 * 4096 * 4 + 1
   assert hlo_schedule.collectives(_HLO.replace("all-reduce-done(bf16", "copy(bf16"))[0]["between"] is None
   syncs = hlo_schedule.host_syncs(_HLO)
   assert [(h["computation"], h["name"], h["kind"], h["op_name"]) for h in syncs] == [
@@ -306,6 +308,7 @@ def test_hlo_schedule_of_a_recorded_gpu_step():
   cs = s["collectives"]
   assert s["entry_instructions"] == 2299 and len(cs) == 11 and {c["kind"] for c in cs} == {"all-reduce"}
   assert all(c["kernels"] == 189 for c in cs) and max(c["kernels_after"] for c in cs) == 32
+  assert sum(c["bytes"] for c in cs) == 1_011_048_452  # 512 MiB + 256 MiB + 8 x 24 MiB + 4 MiB
   head = next(c for c in cs if c["shape"].startswith("((bf16[1024,131072]"))
   assert (head["between"], head["kernels_after"]) == (2, 0) and head["op_name"].endswith("head/jit(_op)/shard_map/psum")
   assert sorted(h["kind"] for h in s["host_syncs"]) == ["conditional"] * 2 + ["host callback"] * 2 + ["while"] * 2
