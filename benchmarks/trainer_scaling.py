@@ -203,6 +203,8 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=int, default=1, help="processes per (k, mesh, head), run in turns; a row takes "
                   "their median")
   ap.add_argument("--timeout-s", type=float, default=900, help="per trainer process")
+  ap.add_argument("--jax-cache-dir", help="the trainers' JAX compilation cache (a repeat of a process skips its "
+                  "compile); none if unset")
   ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                   help="also run every process with these XLA options for the step (repeatable)")
   ap.add_argument("--schedule", action="store_true", help="also each head's (and variant's) compiled schedule")
@@ -221,7 +223,8 @@ def main(argv=None) -> int:
     ks = want
   kinds = a.meshes.split(",")
   common = ["--preset", a.preset, "--steps", str(a.steps), "--eval-every", "0", "--eval-batches", "1",
-            "--sample-tokens", "0", "--bench-steps", "3", *(SMALL if a.small else [])]
+            "--sample-tokens", "0", "--bench-steps", "3", *(SMALL if a.small else []),
+            *(["--jax-cache-dir", a.jax_cache_dir] if a.jax_cache_dir else [])]
   meta = job_meta(n, a.preset, a.per_device_batch)
   rows = previous_rows(a.previous, a.preset, a.per_device_batch)
   runs = a.out if a.keep_runs else tempfile.mkdtemp(prefix="trainer_scaling_")
