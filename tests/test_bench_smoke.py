@@ -346,7 +346,8 @@ def test_trainer_scaling_runs_on_cpu(tmp_path):
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, "-m", "benchmarks.trainer_scaling", "--preset", "cpu", "--small", "--ks",
                          "2", "--meshes", "data", "--heads", "fused", "--steps", "2", "--schedule",
-                         "--variant", "lhs:xla_gpu_enable_latency_hiding_scheduler=true", "--out", str(tmp_path)],
+                         "--variant", "lhs:xla_gpu_enable_latency_hiding_scheduler=true", "--out", str(tmp_path),
+                         "--jax-cache-dir", str(tmp_path / "jc")],
                         capture_output=True, text=True, env=env, timeout=600,
                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -363,6 +364,7 @@ def test_trainer_scaling_runs_on_cpu(tmp_path):
     text = gzip.decompress(hlo.extractfile("step_data2_fused_lhs.hlo.txt.gz").read()).decode()
   assert sorted(names) == sorted(f"step_data{k}_fused_{v}.hlo.txt.gz" for v in ("default", "lhs") for k in (1, 2))
   assert "ENTRY" in text
+  assert os.listdir(tmp_path / "jc")  # the trainers' compilation cache
 
 
 def test_trainer_scaling_joins_earlier_jobs(tmp_path):
