@@ -65,7 +65,11 @@ def _op_name(rest: str) -> str:
 
 def collectives(text: str) -> list[dict]:
   """The entry computation's asynchronous collectives in schedule order (see the module's docstring)."""
-  entry = computations(text).get("ENTRY", [])
+  return _collectives(computations(text).get("ENTRY", []))
+
+
+def _collectives(entry: list[tuple[str, str, str, str]]) -> list[dict]:
+  kernels = [_kernel(op, rest) for _, _, op, rest in entry]
   rows = []
   for i, (name, shape, op, rest) in enumerate(entry):
     kind = op.removesuffix("-start")
@@ -80,8 +84,7 @@ def collectives(text: str) -> list[dict]:
                  "position_frac": round(i / max(len(entry) - 1, 1), 3),
                  "between": None if done is None else done - i - 1,
                  "compute_between": sum(op_ in _COMPUTE for _, _, op_, _ in between),
-                 "kernels_after": sum(_kernel(op_, r) for _, _, op_, r in entry[i + 1:]),
-                 "kernels": sum(_kernel(op_, r) for _, _, op_, r in entry),
+                 "kernels_after": sum(kernels[i + 1:]), "kernels": sum(kernels),
                  "op_name": _op_name(rest)})
   return rows
 
@@ -110,8 +113,12 @@ def _kernel(op: str, rest: str) -> bool:
 def host_syncs(text: str) -> list[dict]:
   """Every instruction of the module at which the host waits for the device (see the module's docstring): its
   computation, name, kind (``conditional``, ``while`` or ``host callback``) and op_name."""
+  return _host_syncs(computations(text))
+
+
+def _host_syncs(comps: dict[str, list[tuple[str, str, str, str]]]) -> list[dict]:
   rows = []
-  for comp, instrs in computations(text).items():
+  for comp, instrs in comps.items():
     for name, _, op, rest in instrs:
       if op == "conditional":
         kind = "conditional"
@@ -126,9 +133,10 @@ def host_syncs(text: str) -> list[dict]:
 
 
 def summary(text: str) -> dict:
-  """Both readings of one module, and the entry's length."""
-  return {"entry_instructions": len(computations(text).get("ENTRY", [])), "collectives": collectives(text),
-          "host_syncs": host_syncs(text)}
+  """Both readings of one module, and the entry's length (the text parsed once)."""
+  comps = computations(text)
+  entry = comps.get("ENTRY", [])
+  return {"entry_instructions": len(entry), "collectives": _collectives(entry), "host_syncs": _host_syncs(comps)}
 
 
 def main(argv=None) -> int:
