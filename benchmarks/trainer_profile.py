@@ -36,7 +36,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # (the example trainer's package, examples.lm)
 
-from benchmarks.trainer_scaling import SMALL, job_meta  # noqa: E402
+from benchmarks.trainer_scaling import SMALL, compiler_option_args, job_meta  # noqa: E402
 
 COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|collective", re.I)
 
@@ -157,8 +157,7 @@ def main(argv=None) -> int:
   ks = [int(k) for k in a.ks.split(",")]
   if max(ks) > jax.device_count():
     raise SystemExit(f"--ks {a.ks}: this process sees {jax.device_count()} device(s)")
-  common = ["--preset", a.preset, *(SMALL if a.small else []),
-            *(arg for opt in a.compiler_option for arg in ("--compiler-option", opt))]
+  common = ["--preset", a.preset, *(SMALL if a.small else []), *compiler_option_args(a.compiler_option)]
   traces = os.path.join(a.out, "traces") if a.keep_traces else tempfile.mkdtemp(prefix="trainer_profile_")
   meta = {**job_meta(jax.device_count(), a.preset, a.per_device_batch), "steps": a.steps}
   runs = []

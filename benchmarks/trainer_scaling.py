@@ -119,15 +119,28 @@ def schedule_rows(argv: list[str], k: int, head: str, variant: str, hlo: tarfile
           "compiled step"}
 
 
+def compiler_option_args(options: list[str]) -> list[str]:
+  """``KEY=VALUE`` items as the trainer's ``--compiler-option`` arguments, checked by the trainer's own parser
+  (:func:`examples.lm.train.compiler_options`: a ``ValueError`` names a malformed item)."""
+  sys.path.insert(0, ROOT)
+  from examples.lm.train import compiler_options  # noqa: PLC0415
+
+  compiler_options(options)
+  return [a for o in options for a in ("--compiler-option", o)]
+
+
 def parse_variants(items: list[str]) -> dict[str, list[str]]:
   """``NAME:KEY=VALUE,KEY=VALUE`` items as name -> the trainer's ``--compiler-option`` arguments; ``default`` (no
   options) first unless a variant takes that name."""
   out: dict[str, list[str]] = {"default": []}
   for item in items:
     name, sep, opts = item.partition(":")
-    if not sep or not name or not opts or any("=" not in o for o in opts.split(",")):
-      raise SystemExit(f"--variant {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
-    out[name] = [a for o in opts.split(",") for a in ("--compiler-option", o)]
+    try:
+      if not sep or not name or not opts:
+        raise ValueError(item)
+      out[name] = compiler_option_args(opts.split(","))
+    except ValueError:
+      raise SystemExit(f"--variant {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]") from None
   return out
 
 
