@@ -19,9 +19,10 @@ measurement can be spread over several jobs; ``--previous FILE`` (repeatable) ta
 ``trainer_scaling.json`` (same preset and per-device batch), runs none of their (k, mesh, head) again and counts
 them in the weak-scaling ratios.
 
-``--variant NAME:KEY=VALUE[,KEY=VALUE…]`` (repeatable) runs every process once more per variant, with those XLA
-options for the train step (the trainer's ``--compiler-option``), e.g.
-``--variant lhs:xla_gpu_enable_latency_hiding_scheduler=true``; rows carry their variant (``default``: none) and
+``--variant NAME:ITEM[,ITEM…]`` (repeatable) runs every process once more per variant, each ``KEY=VALUE`` item an
+XLA option for the train step (the trainer's ``--compiler-option``) and each ``--flag`` item a trainer argument as
+it is, e.g. ``--variant lhs:xla_gpu_enable_latency_hiding_scheduler=true`` or ``--variant
+unordered:--no-layer-grads-in-order``; rows carry their variant (``default``: none) and its trainer arguments, and
 weak scaling compares a row with k = 1 of its own head and variant.
 
 ``--schedule`` compiles each head's step on one device and on the largest data-parallel mesh in this process,
@@ -130,17 +131,20 @@ def compiler_option_args(options: list[str]) -> list[str]:
 
 
 def parse_variants(items: list[str]) -> dict[str, list[str]]:
-  """``NAME:KEY=VALUE,KEY=VALUE`` items as name -> the trainer's ``--compiler-option`` arguments; ``default`` (no
-  options) first unless a variant takes that name."""
+  """``NAME:ITEM,ITEM`` items as name -> trainer arguments: a ``KEY=VALUE`` item becomes ``--compiler-option
+  KEY=VALUE``, a ``--flag`` item stays as it is; ``default`` (no arguments) first unless a variant takes that
+  name."""
   out: dict[str, list[str]] = {"default": []}
   for item in items:
     name, sep, opts = item.partition(":")
     try:
       if not sep or not name or not opts:
         raise ValueError(item)
-      out[name] = compiler_option_args(opts.split(","))
+      parts = opts.split(",")
+      flags = [o for o in parts if o.startswith("--")]
+      out[name] = [*flags, *compiler_option_args([o for o in parts if not o.startswith("--")])]
     except ValueError:
-      raise SystemExit(f"--variant {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]") from None
+      raise SystemExit(f"--variant {item!r}: expected NAME:ITEM[,ITEM...], each KEY=VALUE or --flag") from None
   return out
 
 
@@ -255,7 +259,7 @@ def main(argv=None) -> int:
       run = res.get("runs", {}).get(head, {})
       mem = run.get("memory", {})
       row = {"k": k, "mesh": mesh, "mesh_kind": mesh_name, "head": head, "variant": var,
-             "compiler_options": variants[var][1::2], "batch_size": a.per_device_batch * k,
+             "variant_args": variants[var], "batch_size": a.per_device_batch * k,
              "step_time_s": run.get("step_time_s"),
              "tokens_per_s_per_device": run["tokens_per_s"] / k if run.get("tokens_per_s") else None,
              "compiled_peak_bytes": mem.get("compiled", {}).get("peak"),

@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--d-ff", type=int)
   p.add_argument("--dtype", choices=("float32", "bfloat16"))
   p.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None)
+  p.add_argument("--layer-grads-in-order", action=argparse.BooleanOptionalAction, default=True,
+                 help="each block's parameter gradients complete before the backward moves to the block below "
+                 "(examples/lm/model.py: _in_order)")
   p.add_argument("--lr", type=float)
   p.add_argument("--warmup", type=int)
   p.add_argument("--seed", type=int, default=0)
