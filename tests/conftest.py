@@ -1,6 +1,7 @@
 """Test-wide setup: 8 simulated CPU devices (for the mesh tests), set before JAX initialises its backends; and the
 one place GPU tests are skipped. ``@pytest.mark.gpu`` runs a test only where the default backend is a GPU;
 ``gpu(min_cc=(9, 0))`` also needs that compute capability, ``gpu(needs="jax_triton")`` that module;
+a parametrized case may add its own ``gpu(...)`` mark to the test's (all of them apply);
 ``gpu(long=True)`` marks a test at an LLM shape (a minute or more): collected first, so that pytest-xdist's workers
 start the longest tests first and the run ends without a long tail (``benchmarks/gpu_check.sh``)."""
 
@@ -15,28 +16,28 @@ import pytest  # noqa: E402
 from lce_flax import _device  # noqa: E402
 
 
-def _why_not(marker) -> str | None:
+def _why_not(markers) -> str | None:
   if jax.default_backend() != "gpu":
     return f"needs a GPU (the default backend is {jax.default_backend()!r})"
-  min_cc = marker.kwargs.get("min_cc")
   cc = _device.compute_capability()
-  if min_cc is not None and (cc is None or cc < tuple(min_cc)):
-    return f"needs compute capability >= {min_cc}, this GPU has {cc}"
-  needs = marker.kwargs.get("needs")
-  if needs is not None and importlib.util.find_spec(needs) is None:
-    return f"needs the {needs} package"
+  for marker in markers:
+    min_cc = marker.kwargs.get("min_cc")
+    if min_cc is not None and (cc is None or cc < tuple(min_cc)):
+      return f"needs compute capability >= {min_cc}, this GPU has {cc}"
+    needs = marker.kwargs.get("needs")
+    if needs is not None and importlib.util.find_spec(needs) is None:
+      return f"needs the {needs} package"
   return None
 
 
 def _long(item) -> bool:
-  marker = item.get_closest_marker("gpu")
-  return marker is not None and bool(marker.kwargs.get("long"))
+  return any(m.kwargs.get("long") for m in item.iter_markers("gpu"))
 
 
 def pytest_collection_modifyitems(config, items):
   del config
   for item in items:
-    marker = item.get_closest_marker("gpu")
-    if marker is not None and (why := _why_not(marker)) is not None:
+    markers = list(item.iter_markers("gpu"))
+    if markers and (why := _why_not(markers)) is not None:
       item.add_marker(pytest.mark.skip(reason=why))
   items.sort(key=lambda item: not _long(item))  # (stable: the rest keep their order)

@@ -316,13 +316,16 @@ def test_hlo_schedule_of_a_recorded_gpu_step():
 
 
 def test_trainer_scaling_variants():
-  """benchmarks/trainer_scaling.py --variant: NAME:KEY=VALUE,... as the trainer's --compiler-option arguments
-  (``default`` first), malformed ones refused; weak scaling within a variant; the mesh kinds of k devices."""
+  """benchmarks/trainer_scaling.py --variant: NAME:KEY=VALUE,... as the trainer's --compiler-option arguments and
+  --flag items as they are (``default`` first), malformed ones refused; weak scaling within a variant; the mesh
+  kinds of k devices."""
   from benchmarks.trainer_scaling import meshes, parse_variants, weak_scaling
 
   assert parse_variants(["lhs:xla_gpu_enable_latency_hiding_scheduler=true,xla_x=2"]) == {
       "default": [], "lhs": ["--compiler-option", "xla_gpu_enable_latency_hiding_scheduler=true",
                              "--compiler-option", "xla_x=2"]}
+  assert parse_variants(["u:--no-layer-grads-in-order,xla_y=1"])["u"] == [
+      "--no-layer-grads-in-order", "--compiler-option", "xla_y=1"]
   for bad in ("lhs", "lhs:", ":a=1", "lhs:a"):
     with pytest.raises(SystemExit, match="--variant"):
       parse_variants([bad])
@@ -352,8 +355,8 @@ def test_trainer_scaling_runs_on_cpu(tmp_path):
                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert proc.returncode == 0, proc.stderr[-3000:]
   got = json.loads((tmp_path / "trainer_scaling.json").read_text())
-  assert [(r["k"], r["variant"], r["compiler_options"]) for r in got["rows"]] == [
-      (2, "default", []), (2, "lhs", ["xla_gpu_enable_latency_hiding_scheduler=true"])]
+  assert [(r["k"], r["variant"], r["variant_args"]) for r in got["rows"]] == [
+      (2, "default", []), (2, "lhs", ["--compiler-option", "xla_gpu_enable_latency_hiding_scheduler=true"])]
   assert all(r["step_time_s"] > 0 and r["error"] is None for r in got["rows"])
   assert [(sc["k"], sc["head"], sc["variant"], sc["collectives"]) for sc in got["schedule"]] == [
       (1, "fused", "default", []), (2, "fused", "default", []), (1, "fused", "lhs", []), (2, "fused", "lhs", [])]
@@ -497,3 +500,21 @@ def test_bench_lean_widths(tmp_path):
   cfg = tuning.GemmConfig(wg_split="m", cluster="n")
   assert bench_lean.wave_efficiency(cfg, 8192, 1792, 132) == 8192 * 1792 / (4 * 66 * 256 * 256)
   assert bench_lean.wave_efficiency(cfg, 8192, 1536, 132) == 8192 * 1536 / (3 * 66 * 256 * 256)
+
+
+def test_step_memory_compiles_each_head_and_variant(tmp_path):
+  """benchmarks/step_memory.py on 2 simulated CPU devices (tiny preset): a row per (variant, head, k) with the
+  compiled memory per device and the variant's trainer arguments, and the JSON written."""
+  import json
+
+  from benchmarks import step_memory
+
+  assert step_memory.main(["--preset", "cpu", "--per-device-batch", "2", "--ks", "1,2", "--heads", "fused,plain",
+                           "--variant", "unordered:--no-layer-grads-in-order", "--out", str(tmp_path)]) == 0
+  rows = json.load(open(tmp_path / "step_memory.json"))["rows"]
+  assert [(r["variant"], r["head"], r["k"]) for r in rows] == [
+      (v, h, k) for v in ("default", "unordered") for h in ("fused", "plain") for k in (1, 2)]
+  for r in rows:
+    assert r["memory"]["temp"] > 0 and r["memory"]["peak"] >= r["memory"]["temp"], r
+    assert r["collectives"] == 0 and r["first_start_kernels_after"] is None  # (the CPU has no async collectives)
+  assert {r["variant"]: r["variant_args"] for r in rows} == {"default": [], "unordered": ["--no-layer-grads-in-order"]}

@@ -105,8 +105,10 @@ def _run(name, case, dtype):
 def _pairs(names):
   """(variant, case) pairs that can run: ``reduction="none"`` takes per-token cotangents, which ``mode="fast"`` runs
   only on a fast design that forms dz in its backward (``Variant.token_cotangents``); the others refuse it
-  (``test_fast_refuses_per_token_cotangents``), so those pairs are not generated rather than skipped."""
-  return [(n, c) for n in names for c in CASES
+  (``test_fast_refuses_per_token_cotangents``), so those pairs are not generated rather than skipped. ``impl="triton"``
+  pairs also need the jax_triton package (``gpu(needs=...)``, as the triton kernel tests)."""
+  return [pytest.param(n, c, marks=[pytest.mark.gpu(needs="jax_triton")] if VARIANTS[n].impl == "triton" else [])
+          for n in names for c in CASES
           if not (CASES[c][2] == "none" and VARIANTS[n].mode == "fast" and not VARIANTS[n].token_cotangents)]
 
 

@@ -83,21 +83,22 @@ def _call(mdl, x):
 
 
 def _call_fwd(mdl, x):
-  return nn.vjp(_call, mdl, x)
+  return nn.vjp(_call, mdl, x)  # (vjp_fn: a pytree of the residuals, the block's input and parameters if remat'd)
 
 
 def _call_bwd(vjp_fn, y_t):
+  vjp_fn, y_t = lax.optimization_barrier((vjp_fn, y_t))  # no recompute before the output's gradient has arrived
   params_t, x_t = vjp_fn(y_t)
-  return lax.optimization_barrier((params_t, x_t))
+  return lax.optimization_barrier((params_t, x_t))  # the parameters' gradients complete before the input's leaves
 
 
-# ``_in_order(block, x)`` is ``block(x)``, with one constraint on the backward: the block's parameter gradients are
-# complete before its input's gradient flows on to the block below (both leave through one optimization barrier).
-# Without it, XLA's GPU scheduler may put off the weight-gradient products of every layer until the whole backward
-# has run (it did on a data-parallel mesh, where those gradients are all-reduced: the trainer's gpu preset at 64
-# sequences per device then kept every layer's recomputed activations alive, 28.8 GiB of temporaries per device
-# against 12.5 on one GPU, benchmarks/results/trainer-scaling-2026-11-27/). It also lets each layer's all-reduce
-# start as soon as that layer is done.
+# ``_in_order(block, x)`` is ``block(x)`` with its backward held in order: it starts (recomputing the block, if
+# remat'd) when the gradient of the block's output arrives, and its parameter gradients are complete before its
+# input's gradient flows on to the block below. Without this, XLA's GPU scheduler put off the weight-gradient
+# products of every layer to the end of the backward on a data-parallel mesh, where those gradients are all-reduced:
+# at 64 sequences per device the trainer's gpu preset then kept every layer's recomputed activations alive, 28.8 GiB
+# of temporaries per device against 12.5 GiB on one GPU (benchmarks/results/trainer-scaling-2026-11-27/). Each
+# layer's all-reduce can also start as soon as that layer is done.
 _in_order = nn.custom_vjp(_call, forward_fn=_call_fwd, backward_fn=_call_bwd)
 
 
