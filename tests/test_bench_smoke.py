@@ -500,21 +500,3 @@ def test_bench_lean_widths(tmp_path):
   cfg = tuning.GemmConfig(wg_split="m", cluster="n")
   assert bench_lean.wave_efficiency(cfg, 8192, 1792, 132) == 8192 * 1792 / (4 * 66 * 256 * 256)
   assert bench_lean.wave_efficiency(cfg, 8192, 1536, 132) == 8192 * 1536 / (3 * 66 * 256 * 256)
-
-
-def test_step_memory_compiles_each_head_and_variant(tmp_path):
-  """benchmarks/step_memory.py on 2 simulated CPU devices (tiny preset): a row per (variant, head, k) with the
-  compiled memory per device and the variant's trainer arguments, and the JSON written."""
-  import json
-
-  from benchmarks import step_memory
-
-  assert step_memory.main(["--preset", "cpu", "--per-device-batch", "2", "--ks", "1,2", "--heads", "fused,plain",
-                           "--variant", "unordered:--no-layer-grads-in-order", "--out", str(tmp_path)]) == 0
-  rows = json.load(open(tmp_path / "step_memory.json"))["rows"]
-  assert [(r["variant"], r["head"], r["k"]) for r in rows] == [
-      (v, h, k) for v in ("default", "unordered") for h in ("fused", "plain") for k in (1, 2)]
-  for r in rows:
-    assert r["memory"]["temp"] > 0 and r["memory"]["peak"] >= r["memory"]["temp"], r
-    assert r["collectives"] == 0 and r["first_start_kernels_after"] is None  # (the CPU has no async collectives)
-  assert {r["variant"]: r["variant_args"] for r in rows} == {"default": [], "unordered": ["--no-layer-grads-in-order"]}
