@@ -58,6 +58,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:$WORK/site" && echo "installed from .whl/: $(cd .whl && ls *.whl | tr '\n' ' ')"
 fi
+if ! "$PY" -c "import jax_triton" 2>/dev/null; then
+  echo "jax_triton: not importable here (no .whl/ carried, or not installed): the impl='triton' tests will skip"
+fi
 # (LCE_FLAX_COMMIT names the commit where the tree is a copy without git, e.g. `git archive` of it)
 echo "commit: ${LCE_FLAX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null \
   || echo ' (with uncommitted changes)')}"
