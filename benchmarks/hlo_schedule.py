@@ -11,7 +11,9 @@ instructions in schedule order:
   fraction of it), how many instructions lie between start and done, and how many of those are compute (fusions,
   custom calls, while loops, conditionals): the work the collective can overlap; the bytes of its result; and how
   many of the entry's kernels (custom calls, Triton GEMM fusions, while loops) are scheduled after its start, of
-  all.
+  all. ``ready`` is the position of the last kernel whose results it reduces (reached back through the cheap
+  instructions between: bitcasts, converts, concatenations), -1 if none, and ``kernels_held`` the kernels the
+  schedule runs between that one and the start: work the collective could have overlapped but was held back from.
 - :func:`host_syncs`: the instructions of any computation at which XLA's GPU runtime copies a value to the host
   and blocks until the device has reached it: a ``conditional`` (its predicate or branch index), a ``while``
   whose trip count the compiler did not find (its condition, once per trip), and a host callback. Each drains the
@@ -68,8 +70,32 @@ def collectives(text: str) -> list[dict]:
   return _collectives(computations(text).get("ENTRY", []))
 
 
+def _operands(rest: str, index: dict[str, int]) -> list[int]:
+  """The entry positions of an instruction's operands (``rest``: the text after its opcode's parenthesis)."""
+  depth, end = 1, len(rest)
+  for j, ch in enumerate(rest):
+    depth += (ch == "(") - (ch == ")")
+    if depth == 0:
+      end = j
+      break
+  return [index[t] for t in re.findall(r"[\w.\-]+", rest[:end]) if t in index]
+
+
+def _latest_kernels(entry: list[tuple[str, str, str, str]], kernels: list[bool]) -> list[int]:
+  """For each instruction of the entry, the position of the last kernel its value depends on through instructions
+  that are not kernels (itself, if a kernel); -1 if none (parameters, constants). One pass: the schedule puts
+  operands first."""
+  index = {name: i for i, (name, _, _, _) in enumerate(entry)}
+  latest: list[int] = []
+  for i, (_, _, _, rest) in enumerate(entry):
+    latest.append(i if kernels[i] else max((latest[o] for o in _operands(rest, index) if o < i), default=-1))
+  return latest
+
+
 def _collectives(entry: list[tuple[str, str, str, str]]) -> list[dict]:
   kernels = [_kernel(op, rest) for _, _, op, rest in entry]
+  latest = _latest_kernels(entry, kernels)
+  index = {name: i for i, (name, _, _, _) in enumerate(entry)}
   rows = []
   for i, (name, shape, op, rest) in enumerate(entry):
     kind = op.removesuffix("-start")
@@ -79,12 +105,14 @@ def _collectives(entry: list[tuple[str, str, str, str]]) -> list[dict]:
     done = next((j for j in range(i + 1, len(entry))
                  if entry[j][2] == f"{kind}-done" and used.search(entry[j][3])), None)
     between = entry[i + 1:done] if done is not None else []
+    ready = max((latest[o] for o in _operands(rest, index) if o < i), default=-1)
     rows.append({"name": name, "kind": kind, "shape": shape, "position": i,
                  "bytes": None if done is None else shape_bytes(entry[done][1]),
                  "position_frac": round(i / max(len(entry) - 1, 1), 3),
                  "between": None if done is None else done - i - 1,
                  "compute_between": sum(op_ in _COMPUTE for _, _, op_, _ in between),
                  "kernels_after": sum(kernels[i + 1:]), "kernels": sum(kernels),
+                 "ready": ready, "kernels_held": sum(kernels[ready + 1:i]),
                  "op_name": _op_name(rest)})
   return rows
 
@@ -151,11 +179,12 @@ def main(argv=None) -> int:
   moved = sum(c["bytes"] or 0 for c in s["collectives"])
   print(f"entry: {s['entry_instructions']} instructions; asynchronous collectives: {len(s['collectives'])}, "
         f"{moved / 1e9:.3f} GB of results")
-  print(f"{'collective':<22} {'shape':<34} {'at':>6} {'between':>8} {'compute':>8} {'kernels after':>14}  op")
+  print(f"{'collective':<22} {'shape':<34} {'at':>6} {'between':>8} {'compute':>8} {'kernels after':>14} "
+        f"{'held':>5}  op")
   for c in s["collectives"]:
     after = f"{c['kernels_after']}/{c['kernels']}"
     print(f"{c['name']:<22} {c['shape'][:34]:<34} {c['position_frac']:6.3f} {c['between']!s:>8} "
-          f"{c['compute_between']:>8} {after:>14}  {c['op_name'][-50:]}")
+          f"{c['compute_between']:>8} {after:>14} {c['kernels_held']:>5}  {c['op_name'][-50:]}")
   print(f"host syncs: {len(s['host_syncs'])}")
   for h in s["host_syncs"]:
     print(f"  {h['kind']:<14} {h['name']:<22} in {h['computation']:<28} {h['op_name'][-70:]}")

@@ -294,12 +294,46 @@ def test_hlo_schedule_reads_collectives_and_host_syncs():
   assert [(h["computation"], h["name"], h["kind"], h["op_name"]) for h in syncs] == [
       ("body", "c", "conditional", "jit(step)/cond"), ("body", "cb", "host callback", "jit(step)/debug_callback"),
       ("ENTRY", "w2", "while", "jit(step)/while")]
+  assert [(r["ready"], r["kernels_held"]) for r in got] == [(-1, 0), (-1, 0)]  # (parameters: ready at once)
+
+
+def test_hlo_schedule_kernels_held_before_a_collective():
+  """``ready`` follows an all-reduce's operand back through cheap instructions (a bitcast, a convert fusion, a tuple
+  element) to the last kernel it reduces, whichever operand is later; ``kernels_held`` counts the kernels scheduled
+  between that one and the start."""
+  from benchmarks import hlo_schedule
+
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[8]) -> bf16[8] {
+  %p = f32[8]{0} parameter(0)
+  %k0 = (f32[8]{0}, s8[4]{0}) custom-call(%p), custom_call_target="__cublas$lt$matmul"
+  %g0 = f32[8]{0} get-tuple-element(%k0), index=0
+  %k1 = (f32[8]{0}, s8[4]{0}) custom-call(%p), custom_call_target="__cublas$lt$matmul"
+  %g1 = f32[8]{0} get-tuple-element(%k1), index=0
+  %k2 = (f32[8]{0}, s8[4]{0}) custom-call(%p), custom_call_target="__cublas$lt$matmul"
+  %cv = bf16[8]{0} fusion(%g1), kind=kLoop, calls=%wrapped_convert_computation
+  %bc = bf16[2,4]{1,0} bitcast(%cv)
+  %e = f32[8]{0} add(%g0, %p)
+  %k3 = (f32[8]{0}, s8[4]{0}) custom-call(%e), custom_call_target="__cublas$lt$matmul"
+  %k4 = (f32[8]{0}, s8[4]{0}) custom-call(%p), custom_call_target="__cublas$lt$matmul"
+  %s = ((bf16[2,4]{1,0}, f32[8]{0}), bf16[2,4]{1,0}) all-reduce-start(%bc, %e), to_apply=%add
+  %d = bf16[2,4]{1,0} all-reduce-done(%s)
+  %s2 = f32[8]{0} all-reduce-start(%e), to_apply=%add
+  %d2 = f32[8]{0} all-reduce-done(%s2)
+  ROOT %r = bf16[8]{0} bitcast(%d)
+}
+"""
+  got = hlo_schedule.collectives(text)
+  # %s: %bc <- %cv <- %g1 <- %k1 (position 3); %e <- %g0 <- %k0 (1): ready 3; held: %k2, %k3, %k4
+  assert [(r["name"], r["ready"], r["kernels_held"]) for r in got] == [("s", 3, 3), ("s2", 1, 4)]
 
 
 def test_hlo_schedule_of_a_recorded_gpu_step():
   """benchmarks/hlo_schedule.py on the fused head's compiled step recorded on two H200s (data=2, results of
   2026-11-27): the counts read off that file by hand. Eleven all-reduces, all started after 157 of the step's
-  189 kernels; the head's (bf16[1024,131072]) and the embedding's after the last; six host syncs in the head."""
+  189 kernels; the head's (bf16[1024,131072]) and the embedding's after the last, the head's held back past the
+  body's whole backward; six host syncs in the head."""
   from benchmarks import hlo_schedule
 
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
@@ -311,6 +345,9 @@ def test_hlo_schedule_of_a_recorded_gpu_step():
   assert sum(c["bytes"] for c in cs) == 1_011_048_452  # 512 MiB + 256 MiB + 8 x 24 MiB + 4 MiB
   head = next(c for c in cs if c["shape"].startswith("((bf16[1024,131072]"))
   assert (head["between"], head["kernels_after"]) == (2, 0) and head["op_name"].endswith("head/jit(_op)/shard_map/psum")
+  # the head's dw is ready after its "tokens" loop (entry position 478), 136 kernels before its all-reduce starts
+  assert (head["ready"], head["kernels_held"]) == (478, 136)
+  assert max(c["kernels_held"] for c in cs if c["shape"].startswith("((bf16[12588032]")) == 1  # the layers': none
   assert sorted(h["kind"] for h in s["host_syncs"]) == ["conditional"] * 2 + ["host callback"] * 2 + ["while"] * 2
   assert all("/head/" in h["op_name"] for h in s["host_syncs"])
 
