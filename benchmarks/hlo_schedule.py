@@ -81,11 +81,10 @@ def _operands(rest: str, index: dict[str, int]) -> list[int]:
   return [index[t] for t in re.findall(r"[\w.\-]+", rest[:end]) if t in index]
 
 
-def _latest_kernels(entry: list[tuple[str, str, str, str]], kernels: list[bool]) -> list[int]:
+def _latest_kernels(entry: list[tuple[str, str, str, str]], kernels: list[bool], index: dict[str, int]) -> list[int]:
   """For each instruction of the entry, the position of the last kernel its value depends on through instructions
   that are not kernels (itself, if a kernel); -1 if none (parameters, constants). One pass: the schedule puts
-  operands first."""
-  index = {name: i for i, (name, _, _, _) in enumerate(entry)}
+  operands first. ``index``: name -> entry position."""
   latest: list[int] = []
   for i, (_, _, _, rest) in enumerate(entry):
     latest.append(i if kernels[i] else max((latest[o] for o in _operands(rest, index) if o < i), default=-1))
@@ -94,8 +93,8 @@ def _latest_kernels(entry: list[tuple[str, str, str, str]], kernels: list[bool])
 
 def _collectives(entry: list[tuple[str, str, str, str]]) -> list[dict]:
   kernels = [_kernel(op, rest) for _, _, op, rest in entry]
-  latest = _latest_kernels(entry, kernels)
   index = {name: i for i, (name, _, _, _) in enumerate(entry)}
+  latest = _latest_kernels(entry, kernels, index)
   rows = []
   for i, (name, shape, op, rest) in enumerate(entry):
     kind = op.removesuffix("-start")

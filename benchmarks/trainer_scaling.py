@@ -222,8 +222,9 @@ def main(argv=None) -> int:
   ap.add_argument("--timeout-s", type=float, default=900, help="per trainer process")
   ap.add_argument("--jax-cache-dir", help="the trainers' JAX compilation cache (a repeat of a process skips its "
                   "compile); none if unset")
-  ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
-                  help="also run every process with these XLA options for the step (repeatable)")
+  ap.add_argument("--variant", action="append", default=[], metavar="NAME:ITEM[,ITEM]",
+                  help="also run every process with these XLA options for the step (KEY=VALUE) and trainer flags "
+                  "(--flag) (repeatable)")
   ap.add_argument("--schedule", action="store_true", help="also each head's (and variant's) compiled schedule")
   ap.add_argument("--small", action="store_true", help="a tiny model (a CPU check of the driver)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/trainer_scaling"))
