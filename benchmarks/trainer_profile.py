@@ -10,7 +10,8 @@ model, ``--per-device-batch`` sequences per device, a data-parallel mesh of k de
 ``--warmup`` times, then ``--steps`` times under ``jax.profiler.trace`` (Perfetto JSON). From the trace: each step's
 host wall time; on the first device, the time its streams are busy (the union of its kernels' intervals) and what
 they run, grouped by kernel name (numbers stripped), with the collectives (NCCL kernels) summed apart. A step that
-is longer than its device's busy time waited on something else (the host, another device).
+is longer than its device's busy time waited on something else (the host, another device): the idle gaps of 50 µs
+or more are summed per step and the largest listed with the kernels on either side.
 
 Writes ``DIR/trainer_profile.json`` (device, versions, date, commit, one entry per (k, head): step ms, busy ms,
 collective ms, the kernel groups) and prints, per head, the kernel groups whose time per step grew most from k = 1
@@ -45,9 +46,9 @@ COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|
 
 def kernel_group(name: str) -> str:
   """A kernel's name without its instance number and its template or argument lists, so that launches of one
-  kernel group together (``loop_add_fusion.12`` → ``loop_add_fusion``)."""
+  kernel group together (``loop_add_fusion.12`` → ``loop_add_fusion``, ``fusion_777`` → ``fusion``)."""
   name = re.sub(r"<.*>|\(.*\)", "", name).strip()
-  return re.sub(r"\.\d+$", "", name)
+  return re.sub(r"[._]\d+$", "", name)
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -60,6 +61,22 @@ def _union(intervals: list[tuple[float, float]]) -> float:
   return total
 
 
+def idle_gaps(spans: list[tuple[float, float, str]], steps: int, top: int = 12, floor_us: float = 50.0) -> dict:
+  """Where the device sat idle: the gaps between its busy intervals (``spans``: start, end in µs, kernel name),
+  the sum of those of at least ``floor_us`` per step, and the ``top`` largest with the kernels on either side. The
+  gaps between steps (the host's wait for the loss) are among them, one per step."""
+  gaps, end, last = [], -float("inf"), None
+  for a, b, name in sorted(spans):
+    if last is not None and a - end >= floor_us:
+      gaps.append((a - end, last, name))
+    if b > end:
+      end, last = b, name
+  gaps.sort(reverse=True)
+  return {"idle_ms": round(sum(g for g, _, _ in gaps) / 1e3 / steps, 4), "idle_floor_us": floor_us,
+          "idle_gaps": [{"us": round(g, 1), "after": kernel_group(x), "before": kernel_group(y)}
+                        for g, x, y in gaps[:top]]}
+
+
 def device_summary(events: list[dict], steps: int) -> dict:
   """Per-step kernel time of the first GPU in a Chrome/Perfetto trace's ``events``: busy (union of its
   complete events' intervals on its "Stream" lines, or on all its lines if none is named so), collectives, and the
@@ -69,7 +86,7 @@ def device_summary(events: list[dict], steps: int) -> dict:
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   devices = sorted((n, pid) for pid, n in names.items() if re.search(r"/device:(GPU|TPU):0\b", n or ""))
   if not devices:  # (the names it has, to adapt this reader to another exporter's naming)
-    return {"device": None, "busy_ms": None, "collective_ms": None, "kernels": {},
+    return {"device": None, "busy_ms": None, "collective_ms": None, "idle_ms": None, "idle_gaps": [], "kernels": {},
             "processes": sorted(n for n in names.values() if n)}
   name, pid = devices[0]
   threads = {e.get("tid"): e.get("args", {}).get("name", "") for e in events
@@ -81,13 +98,13 @@ def device_summary(events: list[dict], steps: int) -> dict:
     if e.get("pid") != pid or e.get("ph") != "X" or "dur" not in e or (streams and e.get("tid") not in streams):
       continue
     a, d = float(e["ts"]), float(e["dur"])
-    spans.append((a, a + d))
+    spans.append((a, a + d, e.get("name", "?")))
     groups[kernel_group(e.get("name", "?"))] += d
     if COLLECTIVE.search(e.get("name", "")):
       coll.append((a, a + d))
   per = lambda us: round(us / 1e3 / steps, 4)
-  return {"device": name, "busy_ms": per(_union(spans)), "collective_ms": per(_union(coll)),
-          "kernels": {g: per(t) for g, t in groups.most_common()}}
+  return {"device": name, "busy_ms": per(_union([s[:2] for s in spans])), "collective_ms": per(_union(coll)),
+          **idle_gaps(spans, steps), "kernels": {g: per(t) for g, t in groups.most_common()}}
 
 
 def read_trace(folder: str) -> list[dict]:
@@ -173,8 +190,12 @@ def main(argv=None) -> int:
     one = next(r for r in runs if r["head"] == head and r["k"] == lo)
     many = next(r for r in runs if r["head"] == head and r["k"] == hi)
     print(f"\n{head}: step {one['step_ms']} -> {many['step_ms']} ms; device busy {one['busy_ms']} -> "
-          f"{many['busy_ms']} ms; collectives {one['collective_ms']} -> {many['collective_ms']} ms")
+          f"{many['busy_ms']} ms; idle in gaps of 50 us or more {one['idle_ms']} -> {many['idle_ms']} ms; "
+          f"collectives {one['collective_ms']} -> {many['collective_ms']} ms")
     if one["device"] is not None:
+      for r in (one, many):
+        print(f"  largest gaps, k = {r['k']}: " + "; ".join(f"{g['us']:.0f} us {g['after'][:40]} -> {g['before'][:40]}"
+                                                           for g in r["idle_gaps"][:5]))
       for g, t1, tk in growth(one, many):
         print(f"  {tk - t1:+8.3f} ms  {t1:8.3f} -> {tk:8.3f}  {g[:100]}")
   return 0

@@ -489,7 +489,10 @@ def test_trainer_profile_sums_device_time():
   assert got["device"] == "/device:GPU:0" and got["busy_ms"] == 2.1 and got["collective_ms"] == 0.5
   assert got["kernels"] == {"mosaic_gpu_kernel": 1.0, "loop_add_fusion": 0.75,
                            "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": 0.5}
-  assert kernel_group("input_reduce_fusion.140") == "input_reduce_fusion"
+  assert kernel_group("input_reduce_fusion.140") == "input_reduce_fusion" and kernel_group("fusion_777") == "fusion"
+  # idle: one gap of 800 us (2200 -> 3000) between the all-reduce and the Mosaic kernel, 0.4 ms per step
+  assert got["idle_ms"] == 0.4 and got["idle_gaps"] == [
+      {"us": 800.0, "after": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "before": "mosaic_gpu_kernel"}]
   assert device_summary(meta[:1] + events[-1:], 1)["busy_ms"] is None  # no device: the CPU
   more = {**got, "kernels": {**got["kernels"], "loop_add_fusion": 2.0}}
   assert growth(got, more)[0] == ("loop_add_fusion", 0.75, 2.0)

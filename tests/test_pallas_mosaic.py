@@ -205,18 +205,22 @@ def test_fast_peaky_logits_sum(w_layout):
 # ------------------------------------------------------------------- the stored exponentials (no dz pass)
 
 
-def _fallback_warnings(fn, monkeypatch):
-  """Runs ``fn`` and returns its result and the recompute-fallback warnings it raised (the once-flag reset)."""
-  import warnings
-
+def _repaired_blocks(fn, monkeypatch):
+  """Runs ``fn`` and returns its result and the number of 64-row blocks whose dz the repair of rows past the
+  stored exponentials' range wrote (:func:`.fast._repair`, wrapped to report its flags)."""
   from lce_flax._impl.pallas_mosaic import fast
 
-  monkeypatch.setattr(fast, "_warned_fallback", False)
-  with warnings.catch_warnings(record=True) as rec:
-    warnings.simplefilter("always")
-    out = jax.block_until_ready(fn())
-    jax.effects_barrier()
-  return out, [r for r in rec if "range of the stored exponentials" in str(r.message)]
+  seen, repair = [], fast._repair
+
+  def counting(e, flags, *args):
+    jax.debug.callback(lambda f: seen.append(int(np.sum(f))), flags)
+    return repair(e, flags, *args)
+
+  monkeypatch.setattr(fast, "_repair", counting)
+  out = jax.block_until_ready(fn())
+  jax.effects_barrier()
+  assert seen, "the backward never reached the repair"
+  return out, sum(seen)
 
 
 @pytest.mark.parametrize("design,opt,w_layout,bias,reduction", [
@@ -235,10 +239,10 @@ def test_fast_stored_exponentials(design, opt, w_layout, bias, reduction, monkey
               impl="pallas_mosaic", mode="fast", interpret=True, config=cfg, **OPTIONS[opt])
   assert any("exp(zc - r)" in n for n in d.notes) and not any("dz pass" in n for n in d.notes), d.notes
   mode = None if reduction == "none" else "fast"  # (per-token cotangents: mode=None runs the "logits" fast design)
-  _, warned = _fallback_warnings(lambda: check(mode=mode, config=cfg, v=384, w_layout=w_layout, bias=bias,
+  _, repaired = _repaired_blocks(lambda: check(mode=mode, config=cfg, v=384, w_layout=w_layout, bias=bias,
                                                options=OPTIONS[opt], where=True, reduction=reduction,
                                                seed=60 + len(opt)), monkeypatch)
-  assert not warned
+  assert repaired == 0
 
 
 @pytest.mark.parametrize("opt", ["smoothing", "softcap"])
@@ -278,32 +282,53 @@ def test_fast_exponentials_peaky(w_layout, products, monkeypatch):
   cfg = dataclasses.replace(GEMM_FAST, products=products)
   f = lambda x, w: linear_cross_entropy(x, w, jnp.asarray(yn), impl="pallas_mosaic", mode="fast", reduction="sum",
                                         w_layout=w_layout, config=cfg)
-  (loss, (dx, dw)), warned = _fallback_warnings(lambda: jax.value_and_grad(f, (0, 1))(x, w), monkeypatch)
-  assert not warned
+  (loss, (dx, dw)), repaired = _repaired_blocks(lambda: jax.value_and_grad(f, (0, 1))(x, w), monkeypatch)
+  assert repaired == 0
   ref = linear_cross_entropy_np(xn, wn, yn, reduction="sum", w_layout=w_layout)
   assert np.nanmax(ref["token_loss"]) > 10
   assert rel_err(loss, ref["loss"]) < 2e-5
   assert rel_err(dx, ref["dx"]) < 1e-2 and rel_err(dw, ref["dw"]) < 1e-2
 
 
-@pytest.mark.parametrize("design", ["logits", "tokens"])
-def test_fast_exponentials_fall_back_past_their_range(design, monkeypatch):
+def _check_repair(cfg, rows, h, v, monkeypatch, **kw):
   """Logits with std ≈ 45 and every label the same column: the reference logits (the largest at the batch's
-  labels) lie far below most rows' lse, beyond the stored exponentials' range; the backward runs the recompute
-  design instead (warned once, at run time) and is still right. 300 rows: padded to 320 by the 64-row tiles, not to
-  the GPU's 128 (the recompute keeps the forward's row padding)."""
-  rows = 300 if design == "logits" else 101
-  (x, w, y, b), (xn, wn, yn, bn) = make_inputs(35, (rows,), 128, 384, jnp.bfloat16, wscale=4.0, bias=True)
+  labels) lie far below most rows' lse, beyond the stored exponentials' range; the repair writes those rows' exact
+  dz over the stored tiles, so the gradients are still right, and without it they are not (so the test sees the
+  repair). The first half of the rows are ignored, so some 64-row blocks need no repair."""
+  (x, w, y, b), (xn, wn, yn, bn) = make_inputs(35, (rows,), h, v, jnp.bfloat16, wscale=4.0, bias=True)
   yn = np.where(yn >= 0, 7, yn).astype(np.int32)
+  yn[: rows // 2] = -100
   y = jnp.asarray(yn)
-  cfg = GEMM_FAST if design == "logits" else dataclasses.replace(GEMM_FAST, fast_design="tokens", token_chunk=64)
-  f = lambda x, w, b: linear_cross_entropy(x, w, y, bias=b, impl="pallas_mosaic", mode="fast", config=cfg)
-  (loss, grads), warned = _fallback_warnings(lambda: jax.value_and_grad(f, (0, 1, 2))(x, w, b), monkeypatch)
+  f = jax.jit(jax.value_and_grad(lambda x, w, b: linear_cross_entropy(
+      x, w, y, bias=b, impl="pallas_mosaic", mode="fast", config=cfg, **kw), (0, 1, 2)))
+  (loss, grads), repaired = _repaired_blocks(lambda: f(x, w, b), monkeypatch)
   ref = linear_cross_entropy_np(xn, wn, yn, bias=bn)
-  assert np.nanmax(ref["token_loss"]) > 60 and len(warned) == 1
+  assert np.nanmax(ref["token_loss"]) > 60 and 0 < repaired < -(-rows // 64), repaired
   assert rel_err(loss, ref["loss"]) < 2e-5
   for got, name in zip(grads, ("dx", "dw", "dbias")):
     assert rel_err(got, ref[name]) < 1e-2, name
+  from lce_flax._impl.pallas_mosaic import fast
+
+  monkeypatch.setattr(fast, "_repair", lambda e, flags, *a: e)
+  _, broken = jax.value_and_grad(lambda x, w, b: linear_cross_entropy(
+      x, w, y, bias=b, impl="pallas_mosaic", mode="fast", config=cfg, **kw), (0, 1, 2))(x, w, b)
+  assert not all(rel_err(got, ref[name]) < 1e-2 for got, name in zip(broken, ("dx", "dw", "dbias")))
+
+
+@pytest.mark.parametrize("design", ["logits", "tokens"])
+def test_fast_exponentials_repaired_past_their_range(design, monkeypatch):
+  """:func:`_check_repair` interpreted: 300 rows, padded to 320 by the 64-row tiles (the "tokens" design: 5
+  chunks of 64), not to the GPU's 128."""
+  cfg = GEMM_FAST if design == "logits" else dataclasses.replace(GEMM_FAST, fast_design="tokens", token_chunk=64)
+  _check_repair(cfg, 300, 128, 384, monkeypatch)
+
+
+@pytest.mark.gpu(min_cc=(9, 0))
+@pytest.mark.parametrize("design", ["logits", "tokens"])
+def test_gpu_fast_exponentials_repaired_past_their_range(design, monkeypatch):
+  """:func:`_check_repair` compiled: the repair's Pallas Triton kernel beside the GEMMs on the GPU."""
+  cfg = Config(fast_design=design, token_chunk=256 if design == "tokens" else None, gemm=True)
+  _check_repair(cfg, 1000, 256, 2048, monkeypatch, interpret=False)
 
 
 def test_fast_cotangent_scales_and_aux_is_not_differentiable():
@@ -382,14 +407,14 @@ def test_fast_gemm_path_lowers_for_cuda(design, w_layout, bias, smoothing, monke
   """The fast op's GPU path (persistent GEMM forward, GEMM products) lowered for CUDA on CPU: with label smoothing
   the stored shifted logits and their dz pass, a Pallas Triton kernel, which lowers only with a GPU present (here
   a stand-in of its shapes takes its place; the GPU tests run it); without, the stored exponentials, whose
-  backward is the products alone, with the recompute design's dz kernel in the branch taken past their range."""
+  backward is the products alone beside the repair of rows past their range (Pallas Triton too: stood in for)."""
   from lce_flax._impl.pallas_mosaic import fast
 
   def dz_stand_in(zb, mt, lse, yp, coef, a, c, d, p, opts):
     return zb * 2, (jnp.zeros((d.vp,), jnp.float32) if d.has_bias else None)
 
   monkeypatch.setattr(fast, "_dz_pass", dz_stand_in)
-  monkeypatch.setattr(fast, "_note_fallback", lambda: None)  # (a host callback lowers only for the host's platform)
+  monkeypatch.setattr(fast, "_repair", lambda e, flags, *a: e * 2)  # (Pallas Triton lowers only with a GPU)
   b, h, v = 1000, 512, 2048
   sds = jax.ShapeDtypeStruct
   opts = _math.LossSpec(vocab_size=v, label_smoothing=smoothing, logit_softcap=30.0)
@@ -410,16 +435,19 @@ def test_fast_gemm_path_lowers_for_cuda(design, w_layout, bias, smoothing, monke
   def mosaic_results(text):  # the result types of the program's Mosaic GPU calls
     return [line.rsplit(" -> ", 1)[-1] for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
 
-  # the forward, dx and dw on the GEMM: one Mosaic GPU call each; with stored exponentials, the recompute design's
-  # dz kernel too (in the branch taken past their range). The "tokens" design traces its chunk twice: the first
-  # chunk (whose float32 dw product starts the dw) and the loop over the others, whose dw product adds into the
-  # carried float32 dw in place (its one output aliased to that operand).
+  # the forward, dx and dw on the GEMM: one Mosaic GPU call each. The "tokens" design traces its chunk twice: the
+  # first chunk (whose float32 dw product starts the dw) and the loop over the others, whose dw product adds into
+  # the carried float32 dw in place (its one output aliased to that operand).
   got = mosaic_results(text)
   w_shape = "x".join(map(str, args[1].shape))
   dw_type = f"tensor<{w_shape}xbf16>"
   gemms = 3 * (1 if design == "logits" else 2)
-  dz_kernels = 0 if smoothing else len(got) - gemms
-  assert len(got) == gemms + dz_kernels and (smoothing or dz_kernels >= 1), got
+  assert len(got) == gemms, got
+  # Nothing in the program makes the host wait for the device: no conditional, and no loop but the "tokens"
+  # design's loop over its chunks, of a fixed trip count (a branch on a run-time value, such as whether a row needs
+  # the repair, would copy its predicate to the host and wait there at every call on the GPU).
+  assert "stablehlo.case" not in text and "stablehlo.if" not in text
+  assert text.count("stablehlo.while") == (0 if design == "logits" else 1), text.count("stablehlo.while")
   assert sum(dw_type in r for r in got) == (1 if design == "logits" else 0), got
   assert sum(f"tensor<{w_shape}xf32>" in r for r in got) == (0 if design == "logits" else 2), got
   aliased = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line and "output_operand_alias" in line]

@@ -18,8 +18,8 @@ cap's derivative when there is one (:func:`.op.stores_probs`). The logit gradien
 factor ``σ = coef·exp(r - lse)`` per row, except at the label, whose exact value (B numbers) is written over E; so
 dx = σ·(E·wᵀ) and dw = (σ·x)ᵀ·E are the two products on E itself, with no pass over B×V between forward and
 backward (:func:`_grads_from_probs`). A row whose lse lies more than ``PROBS_GAP`` above its reference (60 nats)
-would leave E's range: the backward checks every row and, if any does, recomputes dz over E's buffer
-(:func:`.op.dz_into`, decided on the device, warned once at run time) before the same two products. Otherwise (the
+would leave E's range: the backward flags the 64-row blocks of such rows and a repair kernel writes their exact
+dz over E's buffer, decided per tile on the device (:func:`_repair`), before the same two products. Otherwise (the
 kernels_ws forward, fp16, label smoothing, whose uniform term is no per-row factor under a soft cap) the tiles are
 stored shifted by their row max and one elementwise kernel turns them into dz in place (:func:`_dz_pass`).
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +42,7 @@ from lce_flax import _math
 from lce_flax._impl import common
 from lce_flax._impl.common import F32, cdiv
 from lce_flax._impl.pallas_mosaic import epilogue, gemm, kernels, op
+from lce_flax._impl.pallas_triton import kernels as tr_kernels
 
 
 def _dz_pass_body(zb_ref, mt_ref, lse_ref, y_ref, coef_ref, a_ref, c_ref, o_ref, db_ref, *, opts, v: int):
@@ -112,7 +112,7 @@ def _reference(xp, wp, bp, yp, layout: str, opts, v: int):
   lies near the row's max; for a row whose own label is among them, within its loss). A [rows, 256] product: the
   gather of every row's own label column of a [H, V] w cost more than the dz pass it replaces (1.4 ms at
   llama3-8b on an H100, ``benchmarks/probe_fast_parts.py``). Rows whose lse lies too far above it take the
-  recompute backward (:func:`_grads_from_probs`)."""
+  exact dz of the repair (:func:`_grads_from_probs`)."""
   rows = yp.shape[0]
   n = min(REF_COLUMNS, rows)
   # (evenly spaced, formed by traced ops: a NumPy array here would be a constant of the traced function, which a
@@ -139,19 +139,6 @@ class _Probs:
 
 jax.tree_util.register_dataclass(_Probs, data_fields=["e", "ref", "target", "lse"], meta_fields=[])
 
-_warned_fallback = False
-
-
-def _warn_fallback():
-  global _warned_fallback
-  if not _warned_fallback:
-    _warned_fallback = True
-    warnings.warn(f"lce_flax (pallas_mosaic, fast mode): a row's lse lies more than {PROBS_GAP:g} nats above its "
-                  f"reference logit (its largest logit at the labels of {REF_COLUMNS} tokens of the batch), beyond the "
-                  "range of the stored exponentials; this backward recomputed dz over them instead (2·B·H·V more "
-                  "FLOPs). Warned once.", RuntimeWarning, stacklevel=2)
-
-
 def _stored_probs(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts, layout: str, ref=None):
   """The forward storing exponentials over rows ``xp``: (TokenOut, :class:`_Probs`); ``ref``: the rows'
   reference logits if already formed (the "tokens" design forms them once for all its chunks)."""
@@ -162,9 +149,56 @@ def _stored_probs(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts, layout: str
   return out, _Probs(e, ref, stats.target, out.lse)
 
 
-def _note_fallback():
-  """Warns (once, at run time: the branch is decided on device) that the recompute backward ran."""
-  jax.debug.callback(_warn_fallback)
+@dataclasses.dataclass(frozen=True)
+class _RepairTiles:
+  """The repair kernel's tiles (what :func:`lce_flax._impl.pallas_triton.kernels.tile_logits` reads)."""
+
+  block_t: int = 64  # rows per flag: the fast designs pad rows to whole 64-row tiles at least
+  block_v: int = 128
+  block_k: int = 64
+
+
+def _repair_body(flag_ref, x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, e_in_ref, e_ref, *,
+                 d: tr_kernels.Dims, t: _RepairTiles, opts):
+  """One [block_t, block_v] tile of E: left as it is unless its row block is flagged, else the exact logit
+  gradient of the tile (recomputed from x and w), written in place."""
+  del e_in_ref  # (aliased to e_ref)
+  i, j = pl.program_id(0), pl.program_id(1)
+
+  @pl.when(flag_ref[i] != 0)
+  def _():
+    r0, c0 = i * t.block_t, j * t.block_v
+    cols = c0 + lax.broadcasted_iota(jnp.int32, (t.block_t, t.block_v), 1)
+    cmask = (c0 + lax.broadcasted_iota(jnp.int32, (t.block_v,), 0)) < d.v
+    z = tr_kernels.tile_logits(x_ref, w_ref, b_ref, r0, None, c0, cmask, d, t)
+    rows = pl.ds(r0, t.block_t)
+    dz = epilogue.epilogue_dlogits(z, cols, y_ref[rows], lse_ref[rows], coef_ref[rows], a_ref[rows], c_ref[rows],
+                                   opts)
+    e_ref[rows, pl.ds(c0, t.block_v)] = jnp.where(cols < d.v, dz, 0.0).astype(e_ref.dtype)
+
+
+def _repair(e, flags, xp, wp, bp, yp, lse, coef, a, c, layout: str, opts, interpret: bool):
+  """E with the rows of every flagged 64-row block (``flags`` int32 [rows / 64]) replaced by their exact logit
+  gradient dz, in place (``input_output_aliases``). One kernel launch, decided per tile on the device: no host
+  round trip, and the work is that of the flagged blocks alone (a tile whose block is not flagged only reads its
+  flag). Pallas Triton on the GPU (its program ids and masked stores make a tile that does nothing cheap),
+  interpreted on CPU."""
+  t = _RepairTiles()
+  rows, vp = e.shape
+  if rows % t.block_t or vp % t.block_v:
+    raise ValueError(f"_repair: E {e.shape} is not whole [{t.block_t}, {t.block_v}] tiles")
+  h = xp.shape[1]
+  d = tr_kernels.Dims(rows, h, opts.vocab_size, layout, bp is not None)
+  body = functools.partial(_repair_body, d=d, t=t, opts=opts)
+  return pl.pallas_call(
+      body if bp is not None else common.absent_refs(body, 3),
+      grid=(rows // t.block_t, vp // t.block_v),
+      out_shape=jax.ShapeDtypeStruct(e.shape, e.dtype),
+      input_output_aliases={9 if bp is not None else 8: 0},
+      interpret=interpret,
+      compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=3),
+      name="lce_mosaic_repair_rows",
+  )(*common.present(flags, xp, wp, bp, yp, lse, coef, a, c, e))
 
 
 def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Spec, p: op.Plan, dw_dtype,
@@ -179,10 +213,14 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   error is relative, ~2⁻⁹ per entry, at any size (the shifted logits' grows with the distance to the max).
 
   E's largest entry is at most ``exp(lse - ref)`` and σ at least ``coef·exp(ref - lse)`` (ref is at most the row
-  max). If some row with a gradient has ``lse - ref > PROBS_GAP`` (σ·x would near bf16's smallest normals) or a
-  label entry that is not finite, the call recomputes dz instead, written over E (:func:`.op.dz_into`, 2·B·H·V
-  more FLOPs, one chunk of extra memory), with σ = 1: the decision is made on the device (a loop of zero trips
-  otherwise; warned once at run time), and the same two products follow either way."""
+  max). A row with a gradient whose ``lse - ref > PROBS_GAP`` (σ·x would near bf16's smallest normals) or whose
+  label entry is not finite flags its 64-row block: :func:`_repair` writes the exact dz of the flagged blocks over
+  their rows of E (2·64·H·V FLOPs a block), whose σ becomes 1, and the same two products follow. The flags are
+  read by the repair kernel on the device: nothing waits for them on the host, and with no block flagged the
+  repair costs one launch of tiles that only read their flag. (A host-side branch here, a ``lax.cond`` or a
+  ``while_loop`` of run-time trips, made XLA's GPU runtime copy its predicate to the host and wait for the device
+  at every call; in the example trainer's step that left the GPU idle for most of 13 ms a step while the host
+  caught up, ``benchmarks/results/trainer-scaling-2026-11-27/run7_profile_ff71c53/``.)"""
   opts, v, layout = spec.opts, spec.opts.vocab_size, spec.w_layout
   e = st.e
   coef, a, _ = epilogue.row_coefficients(st.lse, yp, g_loss, g_lse, opts)
@@ -191,14 +229,14 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   t = _math.through_softcap(coef * jnp.exp(st.target - st.lse) - a, st.target, opts.logit_softcap)
   patch = (t / sigma).astype(e.dtype)
   needed = (coef != 0) | (a != 0)  # (NaN coef: an out-of-range label, whose gradient is NaN on either path)
-  ok = jnp.all(~needed | ((st.lse - st.ref <= PROBS_GAP) & (~hit | jnp.isfinite(patch))))
+  bad = needed & ~((st.lse - st.ref <= PROBS_GAP) & (~hit | jnp.isfinite(patch)))
   rows = jnp.arange(e.shape[0])
   e = e.at[rows, jnp.where(hit, yp, e.shape[1])].set(patch, mode="drop", unique_indices=True, indices_are_sorted=True)
 
-  lax.cond(ok, lambda: None, _note_fallback)  # the warning, on a cond of its own
-  lean = op.plan(xp.shape[0], xp.shape[1], v, op.Config(block_t=p.block_t), spec.interpret, "lean")  # (rows as padded)
-  e = op.dz_into(e, xp, wp, bp, yp, st.lse, g_loss, g_lse, spec, lean, when=~ok)  # (in place; no trip if ok)
-  sigma = jnp.where(ok, sigma, 1.0)
+  bt = _RepairTiles.block_t
+  flags = jnp.any(bad.reshape(-1, bt), axis=1).astype(jnp.int32)  # (rows: whole 64-row tiles, see _repair)
+  e = _repair(e, flags, xp, wp, bp, yp, st.lse, coef, a, jnp.zeros_like(a), layout, opts, spec.interpret)
+  sigma = jnp.where(jnp.repeat(flags, bt) != 0, 1.0, sigma)
   want_dx, want_dw = want
   dx = dw = None
   # The order of the two products sets the memory. dx on the GEMM is written once, in x's dtype (σ applied in its

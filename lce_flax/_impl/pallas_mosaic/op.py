@@ -447,8 +447,8 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
     (c·V·itemsize + c·⌈V/bv⌉·4 + ...), its float32 dx product (c·H·4), and x padded to whole chunks.
 
   With stored exponentials (``probs``, :func:`stores_probs`) there are no maxima and no bias sums per row block, the
-  reference logits of every token are one [B, 256] float32 product, and the backward may take the recompute design
-  instead (decided at run time): its chunk of dz and of w are added.
+  reference logits of every token are one [B, 256] float32 product, and the repair of rows past the exponentials'
+  range writes into the stored tiles (O(B) flags and factors).
   Every design also calls XLA's GEMMs, whose cuBLAS workspace (``CUBLAS_WORKSPACE``, 32 MiB) XLA counts as temp.
   """
   bt, bv, bk = p.block_t, p.block_v, p.block_k
@@ -466,9 +466,8 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
   mem += stats
   rows = bp if p.fast_design == "logits" else p.token_chunk
   sums = 0 if probs else rows // bt * vp * 4  # the dz pass's bias column sums per row block
-  if probs:  # the reference logits' [B, REF_COLUMNS] float32 product; the recompute's dz and w chunks, should it run
-    chunk = plan(rows, hidden, vocab, None, False, "lean").vocab_chunk
-    mem += bp * min(REF_COLUMNS, bp) * 4 + (rows + hp) * chunk * itemsize
+  if probs:  # the reference logits' [B, REF_COLUMNS] float32 product
+    mem += bp * min(REF_COLUMNS, bp) * 4
   if p.fast_design == "logits":
     return mem + bp * vp * itemsize + bp * nvt * 4 + sums + bp * hp * (4 + itemsize)
   c = p.token_chunk
@@ -511,8 +510,9 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
       notes.append(f"the stored tiles are exp(zc - r), r each row's largest logit at the labels of {REF_COLUMNS} "
                    "tokens of the batch: the backward's products take them as they are (dz = one factor per row, the "
                    f"B label entries written over), no pass over B×V; if some row's lse exceeds its r by more than "
-                   f"{PROBS_GAP:g}, that backward recomputes dz over the stored tiles first (2·B·H·V more FLOPs; "
-                   "decided at run time, warned once)")
+                   f"{PROBS_GAP:g}, the backward writes the exact dz of its 64-row block over the stored tiles first "
+                   "(a Pallas Triton kernel, 2·64·H·V FLOPs a flagged block, decided per tile on the device: no "
+                   "host round trip, and not warned at run time)")
     else:
       how = "interpreted" if spec.interpret else "compiled by Pallas Triton"
       why = shifted_reason(p, spec.opts, dtype)
@@ -701,29 +701,6 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   dx, dw, db = lax.fori_loop(0, cdiv(d.vp, cw), step, carry)
   dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
   return dx[:b, :h], dw.astype(w.dtype), None if bias is None else db[:v]
-
-
-def dz_into(out, x, w, bias, labels, lse, g_loss, g_lse, spec: common.Spec, p: Plan, when):
-  """If ``when`` (a bool scalar, known at run time), the logit gradient of every row of ``x`` (rows a multiple of
-  ``p.block_t``) over the columns of ``w``, recomputed chunk by chunk (``p``: a lean plan) and written over ``out``
-  ([rows, columns of w], x's dtype); else ``out`` as it is. The fast designs' fallback (:mod:`.fast`), which then
-  runs the same two products on it: 2·B·H·V FLOPs, one [rows, vocab_chunk] chunk of extra memory.
-
-  A ``while_loop`` of ``when ? chunks : 0`` trips, ``out`` its carry, updated in place: a ``lax.cond`` handing
-  ``out`` through its kept branch made XLA's GPU backend give the cond's output a buffer of its own (a copy of
-  B×V: 4.20 GB at llama3-8b on an H100 against 2.1, ``benchmarks/results/h100-2026-11-24-r4-fallback/``)."""
-  _, _, _, d, dz_of = _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p)
-  if d.b != out.shape[0] or d.vp != out.shape[1]:
-    raise ValueError(f"dz_into: out {out.shape} is not the padded [rows, vocab] = [{d.b}, {d.vp}]")
-  cw = p.vocab_chunk
-  trips = jnp.where(when, cdiv(d.vp, cw), 0)
-
-  def body(carry):  # (the last chunk's overlap columns are written again, with the same values)
-    k, out = carry
-    start, _ = _chunk(k, d.vp, cw)
-    return k + 1, lax.dynamic_update_slice_in_dim(out, dz_of(start, 0)[0].astype(out.dtype), start, 1)
-
-  return lax.while_loop(lambda c: c[0] < trips, body, (jnp.int32(0), out))[1]
 
 
 def stats(x, w, bias, labels, spec: common.Spec, plan: Plan) -> _math.RowStats:

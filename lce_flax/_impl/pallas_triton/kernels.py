@@ -29,7 +29,7 @@ from lce_flax._impl.common import F32, cdiv
 
 
 @dataclasses.dataclass(frozen=True)
-class _Dims:
+class Dims:
   """Static shape facts a kernel body needs."""
 
   b: int  # tokens
@@ -60,7 +60,7 @@ def _params(p):
   return plgpu.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages)
 
 
-def _tile_logits(x_ref, w_ref, b_ref, r0, rmask, c0, cmask, d: _Dims, p):
+def tile_logits(x_ref, w_ref, b_ref, r0, rmask, c0, cmask, d: Dims, p):
   """float32 ``x[r0:r0+bt] @ w[:, c0:c0+bv] (+ bias)``; ``rmask``/``cmask`` guard ragged edges (or None)."""
   bt, bv, bk = p.block_t, p.block_v, p.block_k
   ragged_k = d.h % bk != 0
@@ -89,7 +89,7 @@ def _tile_logits(x_ref, w_ref, b_ref, r0, rmask, c0, cmask, d: _Dims, p):
 # ------------------------------------------------------------------------------------------------ forward
 
 
-def _fwd_kernel(x_ref, w_ref, b_ref, y_ref, m_ref, s_ref, t_ref, zs_ref, *, d: _Dims, p, opts):
+def _fwd_kernel(x_ref, w_ref, b_ref, y_ref, m_ref, s_ref, t_ref, zs_ref, *, d: Dims, p, opts):
   bt, bv, ns = p.block_t, p.block_v, p.num_splits
   nb = cdiv(d.b, bt)
   nvt = cdiv(d.v, bv)
@@ -105,7 +105,7 @@ def _fwd_kernel(x_ref, w_ref, b_ref, y_ref, m_ref, s_ref, t_ref, zs_ref, *, d: _
     c0 = t * bv
     cols = c0 + _iota(bv)
     cvalid = cols < d.v
-    z = _tile_logits(x_ref, w_ref, b_ref, r0, rmask, c0, cvalid if d.v % bv else None, d, p)
+    z = tile_logits(x_ref, w_ref, b_ref, r0, rmask, c0, cvalid if d.v % bv else None, d, p)
     zc = _math.softcap(z, opts.logit_softcap)
     return _math.merge_stats(st, _math.tile_stats(zc, cols, labels, cvalid, opts))
 
@@ -123,7 +123,7 @@ def forward(x, w, bias, labels, spec: common.Spec, p) -> _math.RowStats:
   """Row statistics of the columns of ``w`` (one kernel + the merge of its splits)."""
   b, h = x.shape
   opts = spec.opts
-  d = _Dims(b, h, common.vocab_size(w, spec.w_layout), spec.w_layout, bias is not None)
+  d = Dims(b, h, common.vocab_size(w, spec.w_layout), spec.w_layout, bias is not None)
   nb = cdiv(b, p.block_t)
   n = p.num_splits * nb * p.block_t
   kernel = functools.partial(_fwd_kernel, d=d, p=p, opts=opts)
@@ -141,7 +141,7 @@ def forward(x, w, bias, labels, spec: common.Spec, p) -> _math.RowStats:
 # ------------------------------------------------------------------------------------------------ backward
 
 
-def _dz_kernel(k_ref, x_ref, w_ref, b_ref, y_ref, lse_ref, gl_ref, gs_ref, dz_ref, db_ref, *, d: _Dims, p,
+def _dz_kernel(k_ref, x_ref, w_ref, b_ref, y_ref, lse_ref, gl_ref, gs_ref, dz_ref, db_ref, *, d: Dims, p,
                width: int, opts):
   """One [block_t, block_v] tile of the logit gradient of the chunk ``[off, off + width)``."""
   bt, bv = p.block_t, p.block_v
@@ -168,7 +168,7 @@ def _dz_kernel(k_ref, x_ref, w_ref, b_ref, y_ref, lse_ref, gl_ref, gs_ref, dz_re
   lcols = lc0 + _iota(bv)
   cvalid = lcols < width
   cmask = cvalid if width % bv else None
-  z = _tile_logits(x_ref, w_ref, b_ref, r0, rmask, off + lc0, cmask, d, p)
+  z = tile_logits(x_ref, w_ref, b_ref, r0, rmask, off + lc0, cmask, d, p)
   rows = pl.ds(r0, bt)
   labels = _load(y_ref.at[rows], rmask, _math.IGNORED)
   lse, g_loss, g_lse = (_load(ref.at[rows], rmask, 0.0) for ref in (lse_ref, gl_ref, gs_ref))
@@ -184,7 +184,7 @@ def dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: common
   """(dz [B, width] in x.dtype, per-row-block column sums [row_blocks, ≥ width] float32 or None) of the columns
   ``[k·chunk, k·chunk + width)``; ``k`` is a traced int32 scalar."""
   b, h = x.shape
-  d = _Dims(b, h, common.vocab_size(w, spec.w_layout), spec.w_layout, bias is not None)
+  d = Dims(b, h, common.vocab_size(w, spec.w_layout), spec.w_layout, bias is not None)
   nb = cdiv(b, p.block_t)
   nct = cdiv(width, p.block_v)
   kernel = functools.partial(_dz_kernel, d=d, p=p, width=width, opts=spec.opts)
@@ -202,7 +202,7 @@ def dz_chunk(k, width: int, x, w, bias, labels, lse, g_loss, g_lse, spec: common
   return outs[0], (outs[1].reshape(nb, nct * p.block_v) if d.has_bias else None)
 
 
-def _dx_kernel(k_ref, dz_ref, w_ref, dx_in_ref, dx_ref, *, d: _Dims, p, width: int, block_h: int):
+def _dx_kernel(k_ref, dz_ref, w_ref, dx_in_ref, dx_ref, *, d: Dims, p, width: int, block_h: int):
   """``dx[rows, hs] += dz[rows, :] @ w[hs, chunk]ᵀ`` for one [block_t, block_h] tile, in float32, in place."""
   bt, bk, bh = p.block_t, p.block_k, block_h
   nh = cdiv(d.h, bh)
@@ -242,7 +242,7 @@ def dx_accumulate(dx, dz, w, k, spec: common.Spec, p):
   """``dx + dz @ w[:, k·chunk : k·chunk + width]ᵀ`` (float32 [B, H]) without a second B×H buffer."""
   b, h = dx.shape
   width = dz.shape[1]
-  d = _Dims(b, h, common.vocab_size(w, spec.w_layout), spec.w_layout, False)
+  d = Dims(b, h, common.vocab_size(w, spec.w_layout), spec.w_layout, False)
   bh = max(16, min(p.block_v, common.pow2_ceil(h)))
   nb, nh = cdiv(b, p.block_t), cdiv(h, bh)
   return pl.pallas_call(
