@@ -295,7 +295,7 @@ def _check_repair(cfg, rows, h, v, monkeypatch, **kw):
   labels) lie far below most rows' lse, beyond the stored exponentials' range; the repair writes those rows' exact
   dz over the stored tiles, so the gradients are still right, and without it they are not (so the test sees the
   repair). The first half of the rows are ignored, so some 64-row blocks need no repair."""
-  (x, w, y, b), (xn, wn, yn, bn) = make_inputs(35, (rows,), h, v, jnp.bfloat16, wscale=4.0, bias=True)
+  (x, w, y, b), (xn, wn, yn, bn) = make_inputs(35, (rows,), h, v, jnp.bfloat16, wscale=8.0, bias=True)
   yn = np.where(yn >= 0, 7, yn).astype(np.int32)
   yn[: rows // 2] = -100
   y = jnp.asarray(yn)
@@ -303,7 +303,7 @@ def _check_repair(cfg, rows, h, v, monkeypatch, **kw):
       x, w, y, bias=b, impl="pallas_mosaic", mode="fast", config=cfg, **kw), (0, 1, 2)))
   (loss, grads), repaired = _repaired_blocks(lambda: f(x, w, b), monkeypatch)
   ref = linear_cross_entropy_np(xn, wn, yn, bias=bn)
-  assert np.nanmax(ref["token_loss"]) > 60 and 0 < repaired < -(-rows // 64), repaired
+  assert np.nanmax(ref["token_loss"]) > 150 and 0 < repaired < -(-rows // 64), repaired
   assert rel_err(loss, ref["loss"]) < 2e-5
   for got, name in zip(grads, ("dx", "dw", "dbias")):
     assert rel_err(got, ref[name]) < 1e-2, name
