@@ -310,9 +310,11 @@ def _check_repair(cfg, rows, h, v, monkeypatch, **kw):
   from lce_flax._impl.pallas_mosaic import fast
 
   monkeypatch.setattr(fast, "_repair", lambda e, flags, *a: e)
+  jax.clear_caches()  # (so that the op is traced again, without the repair)
   _, broken = jax.value_and_grad(lambda x, w, b: linear_cross_entropy(
       x, w, y, bias=b, impl="pallas_mosaic", mode="fast", config=cfg, **kw), (0, 1, 2))(x, w, b)
-  assert not all(rel_err(got, ref[name]) < 1e-2 for got, name in zip(broken, ("dx", "dw", "dbias")))
+  counted = yn >= 0
+  assert not rel_err(broken[0][counted], ref["dx"][counted]) < 1e-2
 
 
 @pytest.mark.parametrize("design", ["logits", "tokens"])
