@@ -340,6 +340,12 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
       """Chunk ``i``: its TokenOut, and dw, dbias and the dx rows with its share added. ``dw`` None (the first
       chunk): its float32 product is the dw, so no buffer of zeros is written and read (2.1 GB twice at llama3-8b)."""
       xc, yc, wc = (lax.dynamic_index_in_dim(t, i, keepdims=False) for t in (xs, ys, ws))
+      if dw is not None:
+        # the chunk's forward starts once the previous chunk's products are done, so that one chunk's stored
+        # tiles are alive at a time: with nothing else ordering them (the loop of two chunks is unrolled), XLA's
+        # GPU scheduler formed the next chunk's tiles beside the last's (two 1 GiB buffers in the example
+        # trainer's step on two GPUs, benchmarks/results/trainer-scaling-2026-11-27/)
+        xc, dw, dx = lax.optimization_barrier((xc, dw, dx))
       if probs:
         rc = lax.dynamic_index_in_dim(refs, i, keepdims=False)
         out, st = _stored_probs(xc, wp, bp, yc, dc, p, opts, spec.w_layout, ref=rc)
