@@ -662,7 +662,7 @@ def test_gpu_per_shard_body_runs_kernels_on_shards(monkeypatch, impl, vocab):
 def test_gpu_per_shard_tokens_design_adds_dw_in_place(monkeypatch):
   """The fast "tokens" design in the per-shard body (lowered for an abstract H100 mesh): each chunk's dw product
   after the first is a Mosaic GPU call whose float32 [H, V] output is aliased to its operand (the carried dw,
-  handed in as a mutable ref), inside the manual computation."""
+  handed in as a mutable ref), inside the manual computation; dw and dx leave it together."""
   from lce_flax._impl.pallas_mosaic import fast
   from lce_flax._impl.pallas_mosaic import op as mosaic_op
   from lce_flax.options import LossOptions
@@ -676,6 +676,12 @@ def test_gpu_per_shard_tokens_design_adds_dw_in_place(monkeypatch):
   aliased = [i for i, line in enumerate(lines) if "custom_call @mosaic_gpu" in line and "output_operand_alias" in line]
   assert len(aliased) == 1 and aliased[0] > start, aliased
   assert lines[aliased[0]].rstrip().endswith(f"-> tensor<{h}x{v}xf32>"), lines[aliased[0]]
+  # dw (scaled, in w's dtype) and dx leave the design through one optimization barrier, so that dw's reduction
+  # over the token axes can start as soon as the design is done (not after the backward that dx feeds)
+  rows = b // 4  # (tokens over data × fsdp)
+  tied = [line for line in lines if "stablehlo.optimization_barrier" in line
+          and f"tensor<{rows}x{h}xbf16>" in line and f"tensor<{h}x{v}xbf16>" in line]
+  assert len(tied) == 1, tied
 
 
 def test_auto_uneven_token_split():

@@ -416,6 +416,12 @@ def fast_backward(residuals, g_total, spec: common.Spec, p: op.Plan, primals, g_
     dx, dw, db = residuals
     scale = lambda t, dtype: (t.astype(F32) * gt).astype(dtype)
     dx, dw = scale(dx, dx.dtype), scale(dw, dx.dtype)
+    if primals.x_grad and primals.w_grad:
+      # dw is scaled before dx leaves, so that its reduction over the token axes of a mesh (which follows this
+      # backward) can start beside the backward of the layers below: XLA's GPU scheduler otherwise put this
+      # small scaling, and so the reduction, after that whole backward (the example trainer's step on two GPUs,
+      # benchmarks/results/trainer-scaling-2026-11-27/run8_no_host_waits_a33e087/)
+      dx, dw = lax.optimization_barrier((dx, dw))
     dbias = None if db is None else scale(db, bias_dtype)
   dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
   return dx[:b, :h], dw, None if dbias is None else dbias[:v]
