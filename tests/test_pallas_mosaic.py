@@ -635,8 +635,8 @@ def test_gpu_fast_memory_within_its_bound(design):
   """The compiled step's temporaries stay near the design's :func:`.op.memory_bytes` (which explain() reports; an
   estimate of XLA's buffers, so within 10%), and the "logits" design holds one B×V buffer, not two: the repair of
   rows past the exponentials' range must update the stored tiles in place (an earlier ``lax.cond`` handing them
-  through made XLA's GPU backend copy them). Lean mode holds one float32 dx (each chunk's product added into it in place) and
-  one chunk of dz and of w."""
+  through made XLA's GPU backend copy them). Lean mode holds one float32 dx (each chunk's product added into it in
+  place) and one chunk of dz and of w."""
   from lce_flax import explain
 
   b, h, v = 4096, 1024, 32768

@@ -219,11 +219,12 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   read by the repair kernel on the device: nothing waits for them on the host, and with no block flagged the
   repair costs one launch of tiles that only read their flag. (A host-side branch here, a ``lax.cond`` or a
   ``while_loop`` of run-time trips, made XLA's GPU runtime copy its predicate to the host and wait for the device
-  at every call; in the example trainer's step that left the GPU idle for most of 13 ms a step while the host
-  caught up, ``benchmarks/results/trainer-scaling-2026-11-27/run7_profile_ff71c53/``.)"""
+  at every call, after which the host launched the rest of the step only as fast as it could: the example
+  trainer's step took 61.8 ms with it and 53.0 ms without on one H200, under the profiler,
+  ``benchmarks/results/trainer-scaling-2026-11-27/run8_no_host_waits_a33e087/``.)"""
   opts, v, layout = spec.opts, spec.opts.vocab_size, spec.w_layout
   e = st.e
-  coef, a, _ = epilogue.row_coefficients(st.lse, yp, g_loss, g_lse, opts)
+  coef, a, c = epilogue.row_coefficients(st.lse, yp, g_loss, g_lse, opts)
   sigma = coef * jnp.exp(st.ref - st.lse)
   hit = (yp >= 0) & (yp < v)
   t = _math.through_softcap(coef * jnp.exp(st.target - st.lse) - a, st.target, opts.logit_softcap)
@@ -235,7 +236,7 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
 
   bt = _RepairTiles.block_t
   flags = jnp.any(bad.reshape(-1, bt), axis=1).astype(jnp.int32)  # (rows: whole 64-row tiles, see _repair)
-  e = _repair(e, flags, xp, wp, bp, yp, st.lse, coef, a, jnp.zeros_like(a), layout, opts, spec.interpret)
+  e = _repair(e, flags, xp, wp, bp, yp, st.lse, coef, a, c, layout, opts, spec.interpret)
   sigma = jnp.where(jnp.repeat(flags, bt) != 0, 1.0, sigma)
   want_dx, want_dw = want
   dx = dw = None
@@ -342,9 +343,9 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
       xc, yc, wc = (lax.dynamic_index_in_dim(t, i, keepdims=False) for t in (xs, ys, ws))
       if dw is not None:
         # the chunk's forward starts once the previous chunk's products are done, so that one chunk's stored
-        # tiles are alive at a time: with nothing else ordering them (the loop of two chunks is unrolled), XLA's
-        # GPU scheduler formed the next chunk's tiles beside the last's (two 1 GiB buffers in the example
-        # trainer's step on two GPUs, benchmarks/results/trainer-scaling-2026-11-27/)
+        # tiles are alive at a time: with nothing else ordering them (two chunks: the loop after the first has
+        # one trip, which XLA inlines), XLA's GPU scheduler formed the next chunk's tiles beside the last's (two
+        # 1 GiB buffers in the example trainer's step on two GPUs, benchmarks/results/trainer-scaling-2026-11-27/)
         xc, dw, dx = lax.optimization_barrier((xc, dw, dx))
       if probs:
         rc = lax.dynamic_index_in_dim(refs, i, keepdims=False)
