@@ -7,11 +7,13 @@ the kernels whose time grows from one device to k.
 
 For each k and head (``fused``: lce_flax's, ``plain``: ``nn.Dense`` + optax) the trainer's step (its preset's
 model, ``--per-device-batch`` sequences per device, a data-parallel mesh of k devices) is compiled, run
-``--warmup`` times, then ``--steps`` times under ``jax.profiler.trace`` (Perfetto JSON). From the trace: each step's
-host wall time; on the first device, the time its streams are busy (the union of its kernels' intervals) and what
-they run, grouped by kernel name (numbers stripped), with the collectives (NCCL kernels) summed apart. A step that
-is longer than its device's busy time waited on something else (the host, another device): the idle gaps of 50 µs
-or more are summed per step and the largest listed with the kernels on either side.
+``--warmup`` times, then ``--steps`` times under ``jax.profiler.trace`` (Perfetto JSON), as the trainer runs them
+(``examples.lm.train.run_steps``: each step dispatched before the previous one's loss is read). Each step's time
+as the trainer counts it; from the trace, on the first device, the time its streams are busy (the union of its
+kernels' intervals) and what they run, grouped by kernel name (numbers stripped), with the collectives (NCCL
+kernels) summed apart. A step that is longer than its device's busy time waited on something else (the host,
+another device): the idle gaps of 50 µs or more are summed per step and the largest listed with the kernels on
+either side.
 
 Writes ``DIR/trainer_profile.json`` (device, versions, date, commit, one entry per (k, head): step ms, busy ms,
 collective ms, the kernel groups) and prints, per head, the kernel groups whose time per step grew most from k = 1
@@ -29,7 +31,6 @@ import os
 import re
 import sys
 import tempfile
-import time
 
 import jax
 import numpy as np
@@ -130,7 +131,7 @@ def growth(one: dict, many: dict, top: int = 12) -> list[tuple[str, float, float
 def profile_one(argv: list[str], k: int, head: str, per_device_batch: int, warmup: int, steps: int,
                 trace_dir: str) -> dict:
   from examples.lm import main as lm_main  # noqa: PLC0415
-  from examples.lm.train import compile_step, compiled_memory, trainer_from_args  # noqa: PLC0415
+  from examples.lm.train import compile_step, compiled_memory, run_steps, trainer_from_args  # noqa: PLC0415
 
   args = lm_main.parse_args([*argv, "--mesh", f"data={k}", "--num-devices", str(k),
                              "--batch-size", str(per_device_batch * k)])
@@ -144,13 +145,8 @@ def profile_one(argv: list[str], k: int, head: str, per_device_batch: int, warmu
     for _ in range(warmup):
       state, metrics = compiled(state, batch)
     float(metrics["loss"])
-    times = []
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      for _ in range(steps):
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        float(metrics["loss"])
-        times.append(time.perf_counter() - t0)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):  # (timed as the trainer times its steps)
+      state, times = run_steps(compiled, state, range(steps), lambda i: batch)
   summary = device_summary(read_trace(trace_dir), steps)
   return {"k": k, "head": head, "batch_size": args.batch_size, "step_ms": round(1e3 * float(np.median(times)), 3),
           "step_ms_all": [round(1e3 * t, 3) for t in times], "memory": compiled_memory(compiled), **summary}

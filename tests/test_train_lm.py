@@ -26,6 +26,34 @@ TINY = ["--vocab-size", "300", "--d-model", "32", "--num-layers", "1", "--num-he
         "--lr", "1e-2", "--warmup", "2", "--quiet"]
 
 
+def test_run_steps_dispatches_before_reading_the_loss():
+  """``run_steps``: each step is dispatched before the previous step's loss is read, except after a step whose
+  state is read (evaluated, saved), which is finished (and its state handed over) before the next dispatch; every
+  step's loss and time are reported once, in order."""
+  events = []
+
+  class Loss:
+    def __init__(self, i):
+      self.i = i
+
+    def __float__(self):
+      events.append(("read", self.i))
+      return float(self.i)
+
+  def compiled(state, batch):
+    events.append(("dispatch", batch))
+    return state + 1, {"loss": Loss(batch)}
+
+  losses, states = [], []
+  state, times = lm_train.run_steps(
+      compiled, 0, range(5), lambda step: step, on_loss=lambda done, loss, dt: losses.append((done, loss)),
+      reads_state=lambda done: done == 2, on_state=lambda done, st, loss: states.append((done, st, loss)))
+  assert events == [("dispatch", 0), ("dispatch", 1), ("read", 0), ("read", 1), ("dispatch", 2), ("dispatch", 3),
+                    ("read", 2), ("dispatch", 4), ("read", 3), ("read", 4)]
+  assert losses == [(1, 0.0), (2, 1.0), (3, 2.0), (4, 3.0), (5, 4.0)] and states == [(2, 2, 1.0)]
+  assert state == 5 and len(times) == 5 and all(t >= 0 for t in times)
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
   """One corpus + tokenizer build and one JAX compilation cache for the module (LCE_FLAX_TEST_CACHE: a persistent

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ from .train import (
   is_oom,
   oom_message,
   parse_mesh,
+  run_steps,
   trainer_from_args,
 )
 
@@ -44,13 +44,9 @@ def _probe(args, data, tr, batch_size, budget) -> dict[str, Any]:
       rec["fits"] = True
       return rec
     state = tr.init(args.seed)
-    times = []
-    for i in range(max(args.bench_steps, 1) + 1):
-      batch = tr.put_batch(train_batch(data.train_ids, i, batch_size, args.seq_len, args.seed, tr.rows))
-      t0 = time.perf_counter()
-      state, m = compiled(state, batch)
-      float(m["loss"])
-      times.append(time.perf_counter() - t0)
+    # (timed as the training loop times its steps: each dispatched before the previous one's loss is read)
+    state, times = run_steps(compiled, state, range(max(args.bench_steps, 1) + 1), lambda i: tr.put_batch(
+        train_batch(data.train_ids, i, batch_size, args.seq_len, args.seed, tr.rows)))
     rec["fits"] = True
     rec["tokens_per_s"] = batch_size * args.seq_len / statistics.median(times[1:] or times)
     if jax.default_backend() == "gpu":

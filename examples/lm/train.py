@@ -12,7 +12,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import flax.linen as nn
@@ -290,6 +290,48 @@ def generate(trainer: Trainer, params, data: Data, prompt: str, num_tokens: int,
   return prompt + data.tokenizer.decode(out)
 
 
+def run_steps(compiled, state, steps: Iterable[int], batch_of: Callable[[int], Any],
+              on_loss: Callable[[int, float, float], None] | None = None,
+              reads_state: Callable[[int], bool] = lambda done: False,
+              on_state: Callable[[int, Any, float], None] | None = None) -> tuple[Any, list[float]]:
+  """Runs the compiled train step once for each index of ``steps`` on ``batch_of(index)``; returns the final state
+  and each step's seconds. Each step is dispatched before the previous step's loss is read, so that the host's
+  work between steps (the next batch, the dispatch) overlaps the device's, as in a training loop that does not wait
+  for every loss; a step's time runs from when the device could start it (its dispatch, or the previous step's
+  end, whichever came later) to its loss being ready. ``on_loss(done, loss, seconds)`` follows each step (``done``:
+  steps done); where ``reads_state(done)``, that step is finished before the next is dispatched and
+  ``on_state(done, state, loss)`` may read its state (evaluate, save: the step donates the state it is given)."""
+  times: list[float] = []
+  last = None  # when the previous step's loss was ready
+
+  def finish(done, metrics, t_dispatch):
+    nonlocal last
+    loss = float(metrics["loss"])
+    now = time.perf_counter()
+    times.append(now - (t_dispatch if last is None else max(t_dispatch, last)))
+    last = now
+    if on_loss is not None:
+      on_loss(done, loss, times[-1])
+    return loss
+
+  pending = None  # (done, metrics, dispatch time) of the step in flight
+  for step in steps:
+    batch = batch_of(step)
+    t0 = time.perf_counter()
+    state, metrics = compiled(state, batch)
+    if pending is not None:
+      finish(*pending)
+    pending = (step + 1, metrics, t0)
+    if reads_state(step + 1):
+      loss = finish(*pending)
+      pending = None
+      if on_state is not None:
+        on_state(step + 1, state, loss)
+  if pending is not None:
+    finish(*pending)
+  return state, times
+
+
 def train(args: argparse.Namespace, data: Data, head: str, log: Callable[[str], None]) -> dict[str, Any]:
   """Trains one model with the ``head``; returns the run's record (losses, eval, memory, tokens/s, sample). A
   step that does not fit in the device's memory ends the run with ``fits: False`` and the error, not an
@@ -341,29 +383,34 @@ def _train(args, data, head, log, tr) -> dict[str, Any]:
     history["eval"].append(rec)
     return rec
 
-  times: list[float] = []
   stop = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
   bar = _progress(range(start, stop), args, desc=head)
   peak = None
-  for step in bar:
-    batch = tr.put_batch(train_batch(data.train_ids, step, args.batch_size, args.seq_len, args.seed, tr.rows))
-    t0 = time.perf_counter()
-    state, metrics = compiled(state, batch)
-    loss_val = float(metrics["loss"])  # blocks: the step's wall time and loss are exact
-    dt = time.perf_counter() - t0
-    times.append(dt)
+
+  def reads_state(done: int) -> bool:
+    """Whether the state after step ``done`` is read (evaluated, saved) before the next step runs."""
+    evaluates = bool(args.eval_every) and done % args.eval_every == 0 and done < args.steps
+    return evaluates or (mngr is not None and (done == args.steps or mngr.should_save(done)))
+
+  def on_loss(done: int, loss_val: float, dt: float):
+    nonlocal peak
     history["loss"].append(loss_val)
     if jax.default_backend() == "gpu":
       peak = gpu_peak_bytes()
-    done = step + 1
+    if hasattr(bar, "set_postfix"):
+      bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
+                      mem=human(peak if peak is not None else mem["peak"]), refresh=False)
+
+  def on_state(done: int, state, loss_val: float):
     if args.eval_every and done % args.eval_every == 0 and done < args.steps:
       e = evaluate(state.params, done)
       log(f"step {done}: train loss {loss_val:.3f}, eval loss {e['loss']:.3f} (ppl {e['ppl']:.1f})")
     if mngr is not None:
       save_checkpoint(mngr, done, state, history, force=done == args.steps)
-    if hasattr(bar, "set_postfix"):
-      bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
-                      mem=human(peak if peak is not None else mem["peak"]), refresh=False)
+
+  batch_of = lambda step: tr.put_batch(train_batch(data.train_ids, step, args.batch_size, args.seq_len, args.seed,
+                                                   tr.rows))
+  state, times = run_steps(compiled, state, bar, batch_of, on_loss, reads_state, on_state)
   if mngr is not None:
     mngr.wait_until_finished()
     mngr.close()
