@@ -1,7 +1,8 @@
-"""What a compiled step's HLO says of its schedule: where each asynchronous collective starts and ends, and which
-instructions make the host wait for the device.
+"""What a compiled step's HLO says of its schedule: where each asynchronous collective starts and ends, which
+instructions make the host wait for the device, and (from XLA's dump) what is alive at the memory peak.
 
     python3 -m benchmarks.hlo_schedule STEP.hlo.txt[.gz]      # a compiled module's text (``compiled.as_text()``)
+    python3 -m benchmarks.hlo_schedule STEP.hlo.txt.gz --live-range STEP.live-range.txt.gz
 
 Two readings, both of the text XLA prints for a compiled (scheduled) module, whose computations list their
 instructions in schedule order:
@@ -18,6 +19,11 @@ instructions in schedule order:
   and blocks until the device has reached it: a ``conditional`` (its predicate or branch index), a ``while``
   whose trip count the compiler did not find (its condition, once per trip), and a host callback. Each drains the
   device's queue of launched work, so the device idles while the host launches what follows.
+
+And :func:`peak_live` reads the ``*-live-range.txt`` file that XLA writes beside its buffer assignment when a
+compile dumps (``compiler_options={"xla_dump_to": DIR}``): the buffers alive at the peak of the schedule, largest
+first (with their shapes from the module's text), and XLA's breakdown of the peak by the source (JAX name stack)
+that made each buffer.
 """
 
 from __future__ import annotations
@@ -166,12 +172,42 @@ def summary(text: str) -> dict:
   return {"entry_instructions": len(entry), "collectives": _collectives(entry), "host_syncs": _host_syncs(comps)}
 
 
+def peak_live(live_range: str, text: str | None = None, top: int = 25, breakdown_lines: int = 60) -> dict:
+  """The peak of XLA's live-range dump ``live_range``: its schedule position (``at``), the bytes alive there
+  (``bytes``), the ``top`` largest buffers alive (name, bytes and, given the module's ``text``, the shape of the
+  instruction that defines it) and the first ``breakdown_lines`` lines of XLA's breakdown of the peak by source."""
+  lines = live_range.splitlines()
+  head = next((i for i, ln in enumerate(lines) if re.match(r"\s*Live ranges at \d+ \(peak\):", ln)), None)
+  if head is None:
+    return {"at": None, "bytes": None, "buffers": [], "breakdown": []}
+  at = int(re.search(r"at (\d+)", lines[head]).group(1))
+  buffers, total, i = [], 0, head + 1
+  row = re.compile(r"\s*(\S+?)(\{[\d,]*\})?: (\d+) bytes \(cumulative: (\d+) bytes\)")
+  while i < len(lines) and (m := row.match(lines[i])):
+    buffers.append({"name": m.group(1) + (m.group(2) or ""), "bytes": int(m.group(3))})
+    total = int(m.group(4))
+    i += 1
+  shapes = {}
+  if text is not None:
+    for instrs in computations(text).values():
+      shapes.update({name: shape for name, shape, _, _ in instrs})
+  for b in buffers:
+    b["shape"] = shapes.get(b["name"].split("{")[0])
+  start = next((j for j in range(i, len(lines)) if "breakdown for peak usage" in lines[j]), None)
+  tree = [] if start is None else [ln.rstrip() for ln in lines[start:start + breakdown_lines] if ln.strip()]
+  return {"at": at, "bytes": total, "buffers": sorted(buffers, key=lambda b: -b["bytes"])[:top], "breakdown": tree}
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("hlo", help="a compiled module's text, .gz allowed")
   ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+  ap.add_argument("--live-range", help="XLA's *-live-range.txt[.gz] of the same module: what is alive at its peak")
   a = ap.parse_args(argv)
-  s = summary(read(a.hlo))
+  text = read(a.hlo)
+  s = summary(text)
+  if a.live_range:
+    s["peak_live"] = peak_live(read(a.live_range), text)
   if a.json:
     print(json.dumps(s, indent=1))
     return 0
@@ -187,6 +223,12 @@ def main(argv=None) -> int:
   print(f"host syncs: {len(s['host_syncs'])}")
   for h in s["host_syncs"]:
     print(f"  {h['kind']:<14} {h['name']:<22} in {h['computation']:<28} {h['op_name'][-70:]}")
+  if "peak_live" in s:
+    pk = s["peak_live"]
+    print(f"alive at the peak (schedule position {pk['at']}): {(pk['bytes'] or 0) / 2**30:.2f} GiB")
+    for b in pk["buffers"]:
+      print(f"  {b['bytes'] / 2**20:10.1f} MiB  {b['name'][:40]:<40} {(b['shape'] or '')[:60]}")
+    print("\n".join(pk["breakdown"]))
   return 0
 
 

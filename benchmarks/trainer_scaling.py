@@ -26,11 +26,12 @@ unordered:--no-layer-grads-in-order``; rows carry their variant (``default``: no
 weak scaling compares a row with k = 1 of its own head and variant.
 
 ``--schedule`` compiles each head's step on one device and on the largest data-parallel mesh in this process,
-once per variant (the HLOs kept in ``DIR/hlo.tar`` as ``step_data{k}_{head}_{variant}.hlo.txt.gz``), records its
-compiled memory, and reads its schedule (:mod:`benchmarks.hlo_schedule`): for each asynchronous collective its
-shape, how many instructions and kernels the schedule places between its start and its done (the work it can
-overlap) and how many of the step's kernels come after its start; and the instructions at which the host waits
-for the device. A backend without asynchronous collectives (the CPU) says so.
+once per variant (the HLOs kept in ``DIR/hlo.tar`` as ``step_data{k}_{head}_{variant}.hlo.txt.gz``, with XLA's
+live ranges beside them as ``....live-range.txt.gz``), records its compiled memory, and reads its schedule
+(:mod:`benchmarks.hlo_schedule`): for each asynchronous collective its shape, how many instructions and kernels the
+schedule places between its start and its done (the work it can overlap) and how many of the step's kernels come
+after its start; the instructions at which the host waits for the device; and the buffers alive at the memory
+peak, with XLA's breakdown of the peak by source. A backend without asynchronous collectives (the CPU) says so.
 
 Writes ``DIR/trainer_scaling.json`` (device, n_devices, versions, date, commit, rows) and prints a table; each
 trainer process's own output stays in a temporary folder unless ``--keep-runs``.
@@ -40,11 +41,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import gzip
 import io
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -96,26 +99,36 @@ def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> di
 
 
 def schedule_rows(argv: list[str], k: int, head: str, variant: str, hlo: tarfile.TarFile | None = None) -> dict:
-  """``head``'s step on data = k with ``argv`` (the variant's options among them), compiled here: its compiled
-  memory (bytes per device) and its schedule as :func:`benchmarks.hlo_schedule.summary` reads it; with ``hlo``,
-  its HLO joins that archive as ``step_data{k}_{head}_{variant}.hlo.txt.gz``."""
+  """``head``'s step on data = k with ``argv`` (the variant's options among them), compiled here (dumping XLA's
+  buffer assignment): its compiled memory (bytes per device), its schedule as
+  :func:`benchmarks.hlo_schedule.summary` reads it and what is alive at its memory peak
+  (:func:`benchmarks.hlo_schedule.peak_live`, ``peak_live``); with ``hlo``, its HLO and XLA's live ranges join that
+  archive as ``step_data{k}_{head}_{variant}.hlo.txt.gz`` and ``....live-range.txt.gz``."""
   sys.path.insert(0, ROOT)
   from examples.lm import main as lm_main  # noqa: PLC0415
   from examples.lm.train import compile_step, compiled_memory, trainer_from_args  # noqa: PLC0415
 
-  args = lm_main.parse_args([*argv, "--mesh", f"data={k}", "--num-devices", str(k)])
-  tr = trainer_from_args(args, head)
-  compiled = compile_step(tr, tr.abstract_state(args.seed), args.seq_len)
+  dump = tempfile.mkdtemp(prefix="trainer_scaling_dump_")
+  try:
+    dump_args = compiler_option_args([f"xla_dump_to={dump}", "xla_dump_hlo_as_text=true"])
+    args = lm_main.parse_args([*argv, *dump_args, "--mesh", f"data={k}", "--num-devices", str(k)])
+    tr = trainer_from_args(args, head)
+    compiled = compile_step(tr, tr.abstract_state(args.seed), args.seq_len)
+    ranges = sorted(glob.glob(os.path.join(dump, "*live-range.txt")), key=os.path.getsize)
+    live = open(ranges[-1]).read() if ranges else ""  # (the largest: the step's module)
+  finally:
+    shutil.rmtree(dump, ignore_errors=True)
   text = compiled.as_text()
   if hlo is not None:
-    data = gzip.compress(text.encode())
-    info = tarfile.TarInfo(f"step_data{k}_{head}_{variant}.hlo.txt.gz")
-    info.size = len(data)
-    hlo.addfile(info, io.BytesIO(data))
+    for suffix, body in ((".hlo.txt.gz", text), (".live-range.txt.gz", live)):
+      data = gzip.compress(body.encode())
+      info = tarfile.TarInfo(f"step_data{k}_{head}_{variant}{suffix}")
+      info.size = len(data)
+      hlo.addfile(info, io.BytesIO(data))
   found = hlo_schedule.summary(text)
   sync = len(re.findall(r" all-reduce\(", text))
   return {"mesh": f"data={k}", "k": k, "head": head, "variant": variant, "memory": compiled_memory(compiled),
-          **found, "sync_all_reduces": sync,
+          **found, "sync_all_reduces": sync, "peak_live": hlo_schedule.peak_live(live, text),
           "note": None if found["collectives"] or k == 1 else "no asynchronous collective in this backend's "
           "compiled step"}
 
@@ -297,6 +310,10 @@ def main(argv=None) -> int:
       print(f"  {c['name']:<22} {c['shape'][:40]:<40} between {c['between']!s:>4} ({c['compute_between']} compute), "
             f"kernels after its start {c['kernels_after']}/{c['kernels']}, held back past {c['kernels_held']}")
     print(f"  host syncs: {len(sc['host_syncs'])} " + ", ".join(f"{h['kind']} {h['name']}" for h in sc["host_syncs"]))
+    pk = sc["peak_live"]
+    if pk["bytes"] is not None:
+      print(f"  alive at the memory peak: {pk['bytes'] / 2**30:.2f} GiB, the largest: " + ", ".join(
+          f"{b['name']} {b['bytes'] / 2**20:.0f} MiB" for b in pk["buffers"][:6]))
   return 0 if all(r["error"] is None for r in rows) else 1
 
 

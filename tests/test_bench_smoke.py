@@ -329,6 +329,40 @@ ENTRY %main (p: f32[8]) -> bf16[8] {
   assert [(r["name"], r["ready"], r["kernels_held"]) for r in got] == [("s", 3, 3), ("s2", 1, 4)]
 
 
+def test_hlo_schedule_peak_live():
+  """benchmarks/hlo_schedule.py: XLA's live-range dump read at its peak, buffers largest first with the shapes of
+  their instructions (a tuple element keeps its index), and the breakdown by source; a dump without a peak section
+  gives empty readings."""
+  from benchmarks import hlo_schedule
+
+  live = """HloLiveRange (max 9):
+  InstructionSequence:
+    0:p
+  BufferLiveRange:
+    p{}:0-9
+  Live ranges at 4 (peak):
+    p{}: 4096 bytes (cumulative: 4096 bytes)
+    fus.2{1}: 65536 bytes (cumulative: 69632 bytes)
+  Stack trace breakdown for peak usage: 69 632 bytes
+    main (100.0%, total: 69 632 bytes, current: 0 bytes, remaining: 69 632 bytes)
+      └── jit(step)/head (94.1%, total: 65 536 bytes, current: 65 536 bytes, remaining: 4 096 bytes)
+"""
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[32,32]) -> f32[] {
+  %p = f32[32,32]{1,0} parameter(0)
+  %fus.2 = (f32[4]{0}, bf16[128,256]{1,0}) fusion(%p), kind=kLoop, calls=%c
+  ROOT %r = f32[] constant(0)
+}
+"""
+  got = hlo_schedule.peak_live(live, text, top=1)
+  assert got["at"] == 4 and got["bytes"] == 69632
+  assert got["buffers"] == [{"name": "fus.2{1}", "bytes": 65536, "shape": "(f32[4]{0}, bf16[128,256]{1,0})"}]
+  assert got["breakdown"][0].strip().startswith("Stack trace breakdown") and "jit(step)/head" in got["breakdown"][2]
+  assert hlo_schedule.peak_live("HloLiveRange (max 0):\n") == {"at": None, "bytes": None, "buffers": [],
+                                                                "breakdown": []}
+
+
 def test_hlo_schedule_of_a_recorded_gpu_step():
   """benchmarks/hlo_schedule.py on the fused head's compiled step recorded on two H200s (data=2, results of
   2026-11-27): the counts read off that file by hand. Eleven all-reduces, all started after 157 of the step's
@@ -399,11 +433,20 @@ def test_trainer_scaling_runs_on_cpu(tmp_path):
       (1, "fused", "default", []), (2, "fused", "default", []), (1, "fused", "lhs", []), (2, "fused", "lhs", [])]
   assert all(sc["entry_instructions"] > 0 and sc["memory"]["peak"] > 0 for sc in got["schedule"])
   assert [bool(sc["note"]) for sc in got["schedule"]] == [False, True, False, True]
+  # what is alive at each compiled step's memory peak (XLA's live ranges): the buffers sum to at most the peak
+  # bytes XLA reports there, each is named with its shape, and the breakdown by source names the model
+  for sc in got["schedule"]:
+    pk = sc["peak_live"]
+    assert pk["at"] > 0 and 0 < sum(b["bytes"] for b in pk["buffers"]) <= pk["bytes"], pk
+    assert all(b["shape"] for b in pk["buffers"]) and "breakdown for peak usage" in pk["breakdown"][0]
+    assert any("TransformerLM" in line for line in pk["breakdown"]), pk["breakdown"]
   with tarfile.open(tmp_path / "hlo.tar") as hlo:
     names = hlo.getnames()
     text = gzip.decompress(hlo.extractfile("step_data2_fused_lhs.hlo.txt.gz").read()).decode()
-  assert sorted(names) == sorted(f"step_data{k}_fused_{v}.hlo.txt.gz" for v in ("default", "lhs") for k in (1, 2))
-  assert "ENTRY" in text
+    live = gzip.decompress(hlo.extractfile("step_data2_fused_lhs.live-range.txt.gz").read()).decode()
+  assert sorted(names) == sorted(f"step_data{k}_fused_{v}.{kind}.txt.gz" for v in ("default", "lhs") for k in (1, 2)
+                                 for kind in ("hlo", "live-range"))
+  assert "ENTRY" in text and "(peak)" in live
   assert os.listdir(tmp_path / "jc")  # the trainers' compilation cache
 
 
