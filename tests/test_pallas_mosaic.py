@@ -290,39 +290,48 @@ def test_fast_exponentials_peaky(w_layout, products, monkeypatch):
   assert rel_err(dx, ref["dx"]) < 1e-2 and rel_err(dw, ref["dw"]) < 1e-2
 
 
-def _check_repair(cfg, rows, h, v, monkeypatch, **kw):
+def _check_repair(cfg, rows, h, v, monkeypatch, options=None, reduction="mean", **kw):
   """Logits with std ≈ 45 and every label the same column: the reference logits (the largest at the batch's
   labels) lie far below most rows' lse, beyond the stored exponentials' range; the repair writes those rows' exact
   dz over the stored tiles, so the gradients are still right, and without it they are not (so the test sees the
-  repair). The first half of the rows are ignored, so some 64-row blocks need no repair."""
+  repair). The first half of the rows are ignored, so some 64-row blocks need no repair. ``reduction="none"``:
+  the per-token losses against random per-token cotangents (the "logits" design)."""
   (x, w, y, b), (xn, wn, yn, bn) = make_inputs(35, (rows,), h, v, jnp.bfloat16, wscale=8.0, bias=True)
   yn = np.where(yn >= 0, 7, yn).astype(np.int32)
   yn[: rows // 2] = -100
   y = jnp.asarray(yn)
-  f = jax.jit(jax.value_and_grad(lambda x, w, b: linear_cross_entropy(
-      x, w, y, bias=b, impl="pallas_mosaic", mode="fast", config=cfg, **kw), (0, 1, 2)))
+  opts = options or {}
+  cot = np.random.default_rng(36).uniform(0.5, 2.0, rows) if reduction == "none" else None
+
+  def loss_fn(x, w, b):
+    out = linear_cross_entropy(x, w, y, bias=b, impl="pallas_mosaic", mode=None if cot is not None else "fast",
+                               reduction=reduction, config=cfg, **opts, **kw)
+    return out if cot is None else jnp.sum(out * jnp.asarray(cot, jnp.float32))
+
+  f = jax.jit(jax.value_and_grad(loss_fn, (0, 1, 2)))
   (loss, grads), repaired = _repaired_blocks(lambda: f(x, w, b), monkeypatch)
-  ref = linear_cross_entropy_np(xn, wn, yn, bias=bn)
+  ref = linear_cross_entropy_np(xn, wn, yn, bias=bn, reduction=reduction, cotangent=cot, **opts)
+  want = ref["loss"] if cot is None else np.sum(np.where(yn >= 0, ref["loss"], 0.0) * cot)
   assert np.nanmax(ref["token_loss"]) > 150 and 0 < repaired < -(-rows // 64), repaired
-  assert rel_err(loss, ref["loss"]) < 2e-5
+  assert rel_err(loss, want) < 2e-5
   for got, name in zip(grads, ("dx", "dw", "dbias")):
     assert rel_err(got, ref[name]) < 1e-2, name
   from lce_flax._impl.pallas_mosaic import fast
 
   monkeypatch.setattr(fast, "_repair", lambda e, flags, *a: e)
   jax.clear_caches()  # (so that the op is traced again, without the repair)
-  _, broken = jax.value_and_grad(lambda x, w, b: linear_cross_entropy(
-      x, w, y, bias=b, impl="pallas_mosaic", mode="fast", config=cfg, **kw), (0, 1, 2))(x, w, b)
+  _, broken = jax.value_and_grad(loss_fn, (0, 1, 2))(x, w, b)
   counted = yn >= 0
   assert not rel_err(broken[0][counted], ref["dx"][counted]) < 1e-2
 
 
-@pytest.mark.parametrize("design", ["logits", "tokens"])
-def test_fast_exponentials_repaired_past_their_range(design, monkeypatch):
+@pytest.mark.parametrize("design,opt,reduction", [("logits", "plain", "mean"), ("logits", "z_loss", "none"),
+                                                  ("tokens", "z_loss", "sum")])
+def test_fast_exponentials_repaired_past_their_range(design, opt, reduction, monkeypatch):
   """:func:`_check_repair` interpreted: 300 rows, padded to 320 by the 64-row tiles (the "tokens" design: 5
-  chunks of 64), not to the GPU's 128."""
+  chunks of 64), not to the GPU's 128; with z-loss and per-token cotangents too."""
   cfg = GEMM_FAST if design == "logits" else dataclasses.replace(GEMM_FAST, fast_design="tokens", token_chunk=64)
-  _check_repair(cfg, 300, 128, 384, monkeypatch)
+  _check_repair(cfg, 300, 128, 384, monkeypatch, OPTIONS[opt], reduction)
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
