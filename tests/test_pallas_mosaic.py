@@ -325,6 +325,38 @@ def _check_repair(cfg, rows, h, v, monkeypatch, options=None, reduction="mean", 
   assert not rel_err(broken[0][counted], ref["dx"][counted]) < 1e-2
 
 
+@pytest.mark.parametrize("w_layout,bias", [("hv", True), ("vh", False)])
+def test_repair_kernel_writes_exact_dz_of_flagged_blocks(w_layout, bias):
+  """:func:`.fast._repair` alone (interpreted), against float64 NumPy: the rows of each flagged 64-row block become
+  their logit gradient ``coef·softmax - a·[v = y]`` (zero past V), the other rows stay as they were; E 192 columns
+  wide (64-column tiles: a forward tile_n of 192), V = 150, one block of two flagged, an ignored row among them."""
+  from lce_flax._impl.pallas_mosaic import fast
+
+  rng = np.random.default_rng(37)
+  rows, h, v, vp = 128, 64, 150, 192
+  xn = rng.standard_normal((rows, h))
+  wn = 0.3 * rng.standard_normal((h, v))
+  bn = rng.standard_normal(v) if bias else np.zeros(v)
+  yn = rng.integers(0, v, rows).astype(np.int32)
+  yn[70] = -100
+  x, w = jnp.asarray(xn, jnp.bfloat16), jnp.asarray(wn if w_layout == "hv" else wn.T, jnp.bfloat16)
+  xq, wq = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  z = xq @ (wq if w_layout == "hv" else wq.T) + bn
+  lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+  coef = np.where(yn >= 0, rng.uniform(0.5, 2.0, rows), 0.0)
+  a = coef.copy()
+  e0 = jnp.asarray(rng.standard_normal((rows, vp)), jnp.bfloat16)
+  flags = jnp.asarray([0, 1], jnp.int32)
+  f32 = lambda t: jnp.asarray(t, jnp.float32)
+  opts = _math.LossSpec(vocab_size=v)
+  got = np.asarray(fast._repair(e0, flags, x, w, f32(bn) if bias else None, jnp.asarray(yn), f32(lse), f32(coef),
+                                f32(a), f32(np.zeros(rows)), w_layout, opts, True), np.float64)
+  dz = coef[:, None] * np.exp(z - lse[:, None]) - a[:, None] * (np.arange(v)[None, :] == yn[:, None])
+  want = np.concatenate([dz, np.zeros((rows, vp - v))], axis=1)
+  np.testing.assert_array_equal(got[:64], np.asarray(e0, np.float64)[:64])
+  assert rel_err(got[64:], want[64:]) < 1e-2 and np.all(got[70] == 0) and np.all(got[64:, v:] == 0)
+
+
 @pytest.mark.parametrize("design,opt,reduction", [("logits", "plain", "mean"), ("logits", "z_loss", "none"),
                                                   ("tokens", "z_loss", "sum")])
 def test_fast_exponentials_repaired_past_their_range(design, opt, reduction, monkeypatch):

@@ -183,8 +183,8 @@ def _repair(e, flags, xp, wp, bp, yp, lse, coef, a, c, layout: str, opts, interp
   round trip, and the work is that of the flagged blocks alone (a tile whose block is not flagged only reads its
   flag). Pallas Triton on the GPU (its program ids and masked stores make a tile that does nothing cheap),
   interpreted on CPU."""
-  t = _RepairTiles()
   rows, vp = e.shape
+  t = _RepairTiles(block_v=128 if vp % 128 == 0 else 64)  # (E's width: whole tiles of the forward's tile_n)
   if rows % t.block_t or vp % t.block_v:
     raise ValueError(f"_repair: E {e.shape} is not whole [{t.block_t}, {t.block_v}] tiles")
   h = xp.shape[1]
