@@ -202,7 +202,7 @@ echo
 echo "=== summary ($(date -u '+%F %T') UTC)"
 printf '%s\n' "${SUMMARY[@]}"
 if [ "$failed" -ne 0 ]; then echo "GPU CHECK FAILED"
-elif [ "$SECTIONS" != " 1 2 3 4 " ]; then echo "GPU CHECK: SECTIONS$SECTIONSPASSED (not the whole check)"
+elif [ "$SECTIONS" != " 1 2 3 4 " ]; then echo "GPU CHECK: SECTIONS${SECTIONS}PASSED (not the whole check)"
 else echo "GPU CHECK PASSED"; fi
 echo "log: $LOG"
 exit "$failed"
