@@ -387,10 +387,12 @@ def _train(args, data, head, log, tr) -> dict[str, Any]:
   bar = _progress(range(start, stop), args, desc=head)
   peak = None
 
+  def evaluates(done: int) -> bool:  # (the final evaluation comes after the loop)
+    return bool(args.eval_every) and done % args.eval_every == 0 and done < args.steps
+
   def reads_state(done: int) -> bool:
     """Whether the state after step ``done`` is read (evaluated, saved) before the next step runs."""
-    evaluates = bool(args.eval_every) and done % args.eval_every == 0 and done < args.steps
-    return evaluates or (mngr is not None and (done == args.steps or mngr.should_save(done)))
+    return evaluates(done) or (mngr is not None and (done == args.steps or mngr.should_save(done)))
 
   def on_loss(done: int, loss_val: float, dt: float):
     nonlocal peak
@@ -402,7 +404,7 @@ def _train(args, data, head, log, tr) -> dict[str, Any]:
                       mem=human(peak if peak is not None else mem["peak"]), refresh=False)
 
   def on_state(done: int, state, loss_val: float):
-    if args.eval_every and done % args.eval_every == 0 and done < args.steps:
+    if evaluates(done):
       e = evaluate(state.params, done)
       log(f"step {done}: train loss {loss_val:.3f}, eval loss {e['loss']:.3f} (ppl {e['ppl']:.1f})")
     if mngr is not None:
