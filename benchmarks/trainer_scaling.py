@@ -98,8 +98,10 @@ def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> di
     return json.load(f)
 
 
-def schedule_rows(argv: list[str], k: int, head: str, variant: str, hlo: tarfile.TarFile | None = None) -> dict:
-  """``head``'s step on data = k with ``argv`` (the variant's options among them), compiled here (dumping XLA's
+def schedule_rows(argv: list[str], k: int, head: str, variant: str, per_device_batch: int,
+                  hlo: tarfile.TarFile | None = None) -> dict:
+  """``head``'s step on data = k at ``per_device_batch`` sequences per device, with ``argv`` (the variant's
+  options among them), compiled here (dumping XLA's
   buffer assignment): its compiled memory (bytes per device), its schedule as
   :func:`benchmarks.hlo_schedule.summary` reads it and what is alive at its memory peak
   (:func:`benchmarks.hlo_schedule.peak_live`, ``peak_live``); with ``hlo``, its HLO and XLA's live ranges join that
@@ -111,7 +113,8 @@ def schedule_rows(argv: list[str], k: int, head: str, variant: str, hlo: tarfile
   dump = tempfile.mkdtemp(prefix="trainer_scaling_dump_")
   try:
     dump_args = compiler_option_args([f"xla_dump_to={dump}", "xla_dump_hlo_as_text=true"])
-    args = lm_main.parse_args([*argv, *dump_args, "--mesh", f"data={k}", "--num-devices", str(k)])
+    args = lm_main.parse_args([*argv, *dump_args, "--mesh", f"data={k}", "--num-devices", str(k),
+                               "--batch-size", str(per_device_batch * k)])
     tr = trainer_from_args(args, head)
     compiled = compile_step(tr, tr.abstract_state(args.seed), args.seq_len)
     ranges = sorted(glob.glob(os.path.join(dump, "*live-range.txt")), key=os.path.getsize)
@@ -127,7 +130,8 @@ def schedule_rows(argv: list[str], k: int, head: str, variant: str, hlo: tarfile
       hlo.addfile(info, io.BytesIO(data))
   found = hlo_schedule.summary(text)
   sync = len(re.findall(r" all-reduce\(", text))
-  return {"mesh": f"data={k}", "k": k, "head": head, "variant": variant, "memory": compiled_memory(compiled),
+  return {"mesh": f"data={k}", "k": k, "head": head, "variant": variant, "batch_size": args.batch_size,
+          "memory": compiled_memory(compiled),
           **found, "sync_all_reduces": sync, "peak_live": hlo_schedule.peak_live(live, text),
           "note": None if found["collectives"] or k == 1 else "no asynchronous collective in this backend's "
           "compiled step"}
@@ -291,7 +295,7 @@ def main(argv=None) -> int:
   sched = None
   if a.schedule and max(ks) > 1:
     with tarfile.open(os.path.join(a.out, "hlo.tar"), "w") as hlo:
-      sched = [schedule_rows([*common, *opts], k, head, var, hlo) for head in a.heads.split(",")
+      sched = [schedule_rows([*common, *opts], k, head, var, a.per_device_batch, hlo) for head in a.heads.split(",")
                for var, opts in variants.items() for k in (1, max(ks))]
   write(a.out, meta, rows, sched)
   print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'variant':<10} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} "

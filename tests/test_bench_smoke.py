@@ -432,6 +432,8 @@ def test_trainer_scaling_runs_on_cpu(tmp_path):
   assert [(sc["k"], sc["head"], sc["variant"], sc["collectives"]) for sc in got["schedule"]] == [
       (1, "fused", "default", []), (2, "fused", "default", []), (1, "fused", "lhs", []), (2, "fused", "lhs", [])]
   assert all(sc["entry_instructions"] > 0 and sc["memory"]["peak"] > 0 for sc in got["schedule"])
+  # each schedule is compiled at the rows' per-device batch (the default 8 sequences), k times it on k devices
+  assert [sc["batch_size"] for sc in got["schedule"]] == [8, 16, 8, 16]
   assert [bool(sc["note"]) for sc in got["schedule"]] == [False, True, False, True]
   # what is alive at each compiled step's memory peak (XLA's live ranges): the buffers sum to at most the peak
   # bytes XLA reports there, each is named with its shape, and the breakdown by source names the model
