@@ -213,6 +213,21 @@ def previous_rows(paths: list[str], preset: str, per_device_batch: int) -> list[
   return rows
 
 
+def memory_growth(sched: list[dict], head: str = "fused", variant: str = "default") -> dict:
+  """Per-device memory of ``head``'s step on the largest data-parallel mesh of ``sched`` (the ``--schedule``
+  rows) against one device, at the same per-device batch: the ratios of the compiled temporaries
+  (``temp_ratio``: XLA's one temporary allocation, what the device must have free) and of XLA's live-range peak
+  (``live_ratio``: the most bytes alive at one time, arguments included). The two part where XLA's packing of the
+  buffers into its allocation leaves room unused at every moment (``docs/multi_gpu.md``)."""
+  rows = {r["k"]: r for r in sched if r["head"] == head and r["variant"] == variant}
+  one, k = rows[1], rows[max(rows)]
+  live = [r["peak_live"]["bytes"] for r in (one, k)]
+  return {"k": k["k"], "batch_sizes": [one.get("batch_size"), k.get("batch_size")],
+          "temp_bytes": [one["memory"]["temp"], k["memory"]["temp"]], "live_peak_bytes": live,
+          "temp_ratio": k["memory"]["temp"] / one["memory"]["temp"],
+          "live_ratio": live[1] / live[0] if all(live) else None}
+
+
 def write(out: str, meta: dict, rows: list, sched: dict | None):
   with open(os.path.join(out, "trainer_scaling.json"), "w") as f:
     json.dump({**meta, "rows": rows, "schedule": sched}, f, indent=1)

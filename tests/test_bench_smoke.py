@@ -434,6 +434,13 @@ def test_trainer_scaling_runs_on_cpu(tmp_path):
   assert all(sc["entry_instructions"] > 0 and sc["memory"]["peak"] > 0 for sc in got["schedule"])
   # each schedule is compiled at the rows' per-device batch (the default 8 sequences), k times it on k devices
   assert [sc["batch_size"] for sc in got["schedule"]] == [8, 16, 8, 16]
+  # the GPU check's per-device memory comparison (section 4) reads these rows
+  from benchmarks.trainer_scaling import memory_growth
+  grow = memory_growth(got["schedule"], "fused", "lhs")
+  one, two = (sc for sc in got["schedule"] if sc["variant"] == "lhs")
+  assert grow["k"] == 2 and grow["batch_sizes"] == [8, 16]
+  assert grow["temp_ratio"] == two["memory"]["temp"] / one["memory"]["temp"] > 0
+  assert grow["live_ratio"] == two["peak_live"]["bytes"] / one["peak_live"]["bytes"] > 0
   assert [bool(sc["note"]) for sc in got["schedule"]] == [False, True, False, True]
   # what is alive at each compiled step's memory peak (XLA's live ranges): the buffers sum to at most the peak
   # bytes XLA reports there, each is named with its shape, and the breakdown by source names the model
