@@ -165,17 +165,20 @@ def _host_syncs(comps: dict[str, list[tuple[str, str, str, str]]]) -> list[dict]
   return rows
 
 
-def summary(text: str) -> dict:
-  """Both readings of one module, and the entry's length (the text parsed once)."""
-  comps = computations(text)
+def summary(text: str, comps: dict | None = None) -> dict:
+  """Both readings of one module, and the entry's length (the text parsed once; ``comps``: already parsed by
+  :func:`computations`)."""
+  comps = computations(text) if comps is None else comps
   entry = comps.get("ENTRY", [])
   return {"entry_instructions": len(entry), "collectives": _collectives(entry), "host_syncs": _host_syncs(comps)}
 
 
-def peak_live(live_range: str, text: str | None = None, top: int = 25, breakdown_lines: int = 60) -> dict:
+def peak_live(live_range: str, text: str | None = None, top: int = 25, breakdown_lines: int = 60,
+              comps: dict | None = None) -> dict:
   """The peak of XLA's live-range dump ``live_range``: its schedule position (``at``), the bytes alive there
-  (``bytes``), the ``top`` largest buffers alive (name, bytes and, given the module's ``text``, the shape of the
-  instruction that defines it) and the first ``breakdown_lines`` lines of XLA's breakdown of the peak by source."""
+  (``bytes``), the ``top`` largest buffers alive (name, bytes and, given the module's ``text`` or its parsed
+  ``comps``, the shape of the instruction that defines it) and the first ``breakdown_lines`` lines of XLA's
+  breakdown of the peak by source."""
   lines = live_range.splitlines()
   head = next((i for i, ln in enumerate(lines) if re.match(r"\s*Live ranges at \d+ \(peak\):", ln)), None)
   if head is None:
@@ -188,9 +191,10 @@ def peak_live(live_range: str, text: str | None = None, top: int = 25, breakdown
     total = int(m.group(4))
     i += 1
   shapes = {}
-  if text is not None:
-    for instrs in computations(text).values():
-      shapes.update({name: shape for name, shape, _, _ in instrs})
+  if comps is None and text is not None:
+    comps = computations(text)
+  for instrs in (comps or {}).values():
+    shapes.update({name: shape for name, shape, _, _ in instrs})
   for b in buffers:
     b["shape"] = shapes.get(b["name"].split("{")[0])
   start = next((j for j in range(i, len(lines)) if "breakdown for peak usage" in lines[j]), None)

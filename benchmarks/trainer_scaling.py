@@ -128,11 +128,12 @@ def schedule_rows(argv: list[str], k: int, head: str, variant: str, per_device_b
       info = tarfile.TarInfo(f"step_data{k}_{head}_{variant}{suffix}")
       info.size = len(data)
       hlo.addfile(info, io.BytesIO(data))
-  found = hlo_schedule.summary(text)
+  comps = hlo_schedule.computations(text)  # (parsed once for both readings)
+  found = hlo_schedule.summary(text, comps)
   sync = len(re.findall(r" all-reduce\(", text))
   return {"mesh": f"data={k}", "k": k, "head": head, "variant": variant, "batch_size": args.batch_size,
           "memory": compiled_memory(compiled),
-          **found, "sync_all_reduces": sync, "peak_live": hlo_schedule.peak_live(live, text),
+          **found, "sync_all_reduces": sync, "peak_live": hlo_schedule.peak_live(live, comps=comps),
           "note": None if found["collectives"] or k == 1 else "no asynchronous collective in this backend's "
           "compiled step"}
 
