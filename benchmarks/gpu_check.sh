@@ -187,6 +187,8 @@ memory_growth() {
 import json, sys
 from benchmarks.trainer_scaling import memory_growth
 g = memory_growth(json.load(open(sys.argv[1]))["schedule"])
+if g["live_ratio"] is None:
+  raise SystemExit(f"XLA wrote no live ranges for these compiles (temporaries {g['temp_ratio']:.3f}x)")
 for n, b, t, live in zip((1, g["k"]), g["batch_sizes"], g["temp_bytes"], g["live_peak_bytes"]):
   print(f"fused step, {n} GPU(s), {b // n} sequences per device: temporaries {t / 2**30:.2f} GiB, "
         f"most bytes alive at once {live / 2**30:.2f} GiB")
