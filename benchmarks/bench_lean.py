@@ -14,13 +14,18 @@ loop has no dispatch between chunks, and a chunk takes only ~0.1–0.4 ms; bf16)
 and, with ``--widths``, lean mode's whole forward and backward (``value_and_grad`` of x and w) at its own chunk
 width and at the narrower widths whose recompute fills the GPU's waves best (the persistent GEMM's tiles over the
 SMs: llama3-8b's 1792 columns make 448 CTA tiles of 256×128, 3.4 waves on 132 SMs), each with its wave efficiency
-(tiles ÷ the whole waves they take); and, with ``--sweep``, ``lean_dz`` on each config of a grid (the warpgroup
+(tiles ÷ the whole waves they take); with ``--products``, what XLA's products allow lean mode at wider chunks:
+per chunk of 1, 2, 4 and 8 times the op's width, the three products lean runs for it (the chunk's logits x·w_c,
+``dx += dz·w_cᵀ`` into a float32 carry, ``dw_c = xᵀ·dz`` into dw) timed in one loop, beside XLA's whole forward
+product x·w and the plain head's forward and backward (``nn.Dense``'s product + optax on bf16 logits): a lean step
+at a width costs at least the forward product plus its chunks' products (``lean_floor_ms``), against the 1.25×
+the plain head that lean mode is held to; and, with ``--sweep``, ``lean_dz`` on each config of a grid (the warpgroup
 split, the 2-CTA cluster and its direction, the snake's order and width); the fastest per head goes into
 ``lean_dz_rows.json`` in the table's format, with its time against XLA's bare product (``vs_xla``), to be merged
 into ``lce_flax/_impl/pallas_mosaic/gemm_tuning.json`` under this device's kind. Every kernel's dz is checked
 against the kernels_ws one on the same inputs (``check`` rows).
 
-    python -m benchmarks.bench_lean [--shapes llama3-8b,...] [--rounds 3] [--widths] [--sweep] [--out DIR]
+    python -m benchmarks.bench_lean [--shapes llama3-8b,...] [--rounds 3] [--widths] [--products] [--sweep] [--out DIR]
     python -m benchmarks.bench_lean --interpret --shapes tiny --rounds 1     # a CPU check of the harness
 
 Writes ``DIR/bench_lean.json`` (device, versions, date, rows) and prints one JSON line per row. BUDGET_S (default
@@ -39,6 +44,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -122,6 +128,47 @@ def chunk_widths(b: int, h: int, cw: int, kind: str, sms: int, step: int = 128, 
   return {c: round(eff[c], 3) for c in sorted({cw, *best}, reverse=True)}
 
 
+def chunk_products(n: int, cw: int):
+  """Lean mode's three products for ``n`` chunks of ``cw`` columns on XLA, in one jitted loop as the op runs them:
+  the chunk's logits ``dz = x·w_c`` (standing in for its recomputed gradient, same shape and dtype), ``dx += dz·w_cᵀ``
+  into a float32 carry, and ``dw_c = xᵀ·dz`` written into the carried dw."""
+  def f(x, w):
+    def step(k, carry):
+      dx, dw = carry
+      w_c = lax.dynamic_slice_in_dim(w, k * cw, cw, 1)
+      dz = jnp.dot(x, w_c)
+      dx = dx + jnp.dot(dz, w_c.T, preferred_element_type=jnp.float32)
+      return dx, lax.dynamic_update_slice_in_dim(dw, jnp.dot(x.T, dz), k * cw, 1)
+    init = (jnp.zeros(x.shape, jnp.float32), jnp.zeros((x.shape[1], n * cw), x.dtype))
+    return lax.fori_loop(0, n, step, init)
+  return jax.jit(f)
+
+
+def plain_step(y):
+  """The plain head's forward and backward (x and w): bf16 logits ``x·w`` and optax's cross-entropy on them."""
+  loss = lambda x, w: optax.softmax_cross_entropy_with_integer_labels(jnp.dot(x, w), y).sum()
+  return jax.jit(jax.value_and_grad(loss, (0, 1)))
+
+
+def products_row(name: str, x, w, y, cw: int, rounds: int) -> dict:
+  """The ``--products`` row of one head (see the module's docstring)."""
+  (b, h), v = x.shape, w.shape[1]
+  widths = [cw * m for m in (1, 2, 4, 8) if cw * m <= v]
+  fns = {"forward": (jax.jit(jnp.dot), (x, w)), "plain": (plain_step(y), (x, w))}
+  loops = {c: min(LOOP, v // c) for c in widths}
+  fns.update({c: (chunk_products(loops[c], c), (x, w)) for c in widths})
+  t = interleaved(fns, rounds=rounds)
+  per = {c: t[c] / loops[c] for c in widths}  # ms per chunk
+  floor = {c: t["forward"] + -(-v // c) * per[c] for c in widths}
+  return {"kind": "products", "shape": name, "default": cw, "plain_ms": round(t["plain"], 3),
+          "forward_ms": round(t["forward"], 3), "lean_target_ms": round(1.25 * t["plain"], 3),
+          "ms_per_chunk": {str(c): round(per[c], 4) for c in widths},
+          "tflops": {str(c): round(3 * 2 * b * c * h / per[c] / 1e9, 1) for c in widths},
+          "lean_floor_ms": {str(c): round(floor[c], 3) for c in widths},
+          "lean_floor_vs_plain": {str(c): round(floor[c] / t["plain"], 3) for c in widths},
+          "chunk_bytes": {str(c): b * c * x.dtype.itemsize for c in widths}}
+
+
 def lean_step(y, width: int, interpret: bool):
   """The jitted forward and backward (x and w) of lean mode on the GEMM with ``width`` columns per chunk."""
   cfg = Config(vocab_chunk=width)
@@ -136,6 +183,8 @@ def main(argv=None) -> int:
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--widths", action="store_true", help="lean's forward and backward at wave-aligned chunk widths")
+  ap.add_argument("--products", action="store_true", help="XLA's chunk products at 1-8x the chunk width, against "
+                  "the plain head")
   ap.add_argument("--interpret", action="store_true")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_lean"))
   a = ap.parse_args(argv)
@@ -189,6 +238,8 @@ def main(argv=None) -> int:
            ms={str(k): round(val, 3) for k, val in t.items()},
            vs_default={str(k): round(t[cw] / val, 3) for k, val in t.items()},
            max_grad_rel_diff=max(rel(g, g0) for r in ref.values() for g, g0 in zip(r[1], ref[cw][1])))
+    if a.products:
+      emit(**products_row(name, x, w, y, cw, a.rounds))
     if not a.sweep:
       continue
     cands = {"table": plans["lean_dz"].gemm and tuning.select_config("lean_dz", *mnk, kind)}

@@ -592,3 +592,30 @@ def test_bench_lean_widths(tmp_path):
   cfg = tuning.GemmConfig(wg_split="m", cluster="n")
   assert bench_lean.wave_efficiency(cfg, 8192, 1792, 132) == 8192 * 1792 / (4 * 66 * 256 * 256)
   assert bench_lean.wave_efficiency(cfg, 8192, 1536, 132) == 8192 * 1536 / (3 * 66 * 256 * 256)
+
+
+def test_bench_lean_products():
+  """benchmarks/bench_lean.py --products: lean's three chunk products on XLA against float64 NumPy (the chunk's
+  logits rounded to bf16 as XLA's bf16 product rounds them), and the row's widths and floors at a small head."""
+  import numpy as np
+
+  from benchmarks import bench_lean
+
+  rng = np.random.default_rng(11)
+  b, h, v, cw, n = 40, 24, 200, 48, 3  # ragged: n·cw = 144 of 200 columns
+  x = jnp.asarray(rng.normal(size=(b, h)), jnp.bfloat16)
+  w = jnp.asarray(0.3 * rng.normal(size=(h, v)), jnp.bfloat16)
+  dx, dw = bench_lean.chunk_products(n, cw)(x, w)
+  xf, wf = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  dz = [np.asarray(jnp.asarray(xf @ wf[:, k * cw:(k + 1) * cw], jnp.bfloat16), np.float64) for k in range(n)]
+  want_dx = sum(d @ wf[:, k * cw:(k + 1) * cw].T for k, d in enumerate(dz))
+  want_dw = np.concatenate([xf.T @ d for d in dz], axis=1)
+  np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=2e-2, atol=2e-2 * np.abs(want_dx).max())
+  np.testing.assert_allclose(np.asarray(dw, np.float64), want_dw, rtol=2e-2, atol=2e-2 * np.abs(want_dw).max())
+  y = jnp.asarray(rng.integers(0, v, size=(b,)), jnp.int32)
+  row = bench_lean.products_row("small", x, w, y, cw, rounds=1)
+  assert row["kind"] == "products" and list(row["ms_per_chunk"]) == ["48", "96", "192"]  # 384 > 200 columns
+  assert row["lean_target_ms"] == pytest.approx(1.25 * row["plain_ms"], abs=2e-3)
+  for c in ("48", "96", "192"):
+    assert row["lean_floor_ms"][c] >= row["forward_ms"] > 0 and row["ms_per_chunk"][c] > 0
+    assert row["chunk_bytes"][c] == b * int(c) * 2
