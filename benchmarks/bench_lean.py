@@ -17,7 +17,7 @@ SMs: llama3-8b's 1792 columns make 448 CTA tiles of 256×128, 3.4 waves on 132 S
 (tiles ÷ the whole waves they take); with ``--products``, what XLA's products allow lean mode at wider chunks:
 per chunk of 1, 2, 4 and 8 times the op's width, the three products lean runs for it (the chunk's logits x·w_c,
 ``dx += dz·w_cᵀ`` into a float32 carry, ``dw_c = xᵀ·dz`` into dw) timed in one loop, beside XLA's whole forward
-product x·w and the plain head's forward and backward (``nn.Dense``'s product + optax on bf16 logits): a lean step
+product x·w and the plain head's forward and backward (``bench.py``'s ``plain_bf16``): a lean step
 at a width costs at least the forward product plus its chunks' products (``lean_floor_ms``), against the 1.25×
 the plain head that lean mode is held to; and, with ``--sweep``, ``lean_dz`` on each config of a grid (the warpgroup
 split, the 2-CTA cluster and its direction, the snake's order and width); the fastest per head goes into
@@ -44,11 +44,11 @@ import time
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import bench  # noqa: E402
 from benchmarks.bench_gemm import interleaved, sweep_configs  # noqa: E402
 from lce_flax import _device, _math, linear_cross_entropy  # noqa: E402
 from lce_flax._impl import common  # noqa: E402
@@ -145,9 +145,10 @@ def chunk_products(n: int, cw: int):
 
 
 def plain_step(y):
-  """The plain head's forward and backward (x and w): bf16 logits ``x·w`` and optax's cross-entropy on them."""
-  loss = lambda x, w: optax.softmax_cross_entropy_with_integer_labels(jnp.dot(x, w), y).sum()
-  return jax.jit(jax.value_and_grad(loss, (0, 1)))
+  """The plain head's forward and backward (x and w): ``bench.py``'s ``plain_bf16`` row, the baseline of its
+  tables."""
+  loss = bench._plain_variant("plain_bf16").loss
+  return jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, y), (0, 1)))
 
 
 def products_row(name: str, x, w, y, cw: int, rounds: int) -> dict:
