@@ -209,9 +209,10 @@ def main(argv=None) -> int:
   ap.add_argument("--live-range", help="XLA's *-live-range.txt[.gz] of the same module: what is alive at its peak")
   a = ap.parse_args(argv)
   text = read(a.hlo)
-  s = summary(text)
+  comps = computations(text)  # (parsed once for both readings)
+  s = summary(text, comps)
   if a.live_range:
-    s["peak_live"] = peak_live(read(a.live_range), text)
+    s["peak_live"] = peak_live(read(a.live_range), comps=comps)
   if a.json:
     print(json.dumps(s, indent=1))
     return 0

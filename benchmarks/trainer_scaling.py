@@ -46,7 +46,6 @@ import gzip
 import io
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -101,9 +100,8 @@ def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> di
 def schedule_rows(argv: list[str], k: int, head: str, variant: str, per_device_batch: int,
                   hlo: tarfile.TarFile | None = None) -> dict:
   """``head``'s step on data = k at ``per_device_batch`` sequences per device, with ``argv`` (the variant's
-  options among them), compiled here (dumping XLA's
-  buffer assignment): its compiled memory (bytes per device), its schedule as
-  :func:`benchmarks.hlo_schedule.summary` reads it and what is alive at its memory peak
+  options among them), compiled here (dumping XLA's buffer assignment): its compiled memory (bytes per device),
+  its schedule as :func:`benchmarks.hlo_schedule.summary` reads it and what is alive at its memory peak
   (:func:`benchmarks.hlo_schedule.peak_live`, ``peak_live``); with ``hlo``, its HLO and XLA's live ranges join that
   archive as ``step_data{k}_{head}_{variant}.hlo.txt.gz`` and ``....live-range.txt.gz``."""
   sys.path.insert(0, ROOT)
@@ -128,9 +126,9 @@ def schedule_rows(argv: list[str], k: int, head: str, variant: str, per_device_b
       info = tarfile.TarInfo(f"step_data{k}_{head}_{variant}{suffix}")
       info.size = len(data)
       hlo.addfile(info, io.BytesIO(data))
-  comps = hlo_schedule.computations(text)  # (parsed once for both readings)
+  comps = hlo_schedule.computations(text)  # (parsed once for every reading)
   found = hlo_schedule.summary(text, comps)
-  sync = len(re.findall(r" all-reduce\(", text))
+  sync = sum(op == "all-reduce" for instrs in comps.values() for _, _, op, _ in instrs)  # (synchronous ones)
   return {"mesh": f"data={k}", "k": k, "head": head, "variant": variant, "batch_size": args.batch_size,
           "memory": compiled_memory(compiled),
           **found, "sync_all_reduces": sync, "peak_live": hlo_schedule.peak_live(live, comps=comps),
