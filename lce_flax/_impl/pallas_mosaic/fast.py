@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as pltriton
 from lce_flax import _math
 from lce_flax._impl import common
 from lce_flax._impl.common import F32, cdiv
-from lce_flax._impl.pallas_mosaic import epilogue, gemm, kernels, op
+from lce_flax._impl.pallas_mosaic import epilogue, gemm, kernels, op, tuning
 
 
 def _dz_pass_body(zb_ref, mt_ref, lse_ref, y_ref, coef_ref, a_ref, c_ref, o_ref, db_ref, *, opts, v: int):
@@ -151,9 +151,14 @@ def _stored_probs(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts, layout: str
 
 def _repair_config(rows: int, h: int, v: int, dtype, bp, opts, interpret: bool):
   """The GEMM tiling of the repair (the tuning table's ``lean_dz`` row: the same product and epilogue as lean
-  mode's recompute), which also sets the rows each of the repair's flags stands for (:func:`.gemm.row_unit`)."""
+  mode's recompute), which also sets the rows each of the repair's flags stands for (:func:`.gemm.row_unit`).
+  Where that row is a ping-pong schedule (gpt2-small's H = 768), the cooperative default tiling: the row mask is
+  the cooperative schedule's, and the repair's speed counts only where rows are flagged."""
   part = gemm.LogitGrad(None, None, None, None, None, opts, bias=bp)  # (what its shared memory depends on)
-  return gemm.table_config("lean_dz", rows, v, h, dtype, epilogue=part, interpret=interpret)
+  cfg = gemm.table_config("lean_dz", rows, v, h, dtype, epilogue=part, interpret=interpret)
+  if cfg.schedule != "cooperative":
+    cfg = tuning.fit_role("lean_dz", gemm.GemmConfig())
+  return cfg
 
 
 def _repair(e, flags, xp, wp, bp, yp, lse, coef, a, c, layout: str, opts, interpret: bool):
