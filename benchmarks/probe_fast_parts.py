@@ -9,7 +9,9 @@ At each shape it times, in alternation (median of ``--rounds`` rounds of 10 runs
   patch          writing B label entries into the stored [B, V] tiles (in place: the tiles are donated)
   step_shifted   the op's forward + backward (gradients of x and w), stored="shifted"
   step_exp       the same, stored="exponentials" (the default where it applies)
-  step_exp_nocond  the same without the run-time range check (its lax.cond replaced by the fast branch)
+  repair_none    the repair of rows past the exponentials' range (:func:`.fast._repair`, in place) with no row unit
+                 flagged: what every backward pays for the check
+  repair_all     the same with every row unit flagged (the whole dz recomputed: a bound, never the common case)
   plain_bf16     the plain head (bf16 logits, optax's softmax cross-entropy), for scale
 
 with each step's compiled temporary bytes. One JSON line per measurement; ``--out`` gets ``results.json``.
@@ -21,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -73,25 +74,25 @@ def measure(name: str, rounds: int) -> list[dict]:
                   donate_argnums=0)
   pvals = jnp.ones((b,), e.dtype)
   steps = {"step_shifted": step("shifted"), "step_exp": step("exponentials")}
-  # the same step without the run-time check: its lax.cond replaced by the fast branch while it is traced
-  real_lax = fast.lax
-  fast.lax = types.SimpleNamespace(**{n: getattr(real_lax, n) for n in dir(real_lax) if not n.startswith("__")})
-  fast.lax.cond = lambda pred, t, f, *ops: t(*ops)
-  try:
-    nocond = step("exponentials").lower(x, w, y).compile()
-  finally:
-    fast.lax = real_lax
   compiled = {n: f.lower(x, w, y).compile() for n, f in steps.items()}
-  compiled["step_exp_nocond"] = nocond
   compiled["plain_bf16"] = jax.jit(plain).lower(x, w, y).compile()
+  vec = lambda val: jnp.full((b,), val, jnp.float32)
+  lse, coef, a, c = vec(float(jnp.log(v)) + 1.0), vec(1.0), vec(1.0), vec(0.0)
+  repair = jax.jit(lambda e, flags: fast._repair(e, flags, x, w, None, y, lse, coef, a, c, "hv", spec_opts, False),
+                   donate_argnums=0)
+  unit = G.row_unit(fast._repair_config(b, h, v, x.dtype, None, spec_opts, False))
+  flags = {"repair_none": jnp.zeros((-(-b // unit),), jnp.int32), "repair_all": jnp.ones((-(-b // unit),), jnp.int32)}
   holder = {"e": e}
 
-  def run_patch(_):
-    holder["e"] = patch(holder["e"], y, pvals)
-    return holder["e"]
+  def in_place(f, *args):  # (each call donates the stored tiles and keeps the result for the next)
+    def run(_):
+      holder["e"] = f(holder["e"], *args)
+      return holder["e"]
+    return run
 
   fns = {"ref": (ref, (x, w, y)), "fwd_shifted": (fwd_shifted, (x, w, y)), "fwd_exp": (fwd_exp, (x, w, y, r)),
-         "patch": (run_patch, (None,))}
+         "patch": (in_place(patch, y, pvals), (None,))}
+  fns.update({n: (in_place(repair, fl), (None,)) for n, fl in flags.items()})
   fns.update({n: (c, (x, w, y)) for n, c in compiled.items()})
   ms = interleaved(fns, rounds)
   for n, t in ms.items():

@@ -140,6 +140,27 @@ def test_twin_accumulate_into_c():
     G.gemm(a, b, transpose_a=True, epilogue=G.AddTo(c.astype(BF)), config=TWIN, interpret=True)
 
 
+def test_twin_row_mask_skips_whole_row_units():
+  """``row_mask``: the tiles of the row units whose entry is 0 are skipped whole; with an in-place epilogue
+  (``AddTo``) their rows of the output keep their values bit for bit, the other rows get ``C + A·B``, against
+  float64 NumPy; M = 200 rows in units of the twin's tile_m (64): 4 units, the last ragged. A mask of the wrong
+  length, and a ping-pong schedule on the GPU path, are refused."""
+  rng = np.random.default_rng(3)
+  a, b = _rand(rng, (M, K)), _rand(rng, (K, N))
+  c = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+  assert G.row_unit(TWIN, interpret=True) == 64 and G.row_unit(G.GemmConfig(wg_split="m", cluster="m")) == 512
+  mask = np.array([1, 0, 0, 1], np.int32)
+  out = np.asarray(G.gemm(a, b, epilogue=G.AddTo(c), config=TWIN, interpret=True, row_mask=jnp.asarray(mask)))
+  kept = np.repeat(mask, 64)[:M] != 0
+  want = np.asarray(c, np.float64) + _f64(a) @ _f64(b)
+  assert _rel(out[kept], want[kept]) < 1e-5
+  np.testing.assert_array_equal(out[~kept], np.asarray(c)[~kept])
+  with pytest.raises(ValueError, match=r"row_mask must be \[4\]"):
+    G.gemm(a, b, epilogue=G.AddTo(c), config=TWIN, interpret=True, row_mask=jnp.ones((3,), jnp.int32))
+  with pytest.raises(NotImplementedError, match="row_mask with schedule='pingpong'"):
+    G.gemm(a, b, epilogue=G.AddTo(c), config=tuning.PINGPONG, row_mask=jnp.ones((2,), jnp.int32))
+
+
 def _stats_ref(z, labels, cap, n):
   zc = cap * np.tanh(z / cap) if cap else z
   zc = zc[:, :n]
@@ -409,6 +430,25 @@ def test_gpu_kernel_lowers_for_cuda(cfg):
   ]
   for f, *args in cases:
     assert "mosaic_gpu" in _lower(f, *args)
+
+
+@pytest.mark.parametrize("cfg", [G.GemmConfig(), G.GemmConfig(wg_split="m", cluster="n", epi_n=32, epi_slots=3),
+                                 G.GemmConfig(cluster="m", order_minor="m", order_width=8)], ids=lambda c: c.short())
+def test_row_mask_lowers_for_cuda(cfg):
+  """The GPU kernel with a ``row_mask`` (a tile's flag read from GMEM, its K loop and epilogue under a branch; with
+  a cluster along M, one flag for both CTAs' rows), lowered for CUDA on CPU: the fast design's repair (LogitGrad
+  written over E in place, a bias, a soft cap) and an in-place float32 accumulation."""
+  m, n, k = 1000, 2176, 576
+  cfg = tuning.fit_role("lean_dz", cfg)
+  mask = SDS((-(-m // G.row_unit(cfg)),), jnp.int32)
+  vec, y = SDS((m,), jnp.float32), SDS((m,), jnp.int32)
+  loss = _math.LossSpec(vocab_size=n, logit_softcap=30.0)
+  repair = lambda a, b, l, y, e, bias, mk: G.gemm(
+      a, b, epilogue=G.LogitGrad(l, l, l, l, y, loss, bias=bias, into=e), config=cfg, row_mask=mk)
+  text = _lower(repair, SDS((m, k), BF), SDS((k, n), BF), vec, y, SDS((m, n), BF), SDS((n,), jnp.float32), mask)
+  assert "mosaic_gpu" in text and "output_operand_alias" in text
+  add = lambda a, b, c, mk: G.gemm(a, b, epilogue=G.AddTo(c), config=tuning.fit_role("dw_acc", cfg), row_mask=mk)
+  assert "mosaic_gpu" in _lower(add, SDS((m, k), BF), SDS((k, n), BF), SDS((m, n), jnp.float32), mask)
 
 
 def test_table_rows_of_the_op_products_lower_on_h100(monkeypatch):

@@ -205,22 +205,24 @@ def test_fast_peaky_logits_sum(w_layout):
 # ------------------------------------------------------------------- the stored exponentials (no dz pass)
 
 
-def _repaired_blocks(fn, monkeypatch):
-  """Runs ``fn`` and returns its result and the number of 64-row blocks whose dz the repair of rows past the
-  stored exponentials' range wrote (:func:`.fast._repair`, wrapped to report its flags)."""
+def _repaired_blocks(fn, monkeypatch, units=False):
+  """Runs ``fn`` and returns its result and the number of row units (:func:`.gemm.row_unit` rows each) whose dz
+  the repair of rows past the stored exponentials' range wrote (:func:`.fast._repair`, wrapped to report its
+  flags); with ``units``, also how many row units the repairs had in all."""
   from lce_flax._impl.pallas_mosaic import fast
 
   seen, repair = [], fast._repair
 
   def counting(e, flags, *args):
-    jax.debug.callback(lambda f: seen.append(int(np.sum(f))), flags)
+    jax.debug.callback(lambda f: seen.append((int(np.sum(f)), f.size)), flags)
     return repair(e, flags, *args)
 
   monkeypatch.setattr(fast, "_repair", counting)
   out = jax.block_until_ready(fn())
   jax.effects_barrier()
   assert seen, "the backward never reached the repair"
-  return out, sum(seen)
+  repaired = sum(n for n, _ in seen)
+  return (out, repaired, sum(u for _, u in seen)) if units else (out, repaired)
 
 
 @pytest.mark.parametrize("design,opt,w_layout,bias,reduction", [
@@ -294,7 +296,7 @@ def _check_repair(cfg, rows, h, v, monkeypatch, options=None, reduction="mean", 
   """Logits with std ≈ 45 and every label the same column: the reference logits (the largest at the batch's
   labels) lie far below most rows' lse, beyond the stored exponentials' range; the repair writes those rows' exact
   dz over the stored tiles, so the gradients are still right, and without it they are not (so the test sees the
-  repair). The first half of the rows are ignored, so some 64-row blocks need no repair. ``reduction="none"``:
+  repair). The first half of the rows are ignored, so some row units need no repair. ``reduction="none"``:
   the per-token losses against random per-token cotangents (the "logits" design)."""
   (x, w, y, b), (xn, wn, yn, bn) = make_inputs(35, (rows,), h, v, jnp.bfloat16, wscale=8.0, bias=True)
   yn = np.where(yn >= 0, 7, yn).astype(np.int32)
@@ -309,10 +311,10 @@ def _check_repair(cfg, rows, h, v, monkeypatch, options=None, reduction="mean", 
     return out if cot is None else jnp.sum(out * jnp.asarray(cot, jnp.float32))
 
   f = jax.jit(jax.value_and_grad(loss_fn, (0, 1, 2)))
-  (loss, grads), repaired = _repaired_blocks(lambda: f(x, w, b), monkeypatch)
+  (loss, grads), repaired, units = _repaired_blocks(lambda: f(x, w, b), monkeypatch, units=True)
   ref = linear_cross_entropy_np(xn, wn, yn, bias=bn, reduction=reduction, cotangent=cot, **opts)
   want = ref["loss"] if cot is None else np.sum(np.where(yn >= 0, ref["loss"], 0.0) * cot)
-  assert np.nanmax(ref["token_loss"]) > 150 and 0 < repaired < -(-rows // 64), repaired
+  assert np.nanmax(ref["token_loss"]) > 150 and 0 < repaired < units, (repaired, units)
   assert rel_err(loss, want) < 2e-5
   for got, name in zip(grads, ("dx", "dw", "dbias")):
     assert rel_err(got, ref[name]) < 1e-2, name
@@ -326,35 +328,39 @@ def _check_repair(cfg, rows, h, v, monkeypatch, options=None, reduction="mean", 
 
 
 @pytest.mark.parametrize("w_layout,bias", [("hv", True), ("vh", False)])
-def test_repair_kernel_writes_exact_dz_of_flagged_blocks(w_layout, bias):
-  """:func:`.fast._repair` alone (interpreted), against float64 NumPy: the rows of each flagged 64-row block become
-  their logit gradient ``coef·softmax - a·[v = y]`` (zero past V), the other rows stay as they were; E 192 columns
-  wide (64-column tiles: a forward tile_n of 192), V = 150, one block of two flagged, an ignored row among them."""
-  from lce_flax._impl.pallas_mosaic import fast
+def test_repair_writes_exact_dz_of_flagged_row_units(w_layout, bias):
+  """:func:`.fast._repair` alone (the GEMM's interpret twin), against float64 NumPy: the rows of each flagged row
+  unit become their logit gradient ``coef·softmax - a·[v = y]`` (a bias added first), the other rows stay as they
+  were, bit for bit; 256 rows in two units of 128, the second flagged, an ignored row among its rows; an E that is
+  not as wide as w's vocabulary is refused."""
+  from lce_flax._impl.pallas_mosaic import fast, gemm
 
   rng = np.random.default_rng(37)
-  rows, h, v, vp = 128, 64, 150, 192
+  rows, h, v = 256, 64, 256
   xn = rng.standard_normal((rows, h))
   wn = 0.3 * rng.standard_normal((h, v))
   bn = rng.standard_normal(v) if bias else np.zeros(v)
   yn = rng.integers(0, v, rows).astype(np.int32)
-  yn[70] = -100
+  yn[170] = -100
   x, w = jnp.asarray(xn, jnp.bfloat16), jnp.asarray(wn if w_layout == "hv" else wn.T, jnp.bfloat16)
   xq, wq = np.asarray(x, np.float64), np.asarray(w, np.float64)
   z = xq @ (wq if w_layout == "hv" else wq.T) + bn
   lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
   coef = np.where(yn >= 0, rng.uniform(0.5, 2.0, rows), 0.0)
   a = coef.copy()
-  e0 = jnp.asarray(rng.standard_normal((rows, vp)), jnp.bfloat16)
-  flags = jnp.asarray([0, 1], jnp.int32)
+  e0 = jnp.asarray(rng.standard_normal((rows, v)), jnp.bfloat16)
   f32 = lambda t: jnp.asarray(t, jnp.float32)
   opts = _math.LossSpec(vocab_size=v)
-  got = np.asarray(fast._repair(e0, flags, x, w, f32(bn) if bias else None, jnp.asarray(yn), f32(lse), f32(coef),
-                                f32(a), f32(np.zeros(rows)), w_layout, opts, True), np.float64)
+  bias_arr = f32(bn) if bias else None
+  unit = gemm.row_unit(fast._repair_config(rows, h, v, jnp.bfloat16, bias_arr, opts, True), True)
+  assert unit == 128
+  args = (x, w, bias_arr, jnp.asarray(yn), f32(lse), f32(coef), f32(a), f32(np.zeros(rows)), w_layout, opts, True)
+  got = np.asarray(fast._repair(e0, jnp.asarray([0, 1], jnp.int32), *args), np.float64)
   dz = coef[:, None] * np.exp(z - lse[:, None]) - a[:, None] * (np.arange(v)[None, :] == yn[:, None])
-  want = np.concatenate([dz, np.zeros((rows, vp - v))], axis=1)
-  np.testing.assert_array_equal(got[:64], np.asarray(e0, np.float64)[:64])
-  assert rel_err(got[64:], want[64:]) < 1e-2 and np.all(got[70] == 0) and np.all(got[64:, v:] == 0)
+  np.testing.assert_array_equal(got[:128], np.asarray(e0, np.float64)[:128])
+  assert rel_err(got[128:], dz[128:]) < 1e-2 and np.all(got[170] == 0)
+  with pytest.raises(ValueError, match="as wide as w's vocabulary"):
+    fast._repair(jnp.zeros((rows, v + 64), jnp.bfloat16), jnp.asarray([0, 1], jnp.int32), *args)
 
 
 @pytest.mark.parametrize("design,opt,reduction", [("logits", "plain", "mean"), ("logits", "z_loss", "none"),
@@ -369,7 +375,7 @@ def test_fast_exponentials_repaired_past_their_range(design, opt, reduction, mon
 @pytest.mark.gpu(min_cc=(9, 0))
 @pytest.mark.parametrize("design", ["logits", "tokens"])
 def test_gpu_fast_exponentials_repaired_past_their_range(design, monkeypatch):
-  """:func:`_check_repair` compiled: the repair's Pallas Triton kernel beside the GEMMs on the GPU."""
+  """:func:`_check_repair` compiled: the repair on the GEMM (its row mask, LogitGrad written over E) on the GPU."""
   cfg = Config(fast_design=design, token_chunk=256 if design == "tokens" else None, gemm=True)
   _check_repair(cfg, 1000, 256, 2048, monkeypatch, interpret=False)
 
@@ -450,14 +456,13 @@ def test_fast_gemm_path_lowers_for_cuda(design, w_layout, bias, smoothing, monke
   """The fast op's GPU path (persistent GEMM forward, GEMM products) lowered for CUDA on CPU: with label smoothing
   the stored shifted logits and their dz pass, a Pallas Triton kernel, which lowers only with a GPU present (here
   a stand-in of its shapes takes its place; the GPU tests run it); without, the stored exponentials, whose
-  backward is the products alone beside the repair of rows past their range (Pallas Triton too: stood in for)."""
+  backward is the products alone beside the repair of rows past their range (on the GEMM: lowered here too)."""
   from lce_flax._impl.pallas_mosaic import fast
 
   def dz_stand_in(zb, mt, lse, yp, coef, a, c, d, p, opts):
     return zb * 2, (jnp.zeros((d.vp,), jnp.float32) if d.has_bias else None)
 
   monkeypatch.setattr(fast, "_dz_pass", dz_stand_in)
-  monkeypatch.setattr(fast, "_repair", lambda e, flags, *a: e * 2)  # (Pallas Triton lowers only with a GPU)
   b, h, v = 1000, 512, 2048
   sds = jax.ShapeDtypeStruct
   opts = _math.LossSpec(vocab_size=v, label_smoothing=smoothing, logit_softcap=30.0)
@@ -478,14 +483,16 @@ def test_fast_gemm_path_lowers_for_cuda(design, w_layout, bias, smoothing, monke
   def mosaic_results(text):  # the result types of the program's Mosaic GPU calls
     return [line.rsplit(" -> ", 1)[-1] for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
 
-  # the forward, dx and dw on the GEMM: one Mosaic GPU call each. The "tokens" design traces its chunk twice: the
-  # first chunk (whose float32 dw product starts the dw) and the loop over the others, whose dw product adds into
-  # the carried float32 dw in place (its one output aliased to that operand).
+  # the forward, dx and dw on the GEMM: one Mosaic GPU call each, and with the stored exponentials the repair (on
+  # the GEMM too, written over E in place). The "tokens" design traces its chunk twice: the first chunk (whose
+  # float32 dw product starts the dw) and the loop over the others, whose dw product adds into the carried float32
+  # dw in place (its one output aliased to that operand).
   got = mosaic_results(text)
   w_shape = "x".join(map(str, args[1].shape))
   dw_type = f"tensor<{w_shape}xbf16>"
   gemms = 3 * (1 if design == "logits" else 2)
-  assert len(got) == gemms, got
+  repairs = 0 if smoothing else (1 if design == "logits" else 2)
+  assert len(got) == gemms + repairs, got
   # Nothing in the program makes the host wait for the device: no conditional, and no loop but the "tokens"
   # design's loop over its chunks, of a fixed trip count (a branch on a run-time value, such as whether a row needs
   # the repair, would copy its predicate to the host and wait there at every call on the GPU).
@@ -497,9 +504,12 @@ def test_fast_gemm_path_lowers_for_cuda(design, w_layout, bias, smoothing, monke
   assert sum(dw_type in r for r in got) == (1 if design == "logits" else 0), got
   assert sum(f"tensor<{w_shape}xf32>" in r for r in got) == (0 if design == "logits" else 2), got
   aliased = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line and "output_operand_alias" in line]
-  assert len(aliased) == (0 if design == "logits" else 1), aliased
-  if design == "tokens":
-    assert aliased[0].rstrip().endswith(f"-> tensor<{w_shape}xf32>"), aliased
+  dw_acc = [line for line in aliased if line.rstrip().endswith(f"-> tensor<{w_shape}xf32>")]
+  assert len(dw_acc) == (0 if design == "logits" else 1), aliased
+  rows = -(-(b if design == "logits" else 256) // plan.block_t) * plan.block_t
+  e_type = f"-> tensor<{rows}x{v}xbf16>"  # (the repair's one output: E, aliased to its operand)
+  assert len(aliased) - len(dw_acc) == repairs and all(
+      line.rstrip().endswith(e_type) for line in aliased if line not in dw_acc), aliased
   if design == "logits":  # a frozen head (the gradient of x only): the dw product is not in the program
     frozen = mosaic_results(jax.jit(jax.grad(f, 0)).trace(*args).lower(lowering_platforms=("cuda",)).as_text())
     assert not any(dw_type in r for r in frozen) and len(frozen) < len(got), frozen

@@ -18,8 +18,9 @@ cap's derivative when there is one (:func:`.op.stores_probs`). The logit gradien
 factor ``σ = coef·exp(r - lse)`` per row, except at the label, whose exact value (B numbers) is written over E; so
 dx = σ·(E·wᵀ) and dw = (σ·x)ᵀ·E are the two products on E itself, with no pass over B×V between forward and
 backward (:func:`_grads_from_probs`). A row whose lse lies more than ``PROBS_GAP`` above its reference (60 nats)
-would leave E's range: the backward flags the 64-row blocks of such rows and a repair kernel writes their exact
-dz over E's buffer, decided per tile on the device (:func:`_repair`), before the same two products. Otherwise (the
+would leave E's range: the backward flags the GEMM tile rows holding such rows and the GEMM of :mod:`.gemm`,
+skipping every tile row not flagged, writes their exact dz over E's buffer, decided per tile on the device
+(:func:`_repair`), before the same two products. Otherwise (the
 kernels_ws forward, fp16, label smoothing, whose uniform term is no per-row factor under a soft cap) the tiles are
 stored shifted by their row max and one elementwise kernel turns them into dz in place (:func:`_dz_pass`).
 
@@ -41,8 +42,7 @@ from jax.experimental.pallas import triton as pltriton
 from lce_flax import _math
 from lce_flax._impl import common
 from lce_flax._impl.common import F32, cdiv
-from lce_flax._impl.pallas_mosaic import epilogue, gemm, kernels, op
-from lce_flax._impl.pallas_triton import kernels as tr_kernels
+from lce_flax._impl.pallas_mosaic import epilogue, gemm, kernels, op, tuning
 
 
 def _dz_pass_body(zb_ref, mt_ref, lse_ref, y_ref, coef_ref, a_ref, c_ref, o_ref, db_ref, *, opts, v: int):
@@ -149,56 +149,32 @@ def _stored_probs(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts, layout: str
   return out, _Probs(e, ref, stats.target, out.lse)
 
 
-@dataclasses.dataclass(frozen=True)
-class _RepairTiles:
-  """The repair kernel's tiles (what :func:`lce_flax._impl.pallas_triton.kernels.tile_logits` reads)."""
-
-  block_t: int = 64  # rows per flag: the fast designs pad rows to whole 64-row tiles at least
-  block_v: int = 128
-  block_k: int = 64
-
-
-def _repair_body(flag_ref, x_ref, w_ref, b_ref, y_ref, lse_ref, coef_ref, a_ref, c_ref, e_in_ref, e_ref, *,
-                 d: tr_kernels.Dims, t: _RepairTiles, opts):
-  """One [block_t, block_v] tile of E: left as it is unless its row block is flagged, else the exact logit
-  gradient of the tile (recomputed from x and w), written in place."""
-  del e_in_ref  # (aliased to e_ref)
-  i, j = pl.program_id(0), pl.program_id(1)
-
-  @pl.when(flag_ref[i] != 0)
-  def _():
-    r0, c0 = i * t.block_t, j * t.block_v
-    cols = c0 + lax.broadcasted_iota(jnp.int32, (t.block_t, t.block_v), 1)
-    cmask = (c0 + lax.broadcasted_iota(jnp.int32, (t.block_v,), 0)) < d.v
-    z = tr_kernels.tile_logits(x_ref, w_ref, b_ref, r0, None, c0, cmask, d, t)
-    rows = pl.ds(r0, t.block_t)
-    dz = epilogue.epilogue_dlogits(z, cols, y_ref[rows], lse_ref[rows], coef_ref[rows], a_ref[rows], c_ref[rows],
-                                   opts)
-    e_ref[rows, pl.ds(c0, t.block_v)] = jnp.where(cols < d.v, dz, 0.0).astype(e_ref.dtype)
+def _repair_config(rows: int, h: int, v: int, dtype, bp, opts, interpret: bool):
+  """The GEMM tiling of the repair (the tuning table's ``lean_dz`` row: the same product and epilogue as lean
+  mode's recompute), which also sets the rows each of the repair's flags stands for (:func:`.gemm.row_unit`).
+  Where that row is a ping-pong schedule (gpt2-small's H = 768), the cooperative default tiling: the row mask is
+  the cooperative schedule's, and the repair's speed counts only where rows are flagged."""
+  part = gemm.LogitGrad(None, None, None, None, None, opts, bias=bp)  # (what its shared memory depends on)
+  cfg = gemm.table_config("lean_dz", rows, v, h, dtype, epilogue=part, interpret=interpret)
+  if cfg.schedule != "cooperative":
+    cfg = tuning.fit_role("lean_dz", gemm.GemmConfig())
+  return cfg
 
 
 def _repair(e, flags, xp, wp, bp, yp, lse, coef, a, c, layout: str, opts, interpret: bool):
-  """E with the rows of every flagged 64-row block (``flags`` int32 [rows / 64]) replaced by their exact logit
-  gradient dz, in place (``input_output_aliases``). One kernel launch, decided per tile on the device: no host
-  round trip, and the work is that of the flagged blocks alone (a tile whose block is not flagged only reads its
-  flag). Pallas Triton on the GPU (its program ids and masked stores make a tile that does nothing cheap),
-  interpreted on CPU."""
+  """E with the rows of every flagged row unit (``flags`` int32, one per :func:`.gemm.row_unit` rows of
+  :func:`_repair_config`'s tiling) replaced by their exact logit gradient dz, in place: the GEMM of :mod:`.gemm`
+  with the ``LogitGrad`` epilogue writing over E (``into``), its ``row_mask`` skipping the tiles of unflagged
+  units. One launch, decided per tile on the device: no host round trip, and the work is that of the flagged units
+  alone (a skipped tile costs the read of its flag)."""
   rows, vp = e.shape
-  t = _RepairTiles(block_v=128 if vp % 128 == 0 else 64)  # (E's width: whole tiles of the forward's tile_n)
-  if rows % t.block_t or vp % t.block_v:
-    raise ValueError(f"_repair: E {e.shape} is not whole [{t.block_t}, {t.block_v}] tiles")
-  h = xp.shape[1]
-  d = tr_kernels.Dims(rows, h, opts.vocab_size, layout, bp is not None)
-  body = functools.partial(_repair_body, d=d, t=t, opts=opts)
-  return pl.pallas_call(
-      body if bp is not None else common.absent_refs(body, 3),
-      grid=(rows // t.block_t, vp // t.block_v),
-      out_shape=jax.ShapeDtypeStruct(e.shape, e.dtype),
-      input_output_aliases={9 if bp is not None else 8: 0},
-      interpret=interpret,
-      compiler_params=None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=3),
-      name="lce_mosaic_repair_rows",
-  )(*common.present(flags, xp, wp, bp, yp, lse, coef, a, c, e))
+  h, v = xp.shape[1], common.vocab_size(wp, layout)
+  if vp != v:
+    raise ValueError(f"_repair: E {e.shape} must be as wide as w's vocabulary ({v}): the GEMM forward stores it so")
+  cfg = _repair_config(rows, h, v, xp.dtype, bp, opts, interpret)
+  part = gemm.LogitGrad(lse, coef, a, c, yp, opts, bias=bp, into=e)
+  return gemm.gemm(xp, wp, transpose_b=layout == "vh", epilogue=part, config=cfg, interpret=interpret,
+                   approx_math=epilogue.approx_exp(opts), row_mask=flags)
 
 
 def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Spec, p: op.Plan, dw_dtype,
@@ -214,14 +190,14 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
 
   E's largest entry is at most ``exp(lse - ref)`` and σ at least ``coef·exp(ref - lse)`` (ref is at most the row
   max). A row with a gradient whose ``lse - ref > PROBS_GAP`` (σ·x would near bf16's smallest normals) or whose
-  label entry is not finite flags its 64-row block: :func:`_repair` writes the exact dz of the flagged blocks over
-  their rows of E (2·64·H·V FLOPs a block), whose σ becomes 1, and the same two products follow. The flags are
-  read by the repair kernel on the device: nothing waits for them on the host, and with no block flagged the
-  repair costs one launch of tiles that only read their flag. (A host-side branch here, a ``lax.cond`` or a
-  ``while_loop`` of run-time trips, made XLA's GPU runtime copy its predicate to the host and wait for the device
-  at every call, after which the host launched the rest of the step only as fast as it could: the example
-  trainer's step took 61.8 ms with it and 53.0 ms without on one H200, under the profiler,
-  ``benchmarks/results/trainer-scaling-2026-11-27/run8_no_host_waits_a33e087/``.)"""
+  label entry is not finite flags its row unit (the repair GEMM's tile row, :func:`.gemm.row_unit`):
+  :func:`_repair` writes the exact dz of the flagged units over their rows of E (2·unit·H·V FLOPs a unit), whose σ
+  becomes 1, and the same two products follow. The flags are read by the repair GEMM on the device: nothing waits
+  for them on the host, and with no unit flagged the repair costs one launch whose tiles only read their flag.
+  (A host-side branch here, a ``lax.cond`` or a ``while_loop`` of run-time trips, made XLA's GPU runtime copy its
+  predicate to the host and wait for the device at every call, after which the host launched the rest of the step
+  only as fast as it could: the example trainer's step took 61.8 ms with it and 53.0 ms without on one H200, under
+  the profiler, ``benchmarks/results/trainer-scaling-2026-11-27/run8_no_host_waits_a33e087/``.)"""
   opts, v, layout = spec.opts, spec.opts.vocab_size, spec.w_layout
   e = st.e
   coef, a, c = epilogue.row_coefficients(st.lse, yp, g_loss, g_lse, opts)
@@ -234,10 +210,12 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   rows = jnp.arange(e.shape[0])
   e = e.at[rows, jnp.where(hit, yp, e.shape[1])].set(patch, mode="drop", unique_indices=True, indices_are_sorted=True)
 
-  bt = _RepairTiles.block_t
-  flags = jnp.any(bad.reshape(-1, bt), axis=1).astype(jnp.int32)  # (rows: whole 64-row tiles, see _repair)
+  cfg = _repair_config(e.shape[0], xp.shape[1], e.shape[1], xp.dtype, bp, opts, spec.interpret)
+  unit = gemm.row_unit(cfg, spec.interpret)
+  units = cdiv(e.shape[0], unit)
+  flags = jnp.any(jnp.pad(bad, (0, units * unit - e.shape[0])).reshape(units, unit), axis=1).astype(jnp.int32)
   e = _repair(e, flags, xp, wp, bp, yp, st.lse, coef, a, c, layout, opts, spec.interpret)
-  sigma = jnp.where(jnp.repeat(flags, bt) != 0, 1.0, sigma)
+  sigma = jnp.where(jnp.repeat(flags, unit)[:e.shape[0]] != 0, 1.0, sigma)
   want_dx, want_dw = want
   dx = dw = None
   # The order of the two products sets the memory. dx on the GEMM is written once, in x's dtype (σ applied in its

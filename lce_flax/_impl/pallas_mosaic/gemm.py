@@ -442,7 +442,10 @@ class LogitGrad(Part):
   outside ``[0, N)``: no label column here). Columns below a row's ``first`` (int32 [M]; None: 0) are written as
   zeros: the clamped last chunk of a vocabulary walk, whose first columns the chunk before it did. ``opts``: the
   package's loss spec (``logit_softcap``, ``label_smoothing``). The epilogue is
-  :func:`.epilogue.dlogits_capped`, the formula of every other dz kernel of the package."""
+  :func:`.epilogue.dlogits_capped`, the formula of every other dz kernel of the package. ``into`` ([M, N] in the
+  operands' dtype): the tiles are written over it, in place (:attr:`Part.in_place`), instead of into a new array;
+  with :func:`gemm`'s ``row_mask`` only the computed tiles are (the fast design's repair of the rows past its
+  stored exponentials' range)."""
 
   lse: Any
   coef: Any
@@ -452,6 +455,11 @@ class LogitGrad(Part):
   opts: Any
   first: Any = None
   bias: Any = None
+  into: Any = None
+
+  @property
+  def in_place(self) -> tuple[int, ...]:  # (into: the last input)
+    return () if self.into is None else (2 + (self.bias is not None),)
 
   def inputs(self, prob, cfg):
     mp = prob.rows_padded(cfg)
@@ -466,14 +474,20 @@ class LogitGrad(Part):
     first = jnp.zeros((prob.m,), jnp.int32) if self.first is None else self.first
     i = jnp.stack([jnp.pad(self.labels.astype(jnp.int32), (0, mp - prob.m), constant_values=-1),
                    jnp.pad(first.astype(jnp.int32), (0, mp - prob.m))])
-    if self.bias is None:
-      return (f, i)
-    if self.bias.shape != (prob.n,):
-      raise ValueError(f"LogitGrad: bias must be [{prob.n}] (one per output column), got {self.bias.shape}")
-    return (f, i, jnp.pad(self.bias.astype(F32), (0, prob.col_tiles(cfg) * cfg.tile_n - prob.n)))
+    out = (f, i)
+    if self.bias is not None:
+      if self.bias.shape != (prob.n,):
+        raise ValueError(f"LogitGrad: bias must be [{prob.n}] (one per output column), got {self.bias.shape}")
+      out += (jnp.pad(self.bias.astype(F32), (0, prob.col_tiles(cfg) * cfg.tile_n - prob.n)),)
+    if self.into is not None:
+      if self.into.shape != (prob.m, prob.n) or self.into.dtype != prob.dtype:
+        raise ValueError(f"LogitGrad: into must be {prob.dtype} {(prob.m, prob.n)} (the output's place), got "
+                         f"{self.into.dtype} {self.into.shape}")
+      out += (self.into,)
+    return out
 
   def out_types(self, prob, cfg):
-    return (jax.ShapeDtypeStruct((prob.m, prob.n), prob.dtype),)
+    return () if self.into is not None else (jax.ShapeDtypeStruct((prob.m, prob.n), prob.dtype),)
 
   def _copies(self) -> int:
     return 6 + (self.bias is not None)  # one barrier per TMA copy: 4 float rows, 2 int rows, the bias tile
@@ -506,7 +520,7 @@ class LogitGrad(Part):
     row = lambda q: f_smem[t.g, q]
     dz = epilogue.dlogits_capped(zc, cols, i_smem[t.g, 0], row(0), row(1), row(2), row(3), self.opts)
     dz = jnp.where(cols >= epilogue.bcast_rows(i_smem[t.g, 1], z.shape), dz, 0.0)
-    _store_subtiles(dz, t, outs[0], smem[-1])
+    _store_subtiles(dz, t, outs[0] if self.into is None else ins[-1], smem[-1])
 
 
 # ------------------------------------------------------------------------------------------------ prologue
@@ -673,8 +687,32 @@ class _Hooks:
       p.apply(z, t, pi, po, ps)
 
 
-def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out):
+def row_unit(config: GemmConfig, interpret: bool = False) -> int:
+  """The rows one entry of :func:`gemm`'s ``row_mask`` stands for: a cluster tile's on the GPU (the CTAs of a
+  cluster take or skip their tiles together: they share the multicast operand's copies and barriers), a warpgroup
+  tile's in the interpret twin."""
+  return config.tile_m if interpret else config.cluster_tile()[0]
+
+
+def _split_mask(refs, n_in, masked: bool):
+  """(the row mask's ref, or None; the kernel's other refs): the mask comes right after the hooks' inputs."""
+  if not masked:
+    return None, refs
+  k = sum(n_in)
+  return refs[k], refs[:k] + refs[k + 1:]
+
+
+def _if_kept(mask_ref, row0, unit: int, fn):
+  """Runs ``fn`` (a tile's loads, MMAs and epilogue) unless the row mask skips the rows from ``row0``."""
+  if mask_ref is None:
+    fn()
+  else:
+    pl.when(mask_ref[row0 // unit] != 0)(fn)
+
+
+def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out, masked=False):
   """The GPU kernel: 2 compute warpgroups + 1 TMA warpgroup, persistent over the output tiles."""
+  mask_ref, refs = _split_mask(refs, n_in, masked)
   hooks = _Hooks.of(refs, parts, prologue, n_in, n_out)
   cta_m, cta_n = cfg.cta_tile()
   specs = _in_specs(prob, cfg, cta_m, cta_n)
@@ -726,7 +764,7 @@ def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologu
         return acc_ref
 
       a_win, b_win = _windows(a_ref, b_ref, prob, m0, n0, cta_m, cta_n)
-      pipeline(mma, ctx)(a_win, b_win, allocations=allocs)
+      _if_kept(mask_ref, m0, row_unit(cfg), lambda: pipeline(mma, ctx)(a_win, b_win, allocations=allocs))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # no SMEM is released while a copy still reads it
 
@@ -734,7 +772,7 @@ def _body_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologu
                 collective_axes="wg")
 
 
-def _body_pingpong(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out):
+def _body_pingpong(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out, masked=False):
   """The GPU kernel, ping-pong schedule: 2 compute warpgroups, each with an output tile and a K pipeline of its
   own, taking turns on the tensor cores.
 
@@ -835,7 +873,7 @@ def _body_pingpong(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, p
   pl.run_scoped(scope, a_type, b_type, full_type, turn_type, pro_smem_types, *smem_types, collective_axes="wg")
 
 
-def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out):
+def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out, masked=False):
   """The GPU kernel, ping-pong schedule fed by a TMA warpgroup (``schedule="pingpong_ws"``): the two compute
   warpgroups take turns on the tensor cores as in :func:`_body_pingpong`, but their K steps come through one ring of
   ``stages`` slots shared by both, filled by a third warpgroup in the order the turns consume them (a warpgroup's
@@ -980,8 +1018,10 @@ def _body_pingpong_ws(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts
                 collective_axes="wg")
 
 
-def _body_twin(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out, n_smem):
+def _body_twin(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prologue, n_in, n_out, n_smem,
+               masked=False):
   """The interpret twin: one warpgroup tile per CTA tile, the same loop, pipeline, hooks; a dot for the MMA."""
+  mask_ref, refs = _split_mask(refs, n_in, masked)
   h = _Hooks.of(refs, parts, prologue, n_in, n_out, n_smem)
   tm, tn = cfg.tile_m, cfg.tile_n
   specs = _in_specs(prob, cfg, tm, tn)
@@ -994,7 +1034,6 @@ def _body_twin(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prolo
     (lin,) = info.index
     m0, n0 = _tile_origin(lin, prob, cfg, tm, tn)
     t = Tile(0, m0, n0, n0 // tn, cfg, prob)
-    h.before(t)
 
     def step(idx, a_smem, b_smem, acc):
       a = a_smem[...]
@@ -1003,10 +1042,14 @@ def _body_twin(a_ref, b_ref, *refs, prob: Problem, cfg: GemmConfig, parts, prolo
         a = h.form(a.astype(F32), k * cfg.tile_k, t, prob.dtype)
       return acc + lax.dot_general(a, b_smem[...], dims, preferred_element_type=F32)
 
-    a_win, b_win = _windows(a_ref, b_ref, prob, m0, n0, tm, tn)
-    z = plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=cfg.stages,
-                            init_carry=jnp.zeros((tm, tn), F32))(a_win, b_win)
-    h.after(z, t)
+    def run():
+      h.before(t)
+      a_win, b_win = _windows(a_ref, b_ref, prob, m0, n0, tm, tn)
+      z = plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs, max_concurrent_steps=cfg.stages,
+                              init_carry=jnp.zeros((tm, tn), F32))(a_win, b_win)
+      h.after(z, t)
+
+    _if_kept(mask_ref, m0, row_unit(cfg, interpret=True), run)
 
   plgpu.wait_smem_to_gmem(0)
 
@@ -1076,14 +1119,18 @@ def table_config(role: str, m: int, n: int, k: int, dtype, *, epilogue=None, pro
 
 
 def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue=None, prologue=None,
-         config: GemmConfig | None = None, interpret: bool = False, role: str = "plain", approx_math: bool = False):
+         config: GemmConfig | None = None, interpret: bool = False, role: str = "plain", approx_math: bool = False,
+         row_mask=None):
   """``epilogue(prologue(A) · B)``; see the module docstring. Returns the epilogue parts' outputs (a tuple, or the
   one array of a one-output epilogue). ``epilogue``: a :class:`Part` or a tuple of them (default ``Store()``);
   ``config``: a :class:`GemmConfig` (default: :func:`.tuning.select_config` for ``role``, with fewer stages where
   the hooks' SMEM needs it); ``approx_math``: the hooks' ``exp`` on the hardware's approximate unit (``ex2.approx``,
   relative error ~1e-7) instead of the accurate library routine (GPU path only). It also makes ``tanh`` the
   hardware's ``tanh.approx`` (relative error ~5e-4: ~0.015 on a logit near a soft cap of 30), so a soft-capped
-  epilogue should leave it off."""
+  epilogue should leave it off. ``row_mask`` (int32 [cdiv(M, row_unit(config, interpret))]): the output tiles of
+  the row units whose entry is 0 are skipped whole (nothing loaded, no MMA, no epilogue: their part of an output
+  is left unwritten, so it suits epilogues that write in place); a skipped tile costs one read of its entry.
+  The cooperative schedule only."""
   _check_operand("a", a, "M" if transpose_a else "K")
   _check_operand("b", b, "K" if transpose_b else "N")
   if a.dtype != b.dtype:
@@ -1104,6 +1151,13 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
     config = dataclasses.replace(config, cluster=None)
   config.validate()
   prob = Problem(m, n, k, transpose_a, transpose_b, jnp.dtype(a.dtype), interpret, 1 if interpret else 2)
+  if row_mask is not None:
+    if not interpret and config.schedule != "cooperative":
+      raise NotImplementedError(f"gemm: row_mask with schedule={config.schedule!r} (the cooperative one only)")
+    units = cdiv(m, row_unit(config, interpret))
+    if row_mask.shape != (units,):
+      raise ValueError(f"gemm: row_mask must be [{units}] (one entry per {row_unit(config, interpret)} rows of "
+                       f"M={m}), got {row_mask.shape}")
 
   pro_in = prologue.inputs(prob, config) if prologue is not None else ()
   part_in = [p.inputs(prob, config) for p in parts]
@@ -1115,7 +1169,10 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
   part_in = [tuple(jax.new_ref(x) if i in p.in_place else x for i, x in enumerate(xs))
              for p, xs in zip(parts, part_in)]
   args = (a, b, *pro_in, *(x for xs in part_in for x in xs))
-  hooks = dict(prob=prob, cfg=config, parts=parts, prologue=prologue, n_in=n_in, n_out=n_out)
+  if row_mask is not None:
+    args += (row_mask.astype(jnp.int32),)
+  hooks = dict(prob=prob, cfg=config, parts=parts, prologue=prologue, n_in=n_in, n_out=n_out,
+               masked=row_mask is not None)
 
   if interpret:
     pro_smem, part_smem = _smem_types(parts, prologue, prob, config)

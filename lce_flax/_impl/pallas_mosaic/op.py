@@ -510,9 +510,10 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
       notes.append(f"the stored tiles are exp(zc - r), r each row's largest logit at the labels of {REF_COLUMNS} "
                    "tokens of the batch: the backward's products take them as they are (dz = one factor per row, the "
                    f"B label entries written over), no pass over B×V; if some row's lse exceeds its r by more than "
-                   f"{PROBS_GAP:g}, the backward writes the exact dz of its 64-row block over the stored tiles first "
-                   "(a Pallas Triton kernel, 2·64·H·V FLOPs a flagged block, decided per tile on the device: no "
-                   "host round trip, and not warned at run time)")
+                   f"{PROBS_GAP:g}, the backward writes the exact dz of its rows' GEMM tile rows over the stored tiles "
+                   "first (the persistent GEMM with the LogitGrad epilogue, in place, skipping every tile row with "
+                   "no such row: 2·rows·H·V FLOPs a flagged tile row, decided on the device: no host round trip, "
+                   "and not warned at run time)")
     else:
       how = "interpreted" if spec.interpret else "compiled by Pallas Triton"
       why = shifted_reason(p, spec.opts, dtype)
