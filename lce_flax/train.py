@@ -221,10 +221,9 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     donate: donate the incoming state's buffers to the new state.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; aux's leaves (averaged over micro-batches) join the metrics.
     compiler_options: XLA options for compiling the step (``jax.jit(..., compiler_options=...)``), e.g.
-      ``{"xla_gpu_enable_latency_hiding_scheduler": True}``: XLA's GPU backend leaves its latency-hiding scheduler
-      off by default, and without it the example trainer's data-parallel step had its gradients' all-reduces
-      scheduled after the backward rather than beside it (``docs/multi_gpu.md``). An unknown name fails the step's
-      compile, naming it.
+      ``{"xla_gpu_enable_analytical_sol_latency_estimator": True}`` (XLA's scheduler costing each collective and
+      kernel by its size; ``docs/multi_gpu.md`` says where the example trainer's all-reduces sit). An unknown name
+      fails the step's compile, naming it.
 
   Returns:
     ``step(state, batch)``. ``batch`` is a pytree of arrays ``[B, ...]`` split over the batch axes on dim 0.

@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "one may be -1). Default: data parallel over the devices that divide the batch")
   p.add_argument("--compiler-option", action="append", metavar="KEY=VALUE",
                  help="an XLA option for compiling the train step (repeatable), e.g. "
-                 "xla_gpu_enable_latency_hiding_scheduler=true to overlap the gradients' all-reduces with the backward")
+                 "xla_gpu_enable_analytical_sol_latency_estimator=true (a cost model for the scheduler)")
   p.add_argument("--coordinator", help="multi-process run: HOST:PORT of process 0 (jax.distributed.initialize)")
   p.add_argument("--num-processes", type=int, default=1, help="multi-process run: number of processes")
   p.add_argument("--process-id", type=int, default=0, help="multi-process run: this process's index")
