@@ -7,7 +7,10 @@ Usage (on a CUDA machine; torch is on the GPU image, the others are optional)::
 
 Peers: ``torch_eager`` (``F.cross_entropy`` on fp32 logits of ``x @ w.T``), ``torch_compile`` (the same under
 ``torch.compile``), ``liger_flce`` (liger-kernel's ``LigerFusedLinearCrossEntropyLoss``) and ``cce`` (Apple's
-cut-cross-entropy ``linear_cross_entropy``); one that does not import is recorded as unavailable. Liger and CCE
+cut-cross-entropy ``linear_cross_entropy`` as users call it: its backward skips the blocks of the logit gradient
+whose entries are all below its ``filter_eps``, bf16's eps / 32 by default); ``cce_exact`` (not in the default
+list) is CCE with ``filter_eps=None``, every block's products done, which separates what the filter saves from
+what its kernels do. One that does not import is recorded as unavailable. Liger and CCE
 are not on the GPU image: carry their wheels (``benchmarks/run_gpu.sh`` installs what it finds in ``.whl/``).
 
 Same inputs as ``bench.py`` (bf16 x ~ N(0,1) [B, H]; w = 0.02·N(0,1), here [V, H] as torch heads store it;
@@ -34,9 +37,10 @@ from benchmarks import shapes as shapes_lib
 from benchmarks.shapes import PEAK_TFLOPS, Preset, Shape
 
 PEERS = ("torch_compile", "cce", "liger_flce", "torch_eager")  # default order: most telling first
+OPTIONAL = ("cce_exact",)
 # FLOPs of a fwd+bwd in units of B·H·V: autograd over stored logits and Liger (gradients formed chunk by chunk in
 # the forward) do 6; CCE recomputes the logits in its backward: 8.
-FLOPS_FACTOR = {"torch_eager": 6, "torch_compile": 6, "liger_flce": 6, "cce": 8}
+FLOPS_FACTOR = {"torch_eager": 6, "torch_compile": 6, "liger_flce": 6, "cce": 8, "cce_exact": 8}
 
 
 def _version(dist: str) -> str | None:
@@ -68,11 +72,12 @@ def make_peers(torch, names) -> dict[str, Callable | str]:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss  # noqa: PLC0415
         module = LigerFusedLinearCrossEntropyLoss(reduction="sum")
         peers[name] = lambda x, w, y, m=module: m(w, x, y)  # Liger takes (weight, input, target)
-      elif name == "cce":
+      elif name in ("cce", "cce_exact"):
         from cut_cross_entropy import linear_cross_entropy  # noqa: PLC0415
-        peers[name] = lambda x, w, y, f=linear_cross_entropy: f(x, w, y, reduction="sum")
+        kw = {"filter_eps": None} if name == "cce_exact" else {}
+        peers[name] = lambda x, w, y, f=linear_cross_entropy, kw=kw: f(x, w, y, reduction="sum", **kw)
       else:
-        raise ValueError(f"--impls: {name!r} is not one of {PEERS}")
+        raise ValueError(f"--impls: {name!r} is not one of {PEERS + OPTIONAL}")
     except ValueError:
       raise
     except Exception as e:  # noqa: BLE001 - a peer that does not import is recorded, not fatal
@@ -219,7 +224,7 @@ def run(preset: Preset, names, out_dir: str, time_limit_s: float | None = None) 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", choices=sorted(shapes_lib.PRESETS), default="llm")
-  p.add_argument("--impls", default=",".join(PEERS), help=f"comma-separated subset of {PEERS}")
+  p.add_argument("--impls", default=",".join(PEERS), help=f"comma-separated subset of {PEERS + OPTIONAL}")
   p.add_argument("--out", default=None, help="output folder (default: $OUT, else /tmp/lce_bench/<preset>)")
   p.add_argument("--time-limit-s", type=float, default=None, help="stop after this many seconds; the rest is skipped")
   p.add_argument("--passes", default=None, help="comma-separated subset of fwd,fwdbwd (default: the preset's)")
