@@ -78,9 +78,10 @@ def measure(name: str, rounds: int) -> list[dict]:
   compiled["plain_bf16"] = jax.jit(plain).lower(x, w, y).compile()
   vec = lambda val: jnp.full((b,), val, jnp.float32)
   lse, coef, a, c = vec(float(jnp.log(v)) + 1.0), vec(1.0), vec(1.0), vec(0.0)
-  repair = jax.jit(lambda e, flags: fast._repair(e, flags, x, w, None, y, lse, coef, a, c, "hv", spec_opts, False),
-                   donate_argnums=0)
-  unit = G.row_unit(fast._repair_config(b, h, v, x.dtype, None, spec_opts, False))
+  cfg = fast._repair_config(b, h, v, x.dtype, None, spec_opts, False)
+  repair = jax.jit(lambda e, flags: fast._repair(e, flags, cfg, x, w, None, y, lse, coef, a, c, "hv", spec_opts,
+                                                 False), donate_argnums=0)
+  unit = G.row_unit(cfg)
   flags = {"repair_none": jnp.zeros((-(-b // unit),), jnp.int32), "repair_all": jnp.ones((-(-b // unit),), jnp.int32)}
   holder = {"e": e}
 

@@ -352,9 +352,9 @@ def test_repair_writes_exact_dz_of_flagged_row_units(w_layout, bias):
   f32 = lambda t: jnp.asarray(t, jnp.float32)
   opts = _math.LossSpec(vocab_size=v)
   bias_arr = f32(bn) if bias else None
-  unit = gemm.row_unit(fast._repair_config(rows, h, v, jnp.bfloat16, bias_arr, opts, True), True)
-  assert unit == 128
-  args = (x, w, bias_arr, jnp.asarray(yn), f32(lse), f32(coef), f32(a), f32(np.zeros(rows)), w_layout, opts, True)
+  cfg = fast._repair_config(rows, h, v, jnp.bfloat16, bias_arr, opts, True)
+  assert gemm.row_unit(cfg, True) == 128
+  args = (cfg, x, w, bias_arr, jnp.asarray(yn), f32(lse), f32(coef), f32(a), f32(np.zeros(rows)), w_layout, opts, True)
   got = np.asarray(fast._repair(e0, jnp.asarray([0, 1], jnp.int32), *args), np.float64)
   dz = coef[:, None] * np.exp(z - lse[:, None]) - a[:, None] * (np.arange(v)[None, :] == yn[:, None])
   np.testing.assert_array_equal(got[:128], np.asarray(e0, np.float64)[:128])

@@ -161,17 +161,15 @@ def _repair_config(rows: int, h: int, v: int, dtype, bp, opts, interpret: bool):
   return cfg
 
 
-def _repair(e, flags, xp, wp, bp, yp, lse, coef, a, c, layout: str, opts, interpret: bool):
-  """E with the rows of every flagged row unit (``flags`` int32, one per :func:`.gemm.row_unit` rows of
-  :func:`_repair_config`'s tiling) replaced by their exact logit gradient dz, in place: the GEMM of :mod:`.gemm`
-  with the ``LogitGrad`` epilogue writing over E (``into``), its ``row_mask`` skipping the tiles of unflagged
-  units. One launch, decided per tile on the device: no host round trip, and the work is that of the flagged units
-  alone (a skipped tile costs the read of its flag)."""
-  rows, vp = e.shape
-  h, v = xp.shape[1], common.vocab_size(wp, layout)
+def _repair(e, flags, cfg: gemm.GemmConfig, xp, wp, bp, yp, lse, coef, a, c, layout: str, opts, interpret: bool):
+  """E with the rows of every flagged row unit (``flags`` int32, one per :func:`.gemm.row_unit` rows of ``cfg``,
+  :func:`_repair_config`'s tiling, which the flags were made for) replaced by their exact logit gradient dz, in
+  place: the GEMM of :mod:`.gemm` with the ``LogitGrad`` epilogue writing over E (``into``), its ``row_mask``
+  skipping the tiles of unflagged units. One launch, decided per tile on the device: no host round trip, and the
+  work is that of the flagged units alone (a skipped tile costs the read of its flag)."""
+  vp, v = e.shape[1], common.vocab_size(wp, layout)
   if vp != v:
     raise ValueError(f"_repair: E {e.shape} must be as wide as w's vocabulary ({v}): the GEMM forward stores it so")
-  cfg = _repair_config(rows, h, v, xp.dtype, bp, opts, interpret)
   part = gemm.LogitGrad(lse, coef, a, c, yp, opts, bias=bp, into=e)
   return gemm.gemm(xp, wp, transpose_b=layout == "vh", epilogue=part, config=cfg, interpret=interpret,
                    approx_math=epilogue.approx_exp(opts), row_mask=flags)
@@ -214,7 +212,7 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   unit = gemm.row_unit(cfg, spec.interpret)
   units = cdiv(e.shape[0], unit)
   flags = jnp.any(jnp.pad(bad, (0, units * unit - e.shape[0])).reshape(units, unit), axis=1).astype(jnp.int32)
-  e = _repair(e, flags, xp, wp, bp, yp, st.lse, coef, a, c, layout, opts, spec.interpret)
+  e = _repair(e, flags, cfg, xp, wp, bp, yp, st.lse, coef, a, c, layout, opts, spec.interpret)
   sigma = jnp.where(jnp.repeat(flags, unit)[:e.shape[0]] != 0, 1.0, sigma)
   want_dx, want_dw = want
   dx = dw = None
