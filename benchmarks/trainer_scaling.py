@@ -21,17 +21,19 @@ them in the weak-scaling ratios.
 
 ``--variant NAME:ITEM[,ITEM…]`` (repeatable) runs every process once more per variant, each ``KEY=VALUE`` item an
 XLA option for the train step (the trainer's ``--compiler-option``) and each ``--flag`` item a trainer argument as
-it is, e.g. ``--variant lhs:xla_gpu_enable_latency_hiding_scheduler=true`` or ``--variant
-unordered:--no-layer-grads-in-order``; rows carry their variant (``default``: none) and its trainer arguments, and
-weak scaling compares a row with k = 1 of its own head and variant.
+it is, e.g. ``--variant sol:xla_gpu_enable_analytical_sol_latency_estimator=true`` (XLA's scheduler costing the
+collectives and kernels by their sizes), ``--variant pgle:--pgle=3`` (by the times the first 3 steps measured) or
+``--variant unordered:--no-layer-grads-in-order``; rows carry their variant (``default``: none) and its trainer
+arguments, and weak scaling compares a row with k = 1 of its own head and variant.
 
 ``--schedule`` compiles each head's step on one device and on the largest data-parallel mesh in this process,
-once per variant (the HLOs kept in ``DIR/hlo.tar`` as ``step_data{k}_{head}_{variant}.hlo.txt.gz``, with XLA's
-live ranges beside them as ``....live-range.txt.gz``), records its compiled memory, and reads its schedule
-(:mod:`benchmarks.hlo_schedule`): for each asynchronous collective its shape, how many instructions and kernels the
-schedule places between its start and its done (the work it can overlap) and how many of the step's kernels come
-after its start; the instructions at which the host waits for the device; and the buffers alive at the memory
-peak, with XLA's breakdown of the peak by source. A backend without asynchronous collectives (the CPU) says so.
+once per variant but a ``--pgle`` one (the HLOs kept in ``DIR/hlo.tar`` as
+``step_data{k}_{head}_{variant}.hlo.txt.gz``, with XLA's live ranges beside them as ``....live-range.txt.gz``),
+records its compiled memory, and reads its schedule (:mod:`benchmarks.hlo_schedule`): for each asynchronous
+collective its shape, how many instructions and kernels the schedule places between its start and its done (the
+work it can overlap) and how many of the step's kernels come after its start; the instructions at which the host
+waits for the device; and the buffers alive at the memory peak, with XLA's breakdown of the peak by source. A
+backend without asynchronous collectives (the CPU) says so.
 
 Writes ``DIR/trainer_scaling.json`` (device, n_devices, versions, date, commit, rows) and prints a table; each
 trainer process's own output stays in a temporary folder unless ``--keep-runs``.
@@ -308,9 +310,14 @@ def main(argv=None) -> int:
   rows = weak_scaling(aggregate(rows))
   sched = None
   if a.schedule and max(ks) > 1:
+    # (a --pgle variant's schedule is the one compiled with its run's profile, inside that process: compiled here,
+    # without the profile, it would be XLA's own schedule under the variant's name)
+    profiled = [var for var, opts in variants.items() if any(o.startswith("--pgle") for o in opts)]
+    if profiled:
+      print(f"--schedule: not for {', '.join(profiled)} (profile-guided: its schedule exists only in its run)")
     with tarfile.open(os.path.join(a.out, "hlo.tar"), "w") as hlo:
       sched = [schedule_rows([*common, *opts], k, head, var, a.per_device_batch, hlo) for head in a.heads.split(",")
-               for var, opts in variants.items() for k in (1, max(ks))]
+               for var, opts in variants.items() if var not in profiled for k in (1, max(ks))]
   write(a.out, meta, rows, sched)
   print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'variant':<10} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} "
         f"{'peak GB':>8}")

@@ -409,8 +409,8 @@ def test_trainer_scaling_variants():
 
 def test_trainer_scaling_runs_on_cpu(tmp_path):
   """benchmarks/trainer_scaling.py end to end on 2 simulated CPU devices with a tiny model: the fused head with
-  and without a variant's compiler option, and the schedule and compiled memory of each on one and two devices
-  (the CPU has no asynchronous collectives)."""
+  and without a variant's compiler option and with a profile-guided one, and the schedule and compiled memory of
+  the first two on one and two devices (the CPU has no asynchronous collectives)."""
   import gzip
   import json
   import subprocess
@@ -420,15 +420,19 @@ def test_trainer_scaling_runs_on_cpu(tmp_path):
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, "-m", "benchmarks.trainer_scaling", "--preset", "cpu", "--small", "--ks",
                          "2", "--meshes", "data", "--heads", "fused", "--steps", "2", "--schedule",
-                         "--variant", "lhs:xla_gpu_enable_latency_hiding_scheduler=true", "--out", str(tmp_path),
+                         "--variant", "lhs:xla_gpu_enable_latency_hiding_scheduler=true",
+                         "--variant", "pgle:--pgle=1", "--out", str(tmp_path),
                          "--jax-cache-dir", str(tmp_path / "jc")],
                         capture_output=True, text=True, env=env, timeout=600,
                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert proc.returncode == 0, proc.stderr[-3000:]
   got = json.loads((tmp_path / "trainer_scaling.json").read_text())
   assert [(r["k"], r["variant"], r["variant_args"]) for r in got["rows"]] == [
-      (2, "default", []), (2, "lhs", ["--compiler-option", "xla_gpu_enable_latency_hiding_scheduler=true"])]
+      (2, "default", []), (2, "lhs", ["--compiler-option", "xla_gpu_enable_latency_hiding_scheduler=true"]),
+      (2, "pgle", ["--pgle=1"])]
   assert all(r["step_time_s"] > 0 and r["error"] is None for r in got["rows"])
+  # a profile-guided variant's schedule exists only inside its run: none is compiled for it here, and it says so
+  assert "--schedule: not for pgle" in proc.stdout
   assert [(sc["k"], sc["head"], sc["variant"], sc["collectives"]) for sc in got["schedule"]] == [
       (1, "fused", "default", []), (2, "fused", "default", []), (1, "fused", "lhs", []), (2, "fused", "lhs", [])]
   assert all(sc["entry_instructions"] > 0 and sc["memory"]["peak"] > 0 for sc in got["schedule"])

@@ -3,6 +3,7 @@ killed saves, both heads, meshes, per-device memory on a data-parallel mesh, out
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -395,6 +396,26 @@ def test_bf16_step_reduces_the_vocabulary_gradients_in_bf16(head, tmp_path):
     reduced = re.findall(r"= (\w+)\[([\d,]*)\]\{[\d,]*\} all-reduce\(", f.read())
   vocab = sorted(dt for dt, dims in reduced if sorted(map(int, dims.split(","))) == [d, v])
   assert vocab == ["bf16", "bf16"], reduced
+
+
+def test_pgle_trains_the_same_steps(cache_dir, tmp_path, straight):
+  """``--pgle N``: the jitted step, profiled for N calls and compiled again with the profile (empty on the CPU),
+  trains the same losses as the compiled step; its timing leaves out the first N + 1 steps, and JAX's PGLE settings
+  are put back afterwards."""
+  import jax
+
+  want = straight[0]["runs"]["fused"]
+  # (on the CPU JAX's profiler records no kernel times, and JAX says so when it takes the profile: PGLE ran)
+  profiled = (pytest.warns(RuntimeWarning, match="PGLE collected an empty trace")
+              if jax.default_backend() == "cpu" else contextlib.nullcontext())
+  with profiled:
+    got, _ = run(cache_dir, tmp_path, "pgle", "--steps", "6", "--pgle", "2")
+  got = got["runs"]["fused"]
+  np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-6)
+  assert want["timed_steps"] == 5 and got["timed_steps"] == 3 and got["step_time_s"] > 0
+  assert not jax.config.jax_enable_pgle
+  with pytest.raises(SystemExit):
+    lm_main.parse_args(["--pgle", "-1"])
 
 
 def test_compiler_option_flags():

@@ -86,6 +86,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--compiler-option", action="append", metavar="KEY=VALUE",
                  help="an XLA option for compiling the train step (repeatable), e.g. "
                  "xla_gpu_enable_analytical_sol_latency_estimator=true (a cost model for the scheduler)")
+  p.add_argument("--pgle", type=int, default=0, metavar="N",
+                 help="profile-guided scheduling: the first N steps run under JAX's profiler, then the step is "
+                 "compiled again with what it measured, so that XLA's scheduler places the gradients' all-reduces by "
+                 "measured times (JAX's automatic PGLE; the profile is empty off NVIDIA GPUs). 0: off")
   p.add_argument("--coordinator", help="multi-process run: HOST:PORT of process 0 (jax.distributed.initialize)")
   p.add_argument("--num-processes", type=int, default=1, help="multi-process run: number of processes")
   p.add_argument("--process-id", type=int, default=0, help="multi-process run: this process's index")
@@ -121,6 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   for k in ("steps", "batch_size", "seq_len", "vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
     if getattr(args, k) < 1:
       p.error(f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1")
+  if args.pgle < 0:
+    p.error(f"--pgle={args.pgle} must be >= 0")
   if args.d_model % args.num_heads:
     p.error(f"--d-model={args.d_model} must be a multiple of --num-heads={args.num_heads}")
   if args.vocab_size < 260:

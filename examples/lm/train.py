@@ -6,6 +6,7 @@ step."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import math
@@ -210,6 +211,25 @@ def gpu_peak_bytes() -> int | None:
   return stats.get("peak_bytes_in_use")
 
 
+@contextlib.contextmanager
+def pgle(runs: int):
+  """JAX's automatic profile-guided latency estimation for the jitted calls inside, where ``runs`` > 0: a step's
+  first ``runs`` calls are profiled, the next compiles it again with their profile (XLA's scheduler then orders
+  the collectives and kernels by measured times). JAX's settings are put back on leaving."""
+  if runs <= 0:
+    yield
+    return
+  keys = ("jax_enable_pgle", "jax_pgle_profiling_runs")
+  saved = {k: getattr(jax.config, k) for k in keys}
+  jax.config.update("jax_enable_pgle", True)
+  jax.config.update("jax_pgle_profiling_runs", runs)
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      jax.config.update(k, v)
+
+
 def compile_step(trainer: Trainer, state_like, seq_len: int):
   with jax.set_mesh(trainer.mesh):
     return trainer.step.lower(state_like, trainer.abstract_batch(seq_len)).compile()
@@ -412,20 +432,26 @@ def _train(args, data, head, log, tr) -> dict[str, Any]:
 
   batch_of = lambda step: tr.put_batch(train_batch(data.train_ids, step, args.batch_size, args.seq_len, args.seed,
                                                    tr.rows))
-  state, times = run_steps(compiled, state, bar, batch_of, on_loss, reads_state, on_state)
+  with pgle(args.pgle):
+    # (--pgle: the jitted step, whose calls JAX profiles and then compiles again with the profile)
+    state, times = run_steps(tr.step if args.pgle else compiled, state, bar, batch_of, on_loss, reads_state,
+                             on_state)
   if mngr is not None:
     mngr.wait_until_finished()
     mngr.close()
 
   finished = (start if not times else stop) == args.steps
   final_eval = evaluate(state.params, stop) if finished or not history["eval"] else history["eval"][-1]
-  steady = times[1:] if len(times) > 1 else times  # the first step of a process pays for the transfer of state
+  # the first step of a process pays for the transfer of state (and under --pgle N the next N: their profiling and
+  # the compile that takes their profile)
+  skip = 1 + args.pgle
+  steady = times[skip:] if len(times) > skip else times[-1:]
   tok_s = tokens_per_step / statistics.median(steady) if steady else None
   record = {
       "head": head, "impl": args.impl if head == "fused" else "plain", "fits": True, "params": int(n_params),
       "batch_size": args.batch_size, "start_step": start, "end_step": stop, "losses": history["loss"],
       "eval": history["eval"], "final_eval": final_eval, "tokens_per_s": tok_s,
-      "step_time_s": statistics.median(steady) if steady else None,
+      "step_time_s": statistics.median(steady) if steady else None, "timed_steps": len(steady),
       "memory": {"compiled": mem, "gpu_peak_bytes_in_use": peak},
   }
   if times:
