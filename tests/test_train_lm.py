@@ -414,8 +414,9 @@ def test_pgle_trains_the_same_steps(cache_dir, tmp_path, straight):
   np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-6)
   assert want["timed_steps"] == 5 and got["timed_steps"] == 3 and got["step_time_s"] > 0
   assert not jax.config.jax_enable_pgle
-  with pytest.raises(SystemExit):
-    lm_main.parse_args(["--pgle", "-1"])
+  for bad in (["--pgle", "-1"], ["--pgle", "2", "--num-processes", "2"]):
+    with pytest.raises(SystemExit):
+      lm_main.parse_args(bad)
 
 
 def test_compiler_option_flags():

@@ -127,6 +127,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       p.error(f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1")
   if args.pgle < 0:
     p.error(f"--pgle={args.pgle} must be >= 0")
+  if args.pgle and args.num_processes > 1:
+    p.error(f"--pgle with --num-processes={args.num_processes}: each process would compile its step with its own "
+            "profile (JAX does not share it), and steps whose collectives run in different orders can hang")
   if args.d_model % args.num_heads:
     p.error(f"--d-model={args.d_model} must be a multiple of --num-heads={args.num_heads}")
   if args.vocab_size < 260:
