@@ -14,7 +14,9 @@ instructions in schedule order:
   many of the entry's kernels (custom calls, Triton GEMM fusions, while loops) are scheduled after its start, of
   all. ``ready`` is the position of the last kernel whose results it reduces (reached back through the cheap
   instructions between: bitcasts, converts, concatenations), -1 if none, and ``kernels_held`` the kernels the
-  schedule runs between that one and the start: work the collective could have overlapped but was held back from.
+  schedule runs between that one and the start: work the collective could have overlapped but was held back from;
+  ``held_free`` how many of those run with no asynchronous collective in flight (so no limit on collectives in
+  flight at once stood in the way of starting it there).
 - :func:`host_syncs`: the instructions of any computation at which XLA's GPU runtime copies a value to the host
   and blocks until the device has reached it: a ``conditional`` (its predicate or branch index), a ``while``
   whose trip count the compiler did not find (its condition, once per trip), and a host callback. Each drains the
@@ -101,23 +103,31 @@ def _collectives(entry: list[tuple[str, str, str, str]]) -> list[dict]:
   kernels = [_kernel(op, rest) for _, _, op, rest in entry]
   index = {name: i for i, (name, _, _, _) in enumerate(entry)}
   latest = _latest_kernels(entry, kernels, index)
-  rows = []
-  for i, (name, shape, op, rest) in enumerate(entry):
+  spans = []  # (start, done) of each asynchronous collective of the entry
+  for i, (name, _, op, _) in enumerate(entry):
     kind = op.removesuffix("-start")
     if not op.endswith("-start") or kind not in _ASYNC:
       continue
     used = re.compile(rf"(?<![\w.\-])%?{re.escape(name)}(?![\w.\-])")
-    done = next((j for j in range(i + 1, len(entry))
-                 if entry[j][2] == f"{kind}-done" and used.search(entry[j][3])), None)
+    spans.append((i, next((j for j in range(i + 1, len(entry))
+                           if entry[j][2] == f"{kind}-done" and used.search(entry[j][3])), None)))
+  busy = [False] * len(entry)  # whether some asynchronous collective is in flight at each position
+  for i, done in spans:
+    for j in range(i, (i if done is None else done) + 1):
+      busy[j] = True
+  rows = []
+  for i, done in spans:
+    name, shape, op, rest = entry[i]
     between = entry[i + 1:done] if done is not None else []
     ready = max((latest[o] for o in _operands(rest, index) if o < i), default=-1)
-    rows.append({"name": name, "kind": kind, "shape": shape, "position": i,
+    rows.append({"name": name, "kind": op.removesuffix("-start"), "shape": shape, "position": i,
                  "bytes": None if done is None else shape_bytes(entry[done][1]),
                  "position_frac": round(i / max(len(entry) - 1, 1), 3),
                  "between": None if done is None else done - i - 1,
                  "compute_between": sum(op_ in _COMPUTE for _, _, op_, _ in between),
                  "kernels_after": sum(kernels[i + 1:]), "kernels": sum(kernels),
                  "ready": ready, "kernels_held": sum(kernels[ready + 1:i]),
+                 "held_free": sum(k and not b for k, b in zip(kernels[ready + 1:i], busy[ready + 1:i])),
                  "op_name": _op_name(rest)})
   return rows
 
@@ -220,11 +230,11 @@ def main(argv=None) -> int:
   print(f"entry: {s['entry_instructions']} instructions; asynchronous collectives: {len(s['collectives'])}, "
         f"{moved / 1e9:.3f} GB of results")
   print(f"{'collective':<22} {'shape':<34} {'at':>6} {'between':>8} {'compute':>8} {'kernels after':>14} "
-        f"{'held':>5}  op")
+        f"{'held':>5} {'free':>5}  op")
   for c in s["collectives"]:
     after = f"{c['kernels_after']}/{c['kernels']}"
     print(f"{c['name']:<22} {c['shape'][:34]:<34} {c['position_frac']:6.3f} {c['between']!s:>8} "
-          f"{c['compute_between']:>8} {after:>14} {c['kernels_held']:>5}  {c['op_name'][-50:]}")
+          f"{c['compute_between']:>8} {after:>14} {c['kernels_held']:>5} {c['held_free']:>5}  {c['op_name'][-50:]}")
   print(f"host syncs: {len(s['host_syncs'])}")
   for h in s["host_syncs"]:
     print(f"  {h['kind']:<14} {h['name']:<22} in {h['computation']:<28} {h['op_name'][-70:]}")

@@ -333,7 +333,8 @@ def main(argv=None) -> int:
           f"temporaries {mem['temp'] / 2**30:.2f} GiB. {sc['note'] or ''}")
     for c in sc["collectives"]:
       print(f"  {c['name']:<22} {c['shape'][:40]:<40} between {c['between']!s:>4} ({c['compute_between']} compute), "
-            f"kernels after its start {c['kernels_after']}/{c['kernels']}, held back past {c['kernels_held']}")
+            f"kernels after its start {c['kernels_after']}/{c['kernels']}, held back past {c['kernels_held']} "
+            f"({c['held_free']} with no collective in flight)")
     print(f"  host syncs: {len(sc['host_syncs'])} " + ", ".join(f"{h['kind']} {h['name']}" for h in sc["host_syncs"]))
     pk = sc["peak_live"]
     if pk["bytes"] is not None:

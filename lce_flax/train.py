@@ -221,8 +221,8 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransf
     donate: donate the incoming state's buffers to the new state.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; aux's leaves (averaged over micro-batches) join the metrics.
     compiler_options: XLA options for compiling the step (``jax.jit(..., compiler_options=...)``), e.g.
-      ``{"xla_gpu_enable_analytical_sol_latency_estimator": True}`` (XLA's scheduler costing each collective and
-      kernel by its size; ``docs/multi_gpu.md`` says where the example trainer's all-reduces sit). An unknown name
+      ``{"xla_gpu_enable_analytical_sol_latency_estimator": True}`` (XLA's scheduler with a model of each collective's
+      and kernel's time; ``docs/multi_gpu.md`` says where the example trainer's all-reduces sit). An unknown name
       fails the step's compile, naming it.
 
   Returns:

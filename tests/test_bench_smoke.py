@@ -7,6 +7,7 @@ resolved to, that the tables are relative to the plain head, and that failures b
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 
@@ -329,6 +330,34 @@ ENTRY %main (p: f32[8]) -> bf16[8] {
   assert [(r["name"], r["ready"], r["kernels_held"]) for r in got] == [("s", 3, 3), ("s2", 1, 4)]
 
 
+def test_hlo_schedule_held_kernels_with_no_collective_in_flight():
+  """``held_free``: of the kernels a collective was held back past, those during which no asynchronous collective
+  was in flight (from any start to its done, both included)."""
+  from benchmarks import hlo_schedule
+
+  text = """HloModule m, is_scheduled=true
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %k0 = (f32[8]{0}, s8[4]{0}) custom-call(%p), custom_call_target="__cublas$lt$matmul"
+  %g0 = f32[8]{0} get-tuple-element(%k0), index=0
+  %a = f32[8]{0} all-reduce-start(%p), to_apply=%add
+  %k1 = (f32[8]{0}, s8[4]{0}) custom-call(%p), custom_call_target="__cublas$lt$matmul"
+  %k2 = (f32[8]{0}, s8[4]{0}) custom-call(%p), custom_call_target="__cublas$lt$matmul"
+  %ad = f32[8]{0} all-reduce-done(%a)
+  %k3 = (f32[8]{0}, s8[4]{0}) custom-call(%p), custom_call_target="__cublas$lt$matmul"
+  %b = f32[8]{0} all-reduce-start(%g0), to_apply=%add
+  %bd = f32[8]{0} all-reduce-done(%b)
+  ROOT %r = f32[8]{0} add(%ad, %bd)
+}
+"""
+  got = {r["name"]: r for r in hlo_schedule.collectives(text)}
+  # %a: ready at once (a parameter), held past %k0 with nothing in flight; %b: ready at %k0 (1), held past %k1,
+  # %k2 (while %a is in flight) and %k3 (nothing in flight)
+  assert [(got[n]["ready"], got[n]["kernels_held"], got[n]["held_free"]) for n in ("a", "b")] == [(-1, 1, 1),
+                                                                                              (1, 3, 1)]
+
+
 def test_hlo_schedule_peak_live():
   """benchmarks/hlo_schedule.py: XLA's live-range dump read at its peak, buffers largest first with the shapes of
   their instructions (a tuple element keeps its index), and the breakdown by source; a dump without a peak section
@@ -380,10 +409,28 @@ def test_hlo_schedule_of_a_recorded_gpu_step():
   head = next(c for c in cs if c["shape"].startswith("((bf16[1024,131072]"))
   assert (head["between"], head["kernels_after"]) == (2, 0) and head["op_name"].endswith("head/jit(_op)/shard_map/psum")
   # the head's dw is ready after its "tokens" loop (entry position 478), 136 kernels before its all-reduce starts
-  assert (head["ready"], head["kernels_held"]) == (478, 136)
+  assert (head["ready"], head["kernels_held"], head["held_free"]) == (478, 136, 104)
   assert max(c["kernels_held"] for c in cs if c["shape"].startswith("((bf16[12588032]")) == 1  # the layers': none
   assert sorted(h["kind"] for h in s["host_syncs"]) == ["conditional"] * 2 + ["host callback"] * 2 + ["while"] * 2
   assert all("/head/" in h["op_name"] for h in s["host_syncs"])
+
+
+def test_hlo_schedule_head_reduction_held_with_the_slot_free():
+  """The fused data=2 step recorded on two H200s at ac777ec (run9, layers' backward in order): the head's dw
+  all-reduce is ready 136 kernels before it starts, and 128 of those run with no collective in flight, so no limit
+  on collectives in flight kept it back there."""
+  import tarfile
+
+  from benchmarks import hlo_schedule
+
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
+                      "trainer-scaling-2026-11-27", "run9_ac777ec", "scaling", "hlo.tar")
+  with tarfile.open(path) as tar:
+    text = gzip.decompress(tar.extractfile("step_data2_fused_default.hlo.txt.gz").read()).decode()
+  cs = hlo_schedule.collectives(text)
+  head = next(c for c in cs if c["shape"].startswith("((bf16[1024,131072]"))
+  assert (head["ready"], head["position"], head["kernels_held"], head["held_free"]) == (493, 1750, 136, 128)
+  assert (head["between"], head["kernels_after"]) == (2, 0)
 
 
 def test_trainer_scaling_variants():
