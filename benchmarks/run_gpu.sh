@@ -11,7 +11,8 @@
 #   IMPLS          rows of bench.py (default below: the plain heads, auto, every implementation, tokamax's)
 #   MODES          fast,lean
 #   BENCH_TIME_S   300   time limit of the llm preset (what is left is recorded as skipped)
-#   PEERS          torch_compile,cce,liger_flce,torch_eager;  PEERS_TIME_S 160;  PEERS_PASSES fwdbwd
+#   PEERS          torch_compile,cce,liger_flce,torch_eager (cce_exact: CCE without its gradient filter);
+#                  PEERS_TIME_S 160;  PEERS_PASSES fwdbwd
 #   SWEEP_TIME_S   0     >0 also runs the sweep preset (~5 min; a run of its own fits best)
 #   BENCH_ARGS     extra arguments of bench.py's llm and llm32k runs (e.g. "--passes fwdbwd --order shape")
 #   LLM32K_TIME_S  0     >0 also runs the llm32k preset (32768 tokens) with LLM32K_IMPLS (plain_bf16,plain_f32,auto)
