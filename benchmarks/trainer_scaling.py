@@ -26,14 +26,14 @@ collectives and kernels by their sizes), ``--variant pgle:--pgle=3`` (by the tim
 ``--variant unordered:--no-layer-grads-in-order``; rows carry their variant (``default``: none) and its trainer
 arguments, and weak scaling compares a row with k = 1 of its own head and variant.
 
-``--schedule`` compiles each head's step on one device and on the largest data-parallel mesh in this process,
-once per variant but a ``--pgle`` one (the HLOs kept in ``DIR/hlo.tar`` as
-``step_data{k}_{head}_{variant}.hlo.txt.gz``, with XLA's live ranges beside them as ``....live-range.txt.gz``),
-records its compiled memory, and reads its schedule (:mod:`benchmarks.hlo_schedule`): for each asynchronous
-collective its shape, how many instructions and kernels the schedule places between its start and its done (the
-work it can overlap) and how many of the step's kernels come after its start; the instructions at which the host
-waits for the device; and the buffers alive at the memory peak, with XLA's breakdown of the peak by source. A
-backend without asynchronous collectives (the CPU) says so.
+``--schedule`` compiles each head's step on one device and on the largest data-parallel mesh in this process, once
+per variant (of a ``--pgle=N`` one, the step a short run compiled with its profile, read from XLA's dump; the HLOs
+kept in ``DIR/hlo.tar`` as ``step_data{k}_{head}_{variant}.hlo.txt.gz``, with XLA's live ranges beside them as
+``....live-range.txt.gz``), records its compiled memory, and reads its schedule (:mod:`benchmarks.hlo_schedule`):
+for each asynchronous collective its shape, how many instructions and kernels the schedule places between its start
+and its done (the work it can overlap) and how many of the step's kernels come after its start; the instructions at
+which the host waits for the device; and the buffers alive at the memory peak, with XLA's breakdown of the peak by
+source. A backend without asynchronous collectives (the CPU) says so.
 
 Writes ``DIR/trainer_scaling.json`` (device, n_devices, versions, date, commit, rows) and prints a table; each
 trainer process's own output stays in a temporary folder unless ``--keep-runs``.
@@ -121,7 +121,45 @@ def schedule_rows(argv: list[str], k: int, head: str, variant: str, per_device_b
     live = open(ranges[-1]).read() if ranges else ""  # (the largest: the step's module)
   finally:
     shutil.rmtree(dump, ignore_errors=True)
-  text = compiled.as_text()
+  return _schedule_row(compiled.as_text(), live, k, head, variant, args.batch_size, compiled_memory(compiled), hlo)
+
+
+def pgle_schedule_rows(argv: list[str], runs: int, k: int, head: str, variant: str, per_device_batch: int,
+                       hlo: tarfile.TarFile | None = None, timeout_s: float | None = None) -> dict:
+  """:func:`schedule_rows` of a ``--pgle`` variant, whose schedule exists only in a run: ``head``'s trainer on
+  data = k for ``runs`` + 2 steps with XLA dumping every compile; the step's last compile (the highest module
+  number: after the compile ahead of time and the first call's, the one with the profile) is read. ``memory`` is
+  the run's compile ahead of time (before the profile). XLA's dump prints a tuple's elements as ``%x#i`` where
+  the compiled object's text (:func:`schedule_rows`) has get-tuple-element instructions: its entry has fewer
+  instructions, the same kernels and collectives."""
+  out = tempfile.mkdtemp(prefix="trainer_scaling_pgle_")
+  dump = os.path.join(out, "dump")
+  if "--jax-cache-dir" in argv:  # (an executable taken from the compilation cache is not compiled, so not dumped)
+    i = argv.index("--jax-cache-dir")
+    argv = argv[:i] + argv[i + 2:]
+  try:
+    res = run_trainer([*argv, *compiler_option_args([f"xla_dump_to={dump}", "xla_dump_hlo_as_text=true"]),
+                       "--steps", str(runs + 2), "--loss", head, "--only-this-head", "--num-devices", str(k),
+                       "--mesh", f"data={k}", "--batch-size", str(per_device_batch * k)], out, timeout_s)
+    if res.get("error"):
+      raise RuntimeError(f"{variant} {head} on data={k}: {res['error']}")
+    steps = glob.glob(os.path.join(dump, "module_*.jit_step.*after_optimizations.txt"))
+    if not steps:
+      raise RuntimeError(f"{variant} {head} on data={k}: XLA dumped no compile of the step (a compilation cache "
+                         "set in the environment?)")
+    last = max(steps, key=lambda f: int(os.path.basename(f).split(".")[0].removeprefix("module_")))
+    text = open(last).read()
+    live_path = last.removesuffix(".txt") + "-live-range.txt"
+    live = open(live_path).read() if os.path.exists(live_path) else ""
+  finally:
+    shutil.rmtree(out, ignore_errors=True)
+  mem = res["runs"][head]["memory"]["compiled"]
+  return _schedule_row(text, live, k, head, variant, per_device_batch * k, mem, hlo)
+
+
+def _schedule_row(text: str, live: str, k: int, head: str, variant: str, batch_size: int, memory: dict,
+                  hlo: tarfile.TarFile | None) -> dict:
+  """A compiled step's schedule row (and, with ``hlo``, its HLO and live ranges into that archive)."""
   if hlo is not None:
     for suffix, body in ((".hlo.txt.gz", text), (".live-range.txt.gz", live)):
       data = gzip.compress(body.encode())
@@ -131,9 +169,8 @@ def schedule_rows(argv: list[str], k: int, head: str, variant: str, per_device_b
   comps = hlo_schedule.computations(text)  # (parsed once for every reading)
   found = hlo_schedule.summary(text, comps)
   sync = sum(op == "all-reduce" for instrs in comps.values() for _, _, op, _ in instrs)  # (synchronous ones)
-  return {"mesh": f"data={k}", "k": k, "head": head, "variant": variant, "batch_size": args.batch_size,
-          "memory": compiled_memory(compiled),
-          **found, "sync_all_reduces": sync, "peak_live": hlo_schedule.peak_live(live, comps=comps),
+  return {"mesh": f"data={k}", "k": k, "head": head, "variant": variant, "batch_size": batch_size,
+          "memory": memory, **found, "sync_all_reduces": sync, "peak_live": hlo_schedule.peak_live(live, comps=comps),
           "note": None if found["collectives"] or k == 1 else "no asynchronous collective in this backend's "
           "compiled step"}
 
@@ -164,6 +201,11 @@ def parse_variants(items: list[str]) -> dict[str, list[str]]:
     except ValueError:
       raise SystemExit(f"--variant {item!r}: expected NAME:ITEM[,ITEM...], each KEY=VALUE or --flag") from None
   return out
+
+
+def pgle_runs(args: list[str]) -> int:
+  """The N of a variant's ``--pgle=N`` trainer argument (0: none; a variant's items are single words)."""
+  return max((int(a.partition("=")[2]) for a in args if a.startswith("--pgle=")), default=0)
 
 
 def weak_scaling(rows: list[dict]) -> list[dict]:
@@ -312,12 +354,11 @@ def main(argv=None) -> int:
   if a.schedule and max(ks) > 1:
     # (a --pgle variant's schedule is the one compiled with its run's profile, inside that process: compiled here,
     # without the profile, it would be XLA's own schedule under the variant's name)
-    profiled = [var for var, opts in variants.items() if any(o.startswith("--pgle") for o in opts)]
-    if profiled:
-      print(f"--schedule: not for {', '.join(profiled)} (profile-guided: its schedule exists only in its run)")
     with tarfile.open(os.path.join(a.out, "hlo.tar"), "w") as hlo:
-      sched = [schedule_rows([*common, *opts], k, head, var, a.per_device_batch, hlo) for head in a.heads.split(",")
-               for var, opts in variants.items() if var not in profiled for k in (1, max(ks))]
+      sched = [pgle_schedule_rows([*common, *opts], pgle_runs(opts), k, head, var, a.per_device_batch, hlo,
+                                  a.timeout_s) if pgle_runs(opts)
+               else schedule_rows([*common, *opts], k, head, var, a.per_device_batch, hlo)
+               for head in a.heads.split(",") for var, opts in variants.items() for k in (1, max(ks))]
   write(a.out, meta, rows, sched)
   print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'variant':<10} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} "
         f"{'peak GB':>8}")

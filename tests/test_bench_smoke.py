@@ -457,7 +457,7 @@ def test_trainer_scaling_variants():
 def test_trainer_scaling_runs_on_cpu(tmp_path):
   """benchmarks/trainer_scaling.py end to end on 2 simulated CPU devices with a tiny model: the fused head with
   and without a variant's compiler option and with a profile-guided one, and the schedule and compiled memory of
-  the first two on one and two devices (the CPU has no asynchronous collectives)."""
+  each on one and two devices (the CPU has no asynchronous collectives)."""
   import gzip
   import json
   import subprocess
@@ -478,21 +478,21 @@ def test_trainer_scaling_runs_on_cpu(tmp_path):
       (2, "default", []), (2, "lhs", ["--compiler-option", "xla_gpu_enable_latency_hiding_scheduler=true"]),
       (2, "pgle", ["--pgle=1"])]
   assert all(r["step_time_s"] > 0 and r["error"] is None for r in got["rows"])
-  # a profile-guided variant's schedule exists only inside its run: none is compiled for it here, and it says so
-  assert "--schedule: not for pgle" in proc.stdout
   assert [(sc["k"], sc["head"], sc["variant"], sc["collectives"]) for sc in got["schedule"]] == [
-      (1, "fused", "default", []), (2, "fused", "default", []), (1, "fused", "lhs", []), (2, "fused", "lhs", [])]
+      (1, "fused", v, []) if k == 1 else (2, "fused", v, []) for v in ("default", "lhs", "pgle") for k in (1, 2)]
   assert all(sc["entry_instructions"] > 0 and sc["memory"]["peak"] > 0 for sc in got["schedule"])
   # each schedule is compiled at the rows' per-device batch (the default 8 sequences), k times it on k devices
-  assert [sc["batch_size"] for sc in got["schedule"]] == [8, 16, 8, 16]
+  assert [sc["batch_size"] for sc in got["schedule"]] == [8, 16] * 3
+
   # the GPU check's per-device memory comparison (section 4) reads these rows
+  from benchmarks import hlo_schedule
   from benchmarks.trainer_scaling import memory_growth
   grow = memory_growth(got["schedule"], "fused", "lhs")
   one, two = (sc for sc in got["schedule"] if sc["variant"] == "lhs")
   assert grow["k"] == 2 and grow["batch_sizes"] == [8, 16]
   assert grow["temp_ratio"] == two["memory"]["temp"] / one["memory"]["temp"] > 0
   assert grow["live_ratio"] == two["peak_live"]["bytes"] / one["peak_live"]["bytes"] > 0
-  assert [bool(sc["note"]) for sc in got["schedule"]] == [False, True, False, True]
+  assert [bool(sc["note"]) for sc in got["schedule"]] == [False, True] * 3
   # what is alive at each compiled step's memory peak (XLA's live ranges): the buffers sum to at most the peak
   # bytes XLA reports there, each is named with its shape, and the breakdown by source names the model
   for sc in got["schedule"]:
@@ -504,9 +504,18 @@ def test_trainer_scaling_runs_on_cpu(tmp_path):
     names = hlo.getnames()
     text = gzip.decompress(hlo.extractfile("step_data2_fused_lhs.hlo.txt.gz").read()).decode()
     live = gzip.decompress(hlo.extractfile("step_data2_fused_lhs.live-range.txt.gz").read()).decode()
-  assert sorted(names) == sorted(f"step_data{k}_fused_{v}.{kind}.txt.gz" for v in ("default", "lhs") for k in (1, 2)
-                                 for kind in ("hlo", "live-range"))
+  assert sorted(names) == sorted(f"step_data{k}_fused_{v}.{kind}.txt.gz" for v in ("default", "lhs", "pgle")
+                                 for k in (1, 2) for kind in ("hlo", "live-range"))
   assert "ENTRY" in text and "(peak)" in live
+  # the profile-guided variant's schedule is its run's last compile of the step, read from XLA's dump: on the CPU
+  # (an empty profile) the same program as the one compiled here, but printed with a tuple's elements as `%x#i`
+  # where the compiled object's text has get-tuple-element instructions
+  with tarfile.open(tmp_path / "hlo.tar") as hlo:
+    for k in (1, 2):
+      entries = [hlo_schedule.computations(gzip.decompress(hlo.extractfile(f"step_data{k}_fused_{v}.hlo.txt.gz")
+                                                           .read()).decode())["ENTRY"] for v in ("default", "pgle")]
+      ops = [[op for _, _, op, _ in e if op != "get-tuple-element"] for e in entries]
+      assert ops[0] == ops[1] and len(entries[0]) > len(entries[1]), k
   assert os.listdir(tmp_path / "jc")  # the trainers' compilation cache
 
 
