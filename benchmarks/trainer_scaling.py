@@ -354,10 +354,10 @@ def main(argv=None) -> int:
   if a.schedule and max(ks) > 1:
     # (a --pgle variant's schedule is the one compiled with its run's profile, inside that process: compiled here,
     # without the profile, it would be XLA's own schedule under the variant's name)
+    runs = {var: pgle_runs(opts) for var, opts in variants.items()}
     with tarfile.open(os.path.join(a.out, "hlo.tar"), "w") as hlo:
-      sched = [pgle_schedule_rows([*common, *opts], pgle_runs(opts), k, head, var, a.per_device_batch, hlo,
-                                  a.timeout_s) if pgle_runs(opts)
-               else schedule_rows([*common, *opts], k, head, var, a.per_device_batch, hlo)
+      sched = [pgle_schedule_rows([*common, *opts], runs[var], k, head, var, a.per_device_batch, hlo, a.timeout_s)
+               if runs[var] else schedule_rows([*common, *opts], k, head, var, a.per_device_batch, hlo)
                for head in a.heads.split(",") for var, opts in variants.items() for k in (1, max(ks))]
   write(a.out, meta, rows, sched)
   print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'variant':<10} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} "
