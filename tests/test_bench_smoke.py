@@ -679,3 +679,32 @@ def test_bench_lean_products():
   for c in ("48", "96", "192"):
     assert row["lean_floor_ms"][c] >= row["forward_ms"] > 0 and row["ms_per_chunk"][c] > 0
     assert row["chunk_bytes"][c] == b * int(c) * 2
+
+
+def test_bench_floors_sums_the_fastest_products(tmp_path):
+  """benchmarks/bench_floors.py in interpret mode at a tiny head: every product's contenders timed, our GEMM's
+  bare product equal to XLA's, the floor the sum of each role's fastest, lean's floor one forward product more,
+  and each head's ratio taken against the plain head of the same process."""
+  import json
+
+  from benchmarks import bench_floors
+
+  assert bench_floors.main(["--interpret", "--shapes", "tiny", "--rounds", "1", "--out", str(tmp_path)]) == 0
+  data = json.loads((tmp_path / "floors.json").read_text())
+  assert data["device"] and data["jax"]
+  meta, row = data["rows"]
+  assert meta["kind"] == "meta" and row["kind"] == "floor" and (row["B"], row["H"], row["V"]) == (256, 64, 960)
+  prods = row["products"]
+  assert set(prods) == {"fwd", "dx", "dw"}
+  for role, p in prods.items():
+    assert set(p["ms"]) == {"xla", "ours"}, role  # (jax's example is left out in interpret mode)
+    assert p["best_ms"] == min(p["ms"].values()) and p["ms"][p["best"]] == p["best_ms"]
+    assert p["ours_rel_err_vs_xla"] < 1e-3 and f"gemm[{role}]" in p["ours_cfg"]
+  assert row["floor_ms"] == pytest.approx(sum(p["best_ms"] for p in prods.values()), abs=2e-3)
+  assert row["lean_floor_ms"] == pytest.approx(row["floor_ms"] + prods["fwd"]["best_ms"], abs=2e-3)
+  assert set(row["heads_ms"]) == {"plain", "auto"}
+  plain = row["heads_ms"]["plain"]
+  assert row["floor_vs_plain"] == pytest.approx(row["floor_ms"] / plain, rel=1e-3)
+  assert row["auto_vs_plain"] == pytest.approx(row["heads_ms"]["auto"] / plain, rel=1e-3)
+  with pytest.raises(SystemExit):
+    bench_floors.main(["--shapes", "llama3-70b", "--out", str(tmp_path)])
