@@ -172,7 +172,7 @@ class Plan:
 # else XLA holds at the peak.
 LEAN_EXTRA_BYTES = 64 * 10**6
 LEAN_RESERVE = 4 * 2**20
-TOKEN_CHUNK_MIN = 4096
+TOKEN_CHUNK_MIN = 8192
 TOKEN_CHUNK_BYTES = 2**30
 
 
@@ -185,7 +185,9 @@ def _fast_chunk(num_tokens: int, hidden: int) -> int:
 def token_chunk(num_tokens: int, hidden: int, vocab: int, block_t: int = 128, itemsize: int = 2) -> int:
   """Tokens per chunk of the "tokens" design: :func:`_fast_chunk`, whose ``TOKEN_CHUNK_MIN`` keeps the chunk's
   matmuls at the matmul rate (measured on an H100, gpt2-small: 1024 tokens 12.6 ms / 0.27 GB, 2048 11.5 / 0.38,
-  4096 9.7 / 0.58, 8192 9.1 / 1.01; the whole-batch "logits" design 9.0 / 1.68), but a chunk of at most
+  4096 9.7 / 0.58, 8192 9.1 / 1.01; the whole-batch "logits" design 9.0 / 1.68; on the persistent GEMM, two runs
+  alternated: 4096 tokens 6.10, 6.07 ms / 0.59 GB, 8192 5.75, 5.94 / 1.00, "logits" 5.71, 5.77 / 1.75, the plain
+  head 7.42, 7.47 / 3.30, ``benchmarks/results/gpt2-token-chunk-h100-2026-11-27/``), but a chunk of at most
   ``TOKEN_CHUNK_BYTES`` (1 GiB: 4096 tokens at V = 128256, 2048 at 256000), which bounds the extra memory by
   H·V·4 + 1 GiB + O(B·H) at any number of tokens; a power of two and a multiple of ``block_t``."""
   c = min(_fast_chunk(num_tokens, hidden), TOKEN_CHUNK_BYTES // (max(vocab, 1) * itemsize))
