@@ -118,9 +118,8 @@ def floor_row(name: str, rounds: int, lean: bool, interpret: bool, example: bool
   prods = {}
   for role in ROLES:
     calls = product_calls(role, x, w, dz, kind, interpret, example)
-    ref = calls["xla"][0](*calls["xla"][1])
-    errs = {k: rel_err(f(*a), ref) for k, (f, a) in calls.items() if k == "ours"}
-    del ref
+    (f_xla, a_xla), (f_ours, a_ours) = calls["xla"], calls["ours"]
+    err = rel_err(f_ours(*a_ours), f_xla(*a_xla))
     t = interleaved(calls, rounds=rounds)
     best = min(t, key=t.get)
     prods[role] = {"ms": {k: round(v, 3) for k, v in t.items()}, "best": best, "best_ms": round(t[best], 3),
@@ -128,7 +127,7 @@ def floor_row(name: str, rounds: int, lean: bool, interpret: bool, example: bool
                    "ours_cfg": tuning.describe(role, *{"fwd": (shape.B, shape.V, shape.H),
                                                        "dx": (shape.B, shape.H, shape.V),
                                                        "dw": (shape.H, shape.V, shape.B)}[role], kind),
-                   "ours_rel_err_vs_xla": errs["ours"]}
+                   "ours_rel_err_vs_xla": err}
     del calls
   del dz
   after = interleaved(heads, rounds=rounds)
