@@ -237,6 +237,14 @@ def aggregate(rows: list[dict]) -> list[dict]:
   return out
 
 
+def failed_steps(rows: list[dict]) -> dict[tuple, str]:
+  """(head, variant, k) -> the error of each data-parallel row whose every trainer process failed. ``--schedule``
+  does not compile those steps in the driver's process: an abort there (XLA's analytical latency estimator on a
+  four-GPU step, run12 in ``benchmarks/results/trainer-scaling-2026-11-27/``) would end the whole job."""
+  return {(r["head"], r.get("variant", "default"), r["k"]): str(r["error"])[:300] for r in rows
+          if r.get("error") and r["mesh"] == f"data={r['k']}"}
+
+
 def _median(rows: list[dict], key: str):
   vals = [r.get(key) for r in rows]
   return statistics.median(vals) if vals and all(v is not None for v in vals) else None
@@ -355,8 +363,11 @@ def main(argv=None) -> int:
     # (a --pgle variant's schedule is the one compiled with its run's profile, inside that process: compiled here,
     # without the profile, it would be XLA's own schedule under the variant's name)
     runs = {var: pgle_runs(opts) for var, opts in variants.items()}
+    failed = failed_steps(rows)
     with tarfile.open(os.path.join(a.out, "hlo.tar"), "w") as hlo:
-      sched = [pgle_schedule_rows([*common, *opts], runs[var], k, head, var, a.per_device_batch, hlo, a.timeout_s)
+      sched = [{"k": k, "mesh": f"data={k}", "head": head, "variant": var, "error": failed[head, var, k],
+                "note": "not compiled: its trainer run failed"} if (head, var, k) in failed
+               else pgle_schedule_rows([*common, *opts], runs[var], k, head, var, a.per_device_batch, hlo, a.timeout_s)
                if runs[var] else schedule_rows([*common, *opts], k, head, var, a.per_device_batch, hlo)
                for head in a.heads.split(",") for var, opts in variants.items() for k in (1, max(ks))]
   write(a.out, meta, rows, sched)
@@ -369,6 +380,9 @@ def main(argv=None) -> int:
     pk = f"{r['compiled_peak_bytes'] / 2**30:8.2f}" if r["compiled_peak_bytes"] else f"{'':>8}"
     print(f"{r['k']:>3} {r['mesh']:<18} {r['head']:<6} {r.get('variant', 'default'):<10} {ms} {tps} {ws} {pk}")
   for sc in sched or ():
+    if sc.get("error"):
+      print(f"\nschedule ({sc['mesh']}, {sc['head']}, {sc['variant']}): {sc['note']}: {sc['error']}")
+      continue
     mem = sc["memory"]
     print(f"\nschedule ({sc['mesh']}, {sc['head']}, {sc['variant']}): compiled peak {mem['peak'] / 2**30:.2f} GiB, "
           f"temporaries {mem['temp'] / 2**30:.2f} GiB. {sc['note'] or ''}")

@@ -708,3 +708,16 @@ def test_bench_floors_sums_the_fastest_products(tmp_path):
   assert row["auto_vs_plain"] == pytest.approx(row["heads_ms"]["auto"] / plain, rel=1e-3)
   with pytest.raises(SystemExit):
     bench_floors.main(["--shapes", "llama3-70b", "--out", str(tmp_path)])
+
+
+def test_trainer_scaling_leaves_failed_steps_out_of_the_schedule():
+  """A data-parallel row whose every trainer process failed names its step for ``--schedule`` to skip (an XLA
+  abort compiling it in the driver's process would end the job); rows of other meshes, and rows that ran, do not."""
+  from benchmarks.trainer_scaling import aggregate, failed_steps
+
+  row = lambda k, mesh, var, t, err=None, rep=0: {"k": k, "mesh": mesh, "head": "fused", "variant": var,
+                                                  "step_time_s": t, "error": err, "repeat": rep}
+  rows = aggregate([row(1, "data=1", "an", 0.05), row(4, "data=4", "an", None, ["Check failed: buffer"]),
+                    row(4, "fsdp=4", "an", None, ["OOM"]), row(4, "data=4", "default", None, ["flaky"]),
+                    row(4, "data=4", "default", 0.06, rep=1)])
+  assert failed_steps(rows) == {("fused", "an", 4): "['Check failed: buffer']"}
