@@ -597,8 +597,8 @@ def test_design_protocol():
   assert floor <= fast.memory_bytes <= floor + 300 * 2**20
   gpt2 = common.Spec(_math.LossSpec(vocab_size=50304))
   tok = pallas_mosaic.design(16384, 768, gpt2, jnp.bfloat16, "fast", None)
-  assert (tok.name, tok.config.token_chunk) == ("tokens", 4096) and "token chunks of 4096" in tok.chunking
-  floor = 768 * 50304 * 4 + 4096 * 50304 * 2 + op.CUBLAS_WORKSPACE  # H·V·4 + c·V·itemsize + the cuBLAS workspace
+  assert (tok.name, tok.config.token_chunk) == ("tokens", 8192) and "token chunks of 8192" in tok.chunking
+  floor = 768 * 50304 * 4 + 8192 * 50304 * 2 + op.CUBLAS_WORKSPACE  # H·V·4 + c·V·itemsize + the cuBLAS workspace
   assert floor <= tok.memory_bytes <= floor + 100 * 2**20 and tok.memory_bytes < fast.memory_bytes
   for mode in ("lean", "fast"):  # an empty batch plans without dividing by zero
     assert pallas_mosaic.design(0, 4096, spec, jnp.bfloat16, mode, None).memory_bytes >= 0
