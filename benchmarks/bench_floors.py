@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import bench, shapes  # noqa: E402
-from benchmarks.bench_gemm import interleaved, pad_to  # noqa: E402
+from benchmarks.bench_gemm import interleaved, pad_to, rel_err  # noqa: E402
 from lce_flax import linear_cross_entropy  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
@@ -92,17 +92,6 @@ def product_calls(role: str, x, w, dz, kind: str, interpret: bool, example: bool
       calls[f"example wg={wg} cl={cl}"] = (jax.jit(lambda a, b, c=ecfg: hm.matmul(a, b, None, c)),
                                            (pad_to(jnp.asarray(a_mk), 0, mm), pad_to(jnp.asarray(b_kn), 1, mn)))
   return calls
-
-
-@jax.jit
-def _rel_err(got, ref):
-  # one jitted reduction: the float32 casts fuse into it (a [B, V] float32 at 32768 tokens is 15.7 GiB)
-  d, r = got.astype(jnp.float32) - ref.astype(jnp.float32), ref.astype(jnp.float32)
-  return jnp.sqrt(jnp.sum(d * d)) / jnp.sqrt(jnp.sum(r * r))
-
-
-def rel_err(got, ref) -> float:
-  return float(_rel_err(got, ref))
 
 
 def floor_row(name: str, rounds: int, lean: bool, interpret: bool, example: bool, emit) -> dict:

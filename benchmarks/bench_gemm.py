@@ -76,9 +76,16 @@ def budget_left(budget):
   return budget - (time.time() - T0)
 
 
-def rel_err(got, ref):
-  got, ref = jnp.asarray(got, jnp.float32), jnp.asarray(ref, jnp.float32)
-  return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+@jax.jit
+def _rel_err(got, ref):
+  # one jitted reduction: the float32 casts fuse into it (a [B, V] float32 at 32768 tokens is 15.7 GiB)
+  d, r = got.astype(jnp.float32) - ref.astype(jnp.float32), ref.astype(jnp.float32)
+  return jnp.sqrt(jnp.sum(d * d)) / jnp.sqrt(jnp.sum(r * r))
+
+
+def rel_err(got, ref) -> float:
+  """‖got − ref‖ / ‖ref‖ in float32."""
+  return float(_rel_err(got, ref))
 
 
 def example_configs(quick):
