@@ -364,12 +364,19 @@ def main(argv=None) -> int:
     # without the profile, it would be XLA's own schedule under the variant's name)
     runs = {var: pgle_runs(opts) for var, opts in variants.items()}
     failed = failed_steps(rows)
+
+    def schedule_row(head, var, k, hlo):
+      if (head, var, k) in failed:
+        return {"k": k, "mesh": f"data={k}", "head": head, "variant": var, "error": failed[head, var, k],
+                "note": "not compiled: its trainer run failed"}
+      argv = [*common, *variants[var]]
+      if runs[var]:
+        return pgle_schedule_rows(argv, runs[var], k, head, var, a.per_device_batch, hlo, a.timeout_s)
+      return schedule_rows(argv, k, head, var, a.per_device_batch, hlo)
+
     with tarfile.open(os.path.join(a.out, "hlo.tar"), "w") as hlo:
-      sched = [{"k": k, "mesh": f"data={k}", "head": head, "variant": var, "error": failed[head, var, k],
-                "note": "not compiled: its trainer run failed"} if (head, var, k) in failed
-               else pgle_schedule_rows([*common, *opts], runs[var], k, head, var, a.per_device_batch, hlo, a.timeout_s)
-               if runs[var] else schedule_rows([*common, *opts], k, head, var, a.per_device_batch, hlo)
-               for head in a.heads.split(",") for var, opts in variants.items() for k in (1, max(ks))]
+      sched = [schedule_row(head, var, k, hlo) for head in a.heads.split(",") for var in variants
+               for k in (1, max(ks))]
   write(a.out, meta, rows, sched)
   print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'variant':<10} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} "
         f"{'peak GB':>8}")
