@@ -278,6 +278,50 @@ def test_blocks_backward_held_in_order(remat, dtype):
       np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=f"{key} {path}")
 
 
+@pytest.mark.parametrize("head", ["fused", "plain"])
+def test_head_grads_held_within_the_top_blocks(head):
+  """``head_grads_within=K`` (the default 1) changes no number: the loss and every parameter's gradient equal those
+  of the same model without it (K = 0), for K = 1 and K = num_layers, on one device and on a data=2 mesh (float32,
+  ragged 13-token sequences, both heads); its backward carries one optimization barrier more, tying the gradient
+  that leaves the block below the top K blocks to a scalar of the head's kernel gradient (lowered: a [B, T, H]
+  operand beside a scalar one); and K outside [0, num_layers] is refused, naming it."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+
+  cfg = lm_model.ModelConfig(vocab_size=97, seq_len=13, d_model=32, num_layers=3, num_heads=2, d_ff=48)
+  rng = np.random.default_rng(8)
+  tokens, labels = (jnp.asarray(rng.integers(0, 97, (4, 13)), jnp.int32) for _ in range(2))
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  got, barriers = {}, {}
+  for k in (0, 1, cfg.num_layers):
+    model = lm_model.TransformerLM(dataclasses.replace(cfg, head_grads_within=k), head=head)
+    params = model.init(jax.random.key(2), tokens, labels)
+    grad = jax.jit(jax.value_and_grad(lambda p, m=model, t=tokens: m.apply(p, t, labels)))
+    got[k] = grad(params)
+    text = grad.lower(params).as_text()
+    barriers[k] = [ln for ln in text.splitlines() if "stablehlo.optimization_barrier" in ln]
+    with jax.set_mesh(mesh):
+      sharded = jax.sharding.reshard(tokens, jax.sharding.PartitionSpec("data"))
+      got[k, "mesh"] = jax.jit(jax.value_and_grad(lambda p, m=model, t=sharded: m.apply(p, t, labels)))(params)
+  for k in (1, cfg.num_layers):
+    assert len(barriers[k]) == len(barriers[0]) + 1, k
+    held = [ln for ln in barriers[k] if ln.rstrip().endswith(": tensor<4x13x32xf32>, tensor<f32>")]
+    assert len(held) == 1, barriers[k]
+    for key, ref in ((k, 0), ((k, "mesh"), (0, "mesh")), ((k, "mesh"), 0)):
+      (loss, g), (loss_ref, g_ref) = got[key], got[ref]
+      np.testing.assert_allclose(np.float32(loss), np.float32(loss_ref), rtol=1e-6, err_msg=str(key))
+      assert jax.tree.structure(g) == jax.tree.structure(g_ref)
+      for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g_ref)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(b).max() > 0, path
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=f"{key} {path}")
+  with pytest.raises(ValueError, match="head_grads_within=4"):
+    model = lm_model.TransformerLM(dataclasses.replace(cfg, head_grads_within=4), head=head)
+    model.init(jax.random.key(2), tokens, labels)
+
+
 def _tiny_step_losses(loss, mesh, steps=2):
   """Losses of ``steps`` train steps of the tiny model on fixed random tokens (no corpus needed)."""
   import jax

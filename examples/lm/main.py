@@ -77,6 +77,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--layer-grads-in-order", action=argparse.BooleanOptionalAction, default=True,
                  help="each block's parameter gradients complete before the backward moves to the block below "
                  "(examples/lm/model.py: _in_order)")
+  p.add_argument("--head-grads-within", type=int, default=1, metavar="K",
+                 help="the head's parameter gradients are complete (on a data-parallel mesh: all-reduced) before the "
+                 "backward leaves the top K blocks, so their reduction overlaps those blocks' backward; 0: XLA places "
+                 "it (examples/lm/model.py: _hold_open)")
   p.add_argument("--lr", type=float)
   p.add_argument("--warmup", type=int)
   p.add_argument("--seed", type=int, default=0)
@@ -125,6 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   for k in ("steps", "batch_size", "seq_len", "vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
     if getattr(args, k) < 1:
       p.error(f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1")
+  if not 0 <= args.head_grads_within <= args.num_layers:
+    p.error(f"--head-grads-within={args.head_grads_within} must be in [0, --num-layers={args.num_layers}]")
   if args.pgle < 0:
     p.error(f"--pgle={args.pgle} must be >= 0")
   if args.pgle and args.num_processes > 1:

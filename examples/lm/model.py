@@ -35,6 +35,10 @@ class ModelConfig:
   dtype: str = "float32"
   remat: bool = False
   layer_grads_in_order: bool = True  # see :func:`_in_order`
+  # the head's parameter gradients are complete (on a data-parallel mesh: all-reduced) before the backward reaches
+  # the block this many blocks below the top, so their reduction overlaps those blocks' backward; 0: XLA places it
+  # (see :func:`_hold_open`)
+  head_grads_within: int = 1
 
 
 class Block(nn.Module):
@@ -102,6 +106,52 @@ def _call_bwd(vjp_fn, y_t):
 _in_order = nn.custom_vjp(_call, forward_fn=_call_fwd, backward_fn=_call_bwd)
 
 
+def _hold_open(x):
+  return x, jnp.zeros((), jnp.float32)
+
+
+def _hold_open_fwd(x):
+  return _hold_open(x), None
+
+
+def _hold_open_bwd(_, cts):
+  x_t, token_t = lax.optimization_barrier(cts)  # x's gradient flows on only once the token's has arrived
+  del token_t
+  return (x_t,)
+
+
+# ``x, token = _hold_open(x)`` is ``x`` and a scalar token. The head takes the token in (:func:`_held_head`), and its
+# backward hands the token a value of its parameter gradients: so the gradient of ``x`` moves down past this point
+# only once the head's parameter gradients are complete (on a data-parallel mesh, reduced over the data axes). With
+# this point some blocks below the top, the reduction of the head's gradient (at the trainer's gpu preset a 256 MiB
+# all-reduce) runs while those blocks' backward does; left to itself, XLA's GPU scheduler started it after the
+# step's last kernel, with nothing left to hide behind (docs/multi_gpu.md).
+_hold_open = jax.custom_vjp(_hold_open)
+_hold_open.defvjp(_hold_open_fwd, _hold_open_bwd)
+
+
+def _call_head(mdl, x, token, labels):
+  del token
+  return mdl(x) if labels is None else mdl(x, labels)
+
+
+def _call_head_fwd(mdl, x, token, labels):
+  del token
+  return nn.vjp(lambda m, x: m(x) if labels is None else m(x, labels), mdl, x)
+
+
+def _call_head_bwd(vjp_fn, y_t):
+  params_t, x_t = vjp_fn(y_t)
+  # one element of each parameter gradient: a value that exists only once that gradient is complete
+  token_t = sum(leaf[(slice(0, 1),) * leaf.ndim].sum().astype(jnp.float32) for leaf in jax.tree.leaves(params_t))
+  return params_t, x_t, token_t, None  # (no gradient for the labels)
+
+
+# ``_held_head(head, x, token, labels)`` is ``head(x, labels)`` (``head(x)`` for labels None) whose backward also
+# gives ``token`` (from :func:`_hold_open`) a value of the head's parameter gradients.
+_held_head = nn.custom_vjp(_call_head, forward_fn=_call_head_fwd, backward_fn=_call_head_bwd)
+
+
 class TransformerLM(nn.Module):
   """Decoder-only LM. ``__call__(tokens, labels)`` is the mean next-token loss; ``logits(tokens)`` the logits."""
 
@@ -113,6 +163,8 @@ class TransformerLM(nn.Module):
     cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
     self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(0.02), name="embed")
     self.pos = self.param("pos", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model), jnp.float32)
+    if not 0 <= cfg.head_grads_within <= cfg.num_layers:
+      raise ValueError(f"head_grads_within={cfg.head_grads_within} must be in [0, num_layers={cfg.num_layers}]")
     block = nn.remat(Block) if cfg.remat else Block  # remat: keep only block inputs, so the head dominates memory
     self.blocks = [block(cfg, name=f"block{i}") for i in range(cfg.num_layers)]
     self.ln_f = nn.LayerNorm(dtype=dtype, name="ln_f")
@@ -128,6 +180,10 @@ class TransformerLM(nn.Module):
       raise ValueError(f"head={self.head!r} is not one of {HEADS}")
 
   def hidden(self, tokens: jax.Array) -> jax.Array:
+    return self._trunk(tokens)[0]
+
+  def _trunk(self, tokens: jax.Array):
+    """The last hidden states and the token of :func:`_hold_open` (None where ``head_grads_within`` is 0)."""
     t = tokens.shape[-1]
     if t > self.cfg.seq_len:
       raise ValueError(f"tokens.shape={tokens.shape}: at most seq_len={self.cfg.seq_len} positions")
@@ -136,16 +192,24 @@ class TransformerLM(nn.Module):
     # the step's largest all-reduce; the float32 table itself is what the optimizer updates).
     dtype = jnp.dtype(self.cfg.dtype)
     x = (embed_lookup(self.embed.embedding.astype(dtype), tokens) + self.pos[:t]).astype(dtype)
-    for blk in self.blocks:
+    token, hold_at = None, self.cfg.num_layers - self.cfg.head_grads_within
+    for i, blk in enumerate(self.blocks):
+      if self.cfg.head_grads_within and i == hold_at:
+        x, token = _hold_open(x)
       x = _in_order(blk, x) if self.cfg.layer_grads_in_order else blk(x)
-    return self.ln_f(x)
+    return self.ln_f(x), token
+
+  def _head(self, x, token, labels=None):
+    if token is None:
+      return self.lm_head(x) if labels is None else self.lm_head(x, labels)
+    return _held_head(self.lm_head, x, token, labels)
 
   def __call__(self, tokens: jax.Array, labels: jax.Array) -> jax.Array:
-    x = self.hidden(tokens)
+    x, token = self._trunk(tokens)
     if self.head == "fused":
-      return self.lm_head(x, labels)
+      return self._head(x, token, labels)
     # The plain head: [B, T, V] logits (kept for the backward), upcast to float32 for the softmax.
-    logits = self.lm_head(x).astype(jnp.float32)
+    logits = self._head(x, token).astype(jnp.float32)
     spec = getattr(jax.typeof(logits).sharding, "spec", None)
     if spec is not None and len(spec) == logits.ndim and spec[-1] is not None:
       # V split over "tensor" (Explicit mesh): gather the vocabulary for optax's label lookup, as a plain
