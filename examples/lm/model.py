@@ -115,9 +115,11 @@ def _hold_open_fwd(x):
 
 
 def _hold_open_bwd(_, cts):
-  x_t, token_t = lax.optimization_barrier(cts)  # x's gradient flows on only once the token's has arrived
-  del token_t
-  return (x_t,)
+  x_t, token_t = cts
+  # x's gradient moves on only once the token's has arrived: an exact zero computed from it (any token, inf and NaN
+  # included) added to x's gradient, a data dependency that XLA keeps up to its scheduler (an optimization barrier
+  # does not: the GPU compiler removes barriers before it schedules)
+  return (x_t + (jnp.nan_to_num(token_t) * 0.0).astype(x_t.dtype),)
 
 
 # ``x, token = _hold_open(x)`` is ``x`` and a scalar token. The head takes the token in (:func:`_held_head`), and its
