@@ -280,12 +280,13 @@ def test_blocks_backward_held_in_order(remat, dtype):
 
 @pytest.mark.parametrize("head", ["fused", "plain"])
 def test_head_grads_held_within_the_top_blocks(head):
-  """``head_grads_within=K`` (the default 1) changes no number: the loss and every parameter's gradient equal those
-  of the same model without it (K = 0), for K = 1 and K = num_layers, on one device and on a data=2 mesh (float32,
-  ragged 13-token sequences, both heads). And it moves the head's gradient reduction: in the trainer's step compiled
-  for two devices (data parallel), without it the head kernel's gradient is all-reduced with the embedding table's,
-  after the whole backward (XLA's CPU compiler combines the gradients' all-reduces); with it, in an all-reduce of its
-  own (or combined with the blocks' above), scheduled before the last. K outside [0, num_layers] is refused."""
+  """``head_grads_within=K`` (off by default: K = 0) changes no number: the loss and every parameter's gradient
+  equal those of the same model without it (K = 0), for K = 1 and K = num_layers, on one device and on a data=2
+  mesh (float32, ragged 13-token sequences, both heads). And it moves the head's gradient reduction: in the
+  trainer's step compiled for two devices (data parallel), without it the head kernel's gradient is all-reduced with
+  the embedding table's, after the whole backward (XLA's CPU compiler combines the gradients' all-reduces); with it,
+  in an all-reduce of its own (or combined with the blocks' above), scheduled before the last. K outside
+  [0, num_layers] is refused."""
   import dataclasses
   import re
 

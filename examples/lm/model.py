@@ -35,10 +35,10 @@ class ModelConfig:
   dtype: str = "float32"
   remat: bool = False
   layer_grads_in_order: bool = True  # see :func:`_in_order`
-  # the head's parameter gradients are complete (on a data-parallel mesh: all-reduced) before the backward reaches
-  # the block this many blocks below the top, so their reduction overlaps those blocks' backward; 0: XLA places it
-  # (see :func:`_hold_open`)
-  head_grads_within: int = 1
+  # > 0: the head's parameter gradients are complete (on a data-parallel mesh: all-reduced) before the backward
+  # leaves the top ``head_grads_within`` blocks, so their reduction overlaps those blocks' backward (see
+  # :func:`_hold_open`); 0 (measured faster): XLA places it
+  head_grads_within: int = 0
 
 
 class Block(nn.Module):
@@ -124,10 +124,10 @@ def _hold_open_bwd(_, cts):
 
 # ``x, token = _hold_open(x)`` is ``x`` and a scalar token. The head takes the token in (:func:`_held_head`), and its
 # backward hands the token a value of its parameter gradients: so the gradient of ``x`` moves down past this point
-# only once the head's parameter gradients are complete (on a data-parallel mesh, reduced over the data axes). With
-# this point some blocks below the top, the reduction of the head's gradient (at the trainer's gpu preset a 256 MiB
-# all-reduce) runs while those blocks' backward does; left to itself, XLA's GPU scheduler started it after the
-# step's last kernel, with nothing left to hide behind (docs/multi_gpu.md).
+# only once the head's parameter gradients are complete (on a data-parallel mesh, reduced over the data axes). Left to
+# itself, XLA's GPU scheduler starts the head's gradient all-reduce (at the trainer's gpu preset 256 MiB) after the
+# step's last kernel; with this point one or two blocks below the top it runs during those blocks' backward. On four
+# GPUs that step was the slower one (docs/multi_gpu.md), so the model leaves it off unless asked.
 _hold_open = jax.custom_vjp(_hold_open)
 _hold_open.defvjp(_hold_open_fwd, _hold_open_bwd)
 
