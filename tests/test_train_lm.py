@@ -335,6 +335,58 @@ def test_head_grads_held_within_the_top_blocks(head):
     model.init(jax.random.key(2), tokens, labels)
 
 
+@pytest.mark.parametrize("head", ["fused", "plain"])
+def test_embedding_grads_gathered(head):
+  """``embed_grads="gather"`` changes no number: the loss and every parameter's gradient equal those of the default
+  "reduce" on one device, on a data=2 mesh and on a data=2 x fsdp=2 mesh (float32, ragged 13-token sequences, a
+  token repeated across the devices' rows). In the trainer's step compiled for two devices (data parallel) the
+  embedding table's [V, H] gradient is no longer all-reduced (the head's still is) and the rows' gradients and
+  their ids are all-gathered instead. An unknown value is refused, naming it."""
+  import dataclasses
+  import re
+
+  import jax
+  import jax.numpy as jnp
+
+  cfg = lm_model.ModelConfig(vocab_size=97, seq_len=13, d_model=32, num_layers=2, num_heads=2, d_ff=48)
+  rng = np.random.default_rng(9)
+  tokens, labels = (jnp.asarray(rng.integers(0, 97, (4, 13)), jnp.int32) for _ in range(2))
+  tokens = tokens.at[:, 0].set(5)  # one id in every row: its gradient sums rows of all devices
+  got = {}
+  meshes = {"data": jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)),
+            "data_fsdp": jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)}
+  for eg in ("reduce", "gather"):
+    model = lm_model.TransformerLM(dataclasses.replace(cfg, embed_grads=eg), head=head)
+    params = model.init(jax.random.key(2), tokens, labels)
+    got[eg] = jax.jit(jax.value_and_grad(lambda p, m=model, t=tokens: m.apply(p, t, labels)))(params)
+    for name, mesh in meshes.items():
+      with jax.set_mesh(mesh):
+        split = jax.sharding.reshard(tokens, jax.sharding.PartitionSpec(mesh.axis_names))
+        got[eg, name] = jax.jit(jax.value_and_grad(lambda p, m=model, t=split: m.apply(p, t, labels)))(params)
+  for key, ref in [("gather", "reduce")] + [(("gather", n), ("reduce", n)) for n in meshes] + [(("gather", "data"),
+                                                                                               "reduce")]:
+    (loss, g), (loss_ref, g_ref) = got[key], got[ref]
+    np.testing.assert_allclose(np.float32(loss), np.float32(loss_ref), rtol=1e-6, err_msg=str(key))
+    assert jax.tree.structure(g) == jax.tree.structure(g_ref)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g_ref)):
+      a, b = np.asarray(a), np.asarray(b)
+      assert np.abs(b).max() > 0, path
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=f"{key} {path}")
+
+  v, h = 4096, 32
+  small = lm_model.ModelConfig(vocab_size=v, seq_len=16, d_model=h, num_layers=1, num_heads=2, d_ff=64)
+  tx = lm_train.make_optimizer(1e-3, 1, 2)
+  for eg, want in (("reduce", 2), ("gather", 1)):
+    tr = lm_train.make_trainer(dataclasses.replace(small, embed_grads=eg), head, "auto", 4, tx, 16, num_devices=2)
+    text = lm_train.compile_step(tr, tr.abstract_state(0), 16).as_text().split("ENTRY")[1]
+    reduces = [ln.split(" all-reduce(")[0] for ln in text.splitlines() if " all-reduce(" in ln]
+    assert sum(len(re.findall(rf"f32\[({v},{h}|{h},{v})\]", r)) for r in reduces) == want, (eg, reduces)
+    assert (" all-gather(" in text) == (eg == "gather"), eg
+  with pytest.raises(ValueError, match="embed_grads='scatter'"):
+    lm_model.TransformerLM(dataclasses.replace(cfg, embed_grads="scatter"), head=head).init(
+        jax.random.key(2), tokens, labels)
+
+
 def _tiny_step_losses(loss, mesh, steps=2):
   """Losses of ``steps`` train steps of the tiny model on fixed random tokens (no corpus needed)."""
   import jax

@@ -28,7 +28,7 @@ import lce_flax
 
 from .data import load_data
 from .maxbatch import find_max_batch, probe
-from .model import HEADS
+from .model import EMBED_GRADS, HEADS
 from .report import print_table, write_outputs
 from .train import compiler_options, parse_mesh, train
 
@@ -81,6 +81,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  help="K > 0: the head's parameter gradients are complete (on a data-parallel mesh: all-reduced) "
                  "before the backward leaves the top K blocks, so their reduction overlaps those blocks' backward; "
                  "0: XLA places it (measured faster on four GPUs; examples/lm/model.py: _hold_open)")
+  p.add_argument("--embed-grads", choices=EMBED_GRADS, default="reduce",
+                 help="the embedding table's gradient on a mesh that splits the tokens: reduce (each device's [V, H] "
+                 "table all-reduced) or gather (the rows' gradients all-gathered, B·H elements; "
+                 "examples/lm/model.py: gathered_lookup)")
   p.add_argument("--lr", type=float)
   p.add_argument("--warmup", type=int)
   p.add_argument("--seed", type=int, default=0)

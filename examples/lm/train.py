@@ -191,7 +191,7 @@ def compiler_options(items: list[str] | None) -> dict:
 def model_config(args: argparse.Namespace) -> ModelConfig:
   return ModelConfig(args.vocab_size, args.seq_len, args.d_model, args.num_layers, args.num_heads, args.d_ff,
                      args.dtype, bool(args.remat), args.layer_grads_in_order,
-                     args.head_grads_within)
+                     args.head_grads_within, args.embed_grads)
 
 
 # --------------------------------------------------------------------------------------------------- memory
