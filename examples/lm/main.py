@@ -133,8 +133,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   for k in ("steps", "batch_size", "seq_len", "vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
     if getattr(args, k) < 1:
       p.error(f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1")
-  if not 0 <= args.head_grads_within <= args.num_layers:
-    p.error(f"--head-grads-within={args.head_grads_within} must be in [0, --num-layers={args.num_layers}]")
   if args.pgle < 0:
     p.error(f"--pgle={args.pgle} must be >= 0")
   if args.pgle and args.num_processes > 1:

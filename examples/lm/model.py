@@ -170,8 +170,7 @@ def _call_head(mdl, x, token, labels):
 
 
 def _call_head_fwd(mdl, x, token, labels):
-  del token
-  return nn.vjp(lambda m, x: m(x) if labels is None else m(x, labels), mdl, x)
+  return nn.vjp(lambda m, x: _call_head(m, x, token, labels), mdl, x)
 
 
 def _call_head_bwd(vjp_fn, y_t):
@@ -224,8 +223,8 @@ class TransformerLM(nn.Module):
     if t > self.cfg.seq_len:
       raise ValueError(f"tokens.shape={tokens.shape}: at most seq_len={self.cfg.seq_len} positions")
     # The rows are looked up in the compute dtype, as nn.Embed(dtype=...) does: the table's gradient (a scatter-add
-    # of the rows' gradients) is then formed, and reduced over the data axes, in that dtype (bf16: half the bytes of
-    # the step's largest all-reduce; the float32 table itself is what the optimizer updates).
+    # of the rows' gradients) is then formed, and reduced over the data axes or formed from the gathered rows
+    # (embed_grads), in that dtype (bf16: half the bytes; the float32 table itself is what the optimizer updates).
     dtype = jnp.dtype(self.cfg.dtype)
     table = self.embed.embedding.astype(dtype)
     rows = (gathered_lookup(self.cfg.vocab_size, table, tokens) if self.cfg.embed_grads == "gather"
@@ -239,9 +238,7 @@ class TransformerLM(nn.Module):
     return self.ln_f(x), token
 
   def _head(self, x, token, labels=None):
-    if token is None:
-      return self.lm_head(x) if labels is None else self.lm_head(x, labels)
-    return _held_head(self.lm_head, x, token, labels)
+    return (_call_head if token is None else _held_head)(self.lm_head, x, token, labels)
 
   def __call__(self, tokens: jax.Array, labels: jax.Array) -> jax.Array:
     x, token = self._trunk(tokens)
