@@ -234,6 +234,37 @@ def test_heads_share_one_parameter_tree():
   assert st.params["head"]["kernel"].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
 
 
+def _assert_same_loss_and_grads(got, pairs, tol=1e-5):
+  """Each ``(key, ref)`` of ``pairs``: ``got[key]`` and ``got[ref]``, each ``(loss, grads)``, agree (the loss to
+  ``tol / 10``, every gradient leaf to ``tol`` of its largest entry), and every parameter has a gradient."""
+  import jax
+
+  for key, ref in pairs:
+    (loss, g), (loss_ref, g_ref) = got[key], got[ref]
+    np.testing.assert_allclose(np.float32(loss), np.float32(loss_ref), rtol=tol / 10, err_msg=str(key))
+    assert jax.tree.structure(g) == jax.tree.structure(g_ref)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g_ref)):
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      assert np.abs(b).max() > 0, path  # every parameter gets a gradient
+      np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=f"{key} {path}")
+
+
+def _two_device_step_reductions(head, num_layers, **model):
+  """The trainer's step (V = 4096, H = 32, ``model`` options) compiled for two devices, data parallel: per
+  all-reduce in schedule order, how many [H, V] gradients it carries (the head's kernel, the embedding table), and
+  the entry computation's text."""
+  import dataclasses
+  import re
+
+  v, h = 4096, 32
+  cfg = lm_model.ModelConfig(vocab_size=v, seq_len=16, d_model=h, num_layers=num_layers, num_heads=2, d_ff=64)
+  tr = lm_train.make_trainer(dataclasses.replace(cfg, **model), head, "auto", 4, lm_train.make_optimizer(1e-3, 1, 2),
+                             16, num_devices=2)
+  text = lm_train.compile_step(tr, tr.abstract_state(0), 16).as_text().split("ENTRY")[1]
+  reduces = [ln.split(" all-reduce(")[0] for ln in text.splitlines() if " all-reduce(" in ln]
+  return [len(re.findall(rf"f32\[({v},{h}|{h},{v})\]", r)) for r in reduces], text
+
+
 @pytest.mark.parametrize("remat", [True, False], ids=["remat", "stored"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_blocks_backward_held_in_order(remat, dtype):
@@ -268,14 +299,7 @@ def test_blocks_backward_held_in_order(remat, dtype):
   pairs = [(True, False), ((True, "mesh"), (False, "mesh"))]  # ordered against JAX alone, on the same devices
   if dtype == "float32":  # (bf16 sums over 2 devices round otherwise)
     pairs.append(((True, "mesh"), False))
-  for key, ref in pairs:
-    (loss, g), (loss_ref, g_ref) = got[key], got[ref]
-    np.testing.assert_allclose(np.float32(loss), np.float32(loss_ref), rtol=tol / 10, err_msg=str(key))
-    assert jax.tree.structure(g) == jax.tree.structure(g_ref)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g_ref)):
-      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-      assert np.abs(b).max() > 0, path  # every parameter gets a gradient
-      np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=f"{key} {path}")
+  _assert_same_loss_and_grads(got, pairs, tol)
 
 
 @pytest.mark.parametrize("head", ["fused", "plain"])
@@ -288,7 +312,6 @@ def test_head_grads_held_within_the_top_blocks(head):
   in an all-reduce of its own (or combined with the blocks' above), scheduled before the last. K outside
   [0, num_layers] is refused."""
   import dataclasses
-  import re
 
   import jax
   import jax.numpy as jnp
@@ -305,31 +328,17 @@ def test_head_grads_held_within_the_top_blocks(head):
     with jax.set_mesh(mesh):
       sharded = jax.sharding.reshard(tokens, jax.sharding.PartitionSpec("data"))
       got[k, "mesh"] = jax.jit(jax.value_and_grad(lambda p, m=model, t=sharded: m.apply(p, t, labels)))(params)
-  for k in (1, cfg.num_layers):
-    for key, ref in ((k, 0), ((k, "mesh"), (0, "mesh")), ((k, "mesh"), 0)):
-      (loss, g), (loss_ref, g_ref) = got[key], got[ref]
-      np.testing.assert_allclose(np.float32(loss), np.float32(loss_ref), rtol=1e-6, err_msg=str(key))
-      assert jax.tree.structure(g) == jax.tree.structure(g_ref)
-      for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g_ref)):
-        a, b = np.asarray(a), np.asarray(b)
-        assert np.abs(b).max() > 0, path
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=f"{key} {path}")
+  _assert_same_loss_and_grads(
+      got, [pair for k in (1, cfg.num_layers) for pair in ((k, 0), ((k, "mesh"), (0, "mesh")), ((k, "mesh"), 0))])
 
-  # where the compiled step reduces the [H, V] gradients (the head's kernel and the embedding table, V = 4096)
-  v, h = 4096, 32
-  small = lm_model.ModelConfig(vocab_size=v, seq_len=16, d_model=h, num_layers=2, num_heads=2, d_ff=64)
-  tx = lm_train.make_optimizer(1e-3, 1, 2)
+  # where the compiled step reduces the [H, V] gradients (the head's kernel and the embedding table)
   for k in (0, 1):
-    tr = lm_train.make_trainer(dataclasses.replace(small, head_grads_within=k), head, "auto", 4, tx, 16,
-                               num_devices=2)
-    text = lm_train.compile_step(tr, tr.abstract_state(0), 16).as_text().split("ENTRY")[1]
-    reduces = [ln.split(" all-reduce(")[0] for ln in text.splitlines() if " all-reduce(" in ln]
-    big = [len(re.findall(rf"f32\[({v},{h}|{h},{v})\]", r)) for r in reduces]  # [H, V] gradients per all-reduce
-    assert sum(big) == 2, reduces
+    big, _ = _two_device_step_reductions(head, num_layers=2, head_grads_within=k)
+    assert sum(big) == 2, big
     if k == 0:
-      assert big[-1] == 2, reduces  # both at the end
+      assert big[-1] == 2, big  # both at the end
     else:
-      assert big[-1] == 1 and big.index(1) < len(big) - 1, reduces  # the head's earlier, the table's at the end
+      assert big[-1] == 1 and big.index(1) < len(big) - 1, big  # the head's earlier, the table's at the end
   with pytest.raises(ValueError, match="head_grads_within=4"):
     model = lm_model.TransformerLM(dataclasses.replace(cfg, head_grads_within=4), head=head)
     model.init(jax.random.key(2), tokens, labels)
@@ -343,7 +352,6 @@ def test_embedding_grads_gathered(head):
   embedding table's [V, H] gradient is no longer all-reduced (the head's still is) and the rows' gradients and
   their ids are all-gathered instead. An unknown value is refused, naming it."""
   import dataclasses
-  import re
 
   import jax
   import jax.numpy as jnp
@@ -363,24 +371,12 @@ def test_embedding_grads_gathered(head):
       with jax.set_mesh(mesh):
         split = jax.sharding.reshard(tokens, jax.sharding.PartitionSpec(mesh.axis_names))
         got[eg, name] = jax.jit(jax.value_and_grad(lambda p, m=model, t=split: m.apply(p, t, labels)))(params)
-  for key, ref in [("gather", "reduce")] + [(("gather", n), ("reduce", n)) for n in meshes] + [(("gather", "data"),
-                                                                                               "reduce")]:
-    (loss, g), (loss_ref, g_ref) = got[key], got[ref]
-    np.testing.assert_allclose(np.float32(loss), np.float32(loss_ref), rtol=1e-6, err_msg=str(key))
-    assert jax.tree.structure(g) == jax.tree.structure(g_ref)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(g_ref)):
-      a, b = np.asarray(a), np.asarray(b)
-      assert np.abs(b).max() > 0, path
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=f"{key} {path}")
+  _assert_same_loss_and_grads(got, [("gather", "reduce"), (("gather", "data"), "reduce"),
+                                    *((("gather", n), ("reduce", n)) for n in meshes)])
 
-  v, h = 4096, 32
-  small = lm_model.ModelConfig(vocab_size=v, seq_len=16, d_model=h, num_layers=1, num_heads=2, d_ff=64)
-  tx = lm_train.make_optimizer(1e-3, 1, 2)
   for eg, want in (("reduce", 2), ("gather", 1)):
-    tr = lm_train.make_trainer(dataclasses.replace(small, embed_grads=eg), head, "auto", 4, tx, 16, num_devices=2)
-    text = lm_train.compile_step(tr, tr.abstract_state(0), 16).as_text().split("ENTRY")[1]
-    reduces = [ln.split(" all-reduce(")[0] for ln in text.splitlines() if " all-reduce(" in ln]
-    assert sum(len(re.findall(rf"f32\[({v},{h}|{h},{v})\]", r)) for r in reduces) == want, (eg, reduces)
+    big, text = _two_device_step_reductions(head, num_layers=1, embed_grads=eg)
+    assert sum(big) == want, (eg, big)
     assert (" all-gather(" in text) == (eg == "gather"), eg
   with pytest.raises(ValueError, match="embed_grads='scatter'"):
     lm_model.TransformerLM(dataclasses.replace(cfg, embed_grads="scatter"), head=head).init(
