@@ -103,24 +103,24 @@ def _collectives(entry: list[tuple[str, str, str, str]]) -> list[dict]:
   kernels = [_kernel(op, rest) for _, _, op, rest in entry]
   index = {name: i for i, (name, _, _, _) in enumerate(entry)}
   latest = _latest_kernels(entry, kernels, index)
-  spans = []  # (start, done) of each asynchronous collective of the entry
+  spans = []  # (start, done, kind) of each asynchronous collective of the entry
   for i, (name, _, op, _) in enumerate(entry):
     kind = op.removesuffix("-start")
     if not op.endswith("-start") or kind not in _ASYNC:
       continue
     used = re.compile(rf"(?<![\w.\-])%?{re.escape(name)}(?![\w.\-])")
     spans.append((i, next((j for j in range(i + 1, len(entry))
-                           if entry[j][2] == f"{kind}-done" and used.search(entry[j][3])), None)))
+                           if entry[j][2] == f"{kind}-done" and used.search(entry[j][3])), None), kind))
   busy = [False] * len(entry)  # whether some asynchronous collective is in flight at each position
-  for i, done in spans:
+  for i, done, _ in spans:
     for j in range(i, (i if done is None else done) + 1):
       busy[j] = True
   rows = []
-  for i, done in spans:
-    name, shape, op, rest = entry[i]
+  for i, done, kind in spans:
+    name, shape, _, rest = entry[i]
     between = entry[i + 1:done] if done is not None else []
     ready = max((latest[o] for o in _operands(rest, index) if o < i), default=-1)
-    rows.append({"name": name, "kind": op.removesuffix("-start"), "shape": shape, "position": i,
+    rows.append({"name": name, "kind": kind, "shape": shape, "position": i,
                  "bytes": None if done is None else shape_bytes(entry[done][1]),
                  "position_frac": round(i / max(len(entry) - 1, 1), 3),
                  "between": None if done is None else done - i - 1,
