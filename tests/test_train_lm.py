@@ -249,6 +249,20 @@ def _assert_same_loss_and_grads(got, pairs, tol=1e-5):
       np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max(), err_msg=f"{key} {path}")
 
 
+def _grads_on_meshes(model, tokens, labels, meshes):
+  """``{None: (loss, grads)}`` of ``model`` at its initial parameters on one device, and the same per named mesh of
+  ``meshes`` (its tokens split over all the mesh's axes)."""
+  import jax
+
+  params = model.init(jax.random.key(2), tokens, labels)
+  value_and_grad = lambda t: jax.jit(jax.value_and_grad(lambda p: model.apply(p, t, labels)))(params)  # noqa: E731
+  got = {None: value_and_grad(tokens)}
+  for name, mesh in meshes.items():
+    with jax.set_mesh(mesh):
+      got[name] = value_and_grad(jax.sharding.reshard(tokens, jax.sharding.PartitionSpec(mesh.axis_names)))
+  return got
+
+
 def _two_device_step_reductions(head, num_layers, **model):
   """The trainer's step (V = 4096, H = 32, ``model`` options) compiled for two devices, data parallel: per
   all-reduce in schedule order, how many [H, V] gradients it carries (the head's kernel, the embedding table), and
@@ -319,15 +333,12 @@ def test_head_grads_held_within_the_top_blocks(head):
   cfg = lm_model.ModelConfig(vocab_size=97, seq_len=13, d_model=32, num_layers=3, num_heads=2, d_ff=48)
   rng = np.random.default_rng(8)
   tokens, labels = (jnp.asarray(rng.integers(0, 97, (4, 13)), jnp.int32) for _ in range(2))
-  mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  meshes = {"mesh": jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))}
   got = {}
   for k in (0, 1, cfg.num_layers):
     model = lm_model.TransformerLM(dataclasses.replace(cfg, head_grads_within=k), head=head)
-    params = model.init(jax.random.key(2), tokens, labels)
-    got[k] = jax.jit(jax.value_and_grad(lambda p, m=model, t=tokens: m.apply(p, t, labels)))(params)
-    with jax.set_mesh(mesh):
-      sharded = jax.sharding.reshard(tokens, jax.sharding.PartitionSpec("data"))
-      got[k, "mesh"] = jax.jit(jax.value_and_grad(lambda p, m=model, t=sharded: m.apply(p, t, labels)))(params)
+    for name, res in _grads_on_meshes(model, tokens, labels, meshes).items():
+      got[k if name is None else (k, name)] = res
   _assert_same_loss_and_grads(
       got, [pair for k in (1, cfg.num_layers) for pair in ((k, 0), ((k, "mesh"), (0, "mesh")), ((k, "mesh"), 0))])
 
@@ -365,12 +376,8 @@ def test_embedding_grads_gathered(head):
             "data_fsdp": jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)}
   for eg in ("reduce", "gather"):
     model = lm_model.TransformerLM(dataclasses.replace(cfg, embed_grads=eg), head=head)
-    params = model.init(jax.random.key(2), tokens, labels)
-    got[eg] = jax.jit(jax.value_and_grad(lambda p, m=model, t=tokens: m.apply(p, t, labels)))(params)
-    for name, mesh in meshes.items():
-      with jax.set_mesh(mesh):
-        split = jax.sharding.reshard(tokens, jax.sharding.PartitionSpec(mesh.axis_names))
-        got[eg, name] = jax.jit(jax.value_and_grad(lambda p, m=model, t=split: m.apply(p, t, labels)))(params)
+    for name, res in _grads_on_meshes(model, tokens, labels, meshes).items():
+      got[eg if name is None else (eg, name)] = res
   _assert_same_loss_and_grads(got, [("gather", "reduce"), (("gather", "data"), "reduce"),
                                     *((("gather", n), ("reduce", n)) for n in meshes)])
 
