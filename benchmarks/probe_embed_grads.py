@@ -1,12 +1,12 @@
 """The embedding table's gradient formed from the rows' gradients: the scatter-add forms the trainer can use.
 
-The trainer's ``--embed-grads gather`` (``examples/lm/model.py``: ``gathered_lookup``) all-gathers every device's
+The trainer's ``--embed-grads gather`` (``examples/lm/model.py``: ``lookup``) all-gathers every device's
 rows' gradients and token ids and scatter-adds all of them into the [V, H] table gradient on each device, in place
 of a local scatter-add and an all-reduce of the table. On four devices that is four times the rows of the one-device
 scatter. This probe times, on one device, the scatter-add of ``n`` rows [n, H] into a zero [V, H] table for each
 form, at the one-device row count and at k times it, in alternation:
 
-  bf16         ``zeros(bf16).at[ids].add(rows)`` (what ``gathered_lookup`` ran first)
+  bf16         ``zeros(bf16).at[ids].add(rows)`` (what the trainer's lookup ran first)
   f32          the same into a float32 table, cast to bf16 after
   sorted_bf16  ids sorted first (rows permuted with them), the scatter told so (``indices_are_sorted``)
   sorted_f32   both

@@ -4,6 +4,7 @@ killed saves, both heads, meshes, per-device memory on a data-parallel mesh, out
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -388,6 +389,44 @@ def test_embedding_grads_gathered(head):
   with pytest.raises(ValueError, match="embed_grads='scatter'"):
     lm_model.TransformerLM(dataclasses.replace(cfg, embed_grads="scatter"), head=head).init(
         jax.random.key(2), tokens, labels)
+
+
+@pytest.mark.parametrize("embed_grads", ["reduce", "gather"])
+def test_embedding_grads_accumulate_in_float32(embed_grads):
+  """The lookup's table gradient is the float64 sum of its rows' gradients rounded once to bf16 (on a data=2 mesh:
+  each device's partial sum rounded, then summed), with one id taking most of the 2x4x96 rows (as text's frequent
+  ids do). A scatter-add in bf16 (JAX's own transpose of the lookup) stops growing once the sum's spacing passes
+  a row's size, and misses by far more: the check below fails it."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  vocab, h = 50, 16
+  rng = np.random.default_rng(21)
+  tokens = np.where(rng.random((8, 96)) < 0.8, 7, rng.integers(0, vocab, (8, 96))).astype(np.int32)
+  rows_t = jnp.asarray(rng.uniform(0.2, 0.5, (8, 96, h)), jnp.bfloat16)
+  table = jnp.asarray(rng.standard_normal((vocab, h)), jnp.bfloat16)
+  ref = np.zeros((vocab, h))
+  np.add.at(ref, tokens, np.asarray(rows_t, np.float64))
+
+  def table_grad(lookup, table, tokens, rows_t):
+    return jax.vjp(lambda t: lookup(t, tokens), table)[1](rows_t)[0]
+
+  def check(got, rounds):
+    assert got.dtype == jnp.bfloat16 and got.shape == (vocab, h)
+    err = np.abs(np.asarray(got, np.float64) - ref)
+    assert np.all(err <= rounds * 2.0 ** -8 * np.abs(ref)), float(np.max(err / np.maximum(np.abs(ref), 1e-30)))
+
+  ours = functools.partial(lm_model.lookup, vocab, embed_grads)
+  check(jax.jit(table_grad, static_argnums=0)(ours, table, jnp.asarray(tokens), rows_t), 1)
+  with pytest.raises(AssertionError):
+    check(jax.jit(table_grad, static_argnums=0)(lambda t, i: jnp.take(t, i, axis=0), table, jnp.asarray(tokens),
+                                                 rows_t), 1)
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    got = jax.jit(table_grad, static_argnums=0)(ours, table, jax.device_put(tokens, P("data")),
+                                                 jax.device_put(rows_t, P("data")))
+  check(got, 3 if embed_grads == "reduce" else 1)
 
 
 def _tiny_step_losses(loss, mesh, steps=2):

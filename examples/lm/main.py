@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--embed-grads", choices=EMBED_GRADS, default="reduce",
                  help="the embedding table's gradient on a mesh that splits the tokens: reduce (each device's [V, H] "
                  "table all-reduced) or gather (the rows' gradients all-gathered, B·H elements; "
-                 "examples/lm/model.py: gathered_lookup)")
+                 "examples/lm/model.py: lookup)")
   p.add_argument("--lr", type=float)
   p.add_argument("--warmup", type=int)
   p.add_argument("--seed", type=int, default=0)

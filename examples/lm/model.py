@@ -41,10 +41,10 @@ class ModelConfig:
   # leaves the top ``head_grads_within`` blocks, so their reduction overlaps those blocks' backward (see
   # :func:`_hold_open`); 0 (measured faster): XLA places it
   head_grads_within: int = 0
-  # how the embedding table's gradient is formed on a mesh that splits the tokens: "reduce" (JAX's transpose of the
-  # lookup: each device scatter-adds its rows' gradients into a [V, H] table, then the tables are all-reduced) or
-  # "gather" (the rows' gradients and their token ids are all-gathered, and each device scatter-adds all of them:
-  # the tokens' B·H elements instead of the table's V·H on the wire; see :func:`gathered_lookup`)
+  # how the embedding table's gradient is formed on a mesh that splits the tokens: "reduce" (each device
+  # scatter-adds its rows' gradients into a [V, H] table, then the tables are all-reduced) or "gather" (the rows'
+  # gradients and their token ids are all-gathered, and each device scatter-adds all of them: the tokens' B·H
+  # elements instead of the table's V·H on the wire); either scatter-adds in float32 (see :func:`lookup`)
   embed_grads: str = "reduce"
 
 
@@ -89,30 +89,49 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   return table.at[tokens].get(out_sharding=P(*spec, None))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def gathered_lookup(vocab_size: int, table: jax.Array, tokens: jax.Array) -> jax.Array:
-  """:func:`embed_lookup` whose backward gathers the rows' gradients instead of reducing tables: on a mesh that
-  splits ``tokens``, the rows' gradients [..., H] and the token ids are all-gathered and each device scatter-adds
-  every row into its own [V, H] table gradient, which is then the same on every device (no all-reduce). On k
-  devices each receives (k - 1)·B_d·H elements (B_d: its tokens) where a ring all-reduce of the table moves about
-  2·(k - 1)/k·V·H; at the trainer's gpu preset (B_d = 8192, V = 131072) on four devices, 8x fewer."""
-  del vocab_size
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def lookup(vocab_size: int, grads: str, table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """:func:`embed_lookup` whose backward forms the table's gradient in float32: each row's gradient is scatter-added
+  into a float32 [V, H] table, cast to the table's dtype after. JAX's own transpose of the lookup scatter-adds in
+  the table's dtype; in bf16, with token ids distributed as text's are (a few ids take many rows), that scatter took
+  7.8 ms for 8192 rows against 0.71 ms in float32 on an H100, and its error was 10x larger
+  (``benchmarks/results/embed-grads-h100-2026-11-27/``).
+
+  On a mesh that splits ``tokens``, ``grads`` says how the devices' rows come together:
+
+  - ``"reduce"``: each device scatter-adds its own rows and the [V, H] tables (in the table's dtype) are summed
+    over the axes that split the tokens;
+  - ``"gather"``: the rows' gradients and token ids are all-gathered and each device scatter-adds all of them, so
+    the table's gradient is the same everywhere with no reduction. On k devices each receives (k - 1)·B_d·H
+    elements (B_d: its tokens) where a ring all-reduce of the table moves about 2·(k - 1)/k·V·H; at the trainer's
+    gpu preset (B_d = 8192, V = 131072) on four devices, 8x fewer."""
+  del vocab_size, grads
   return embed_lookup(table, tokens)
 
 
-def _gathered_lookup_fwd(vocab_size, table, tokens):
+def _lookup_fwd(vocab_size, grads, table, tokens):
   return embed_lookup(table, tokens), tokens  # (not the table: its [V, H] copy in the compute dtype would stay alive)
 
 
-def _gathered_lookup_bwd(vocab_size, tokens, rows_t):
-  mesh = getattr(jax.typeof(tokens).sharding, "mesh", None)
-  if getattr(mesh, "axis_names", ()):  # every device gets every row and id
-    rows_t, tokens = jax.sharding.reshard(rows_t, P()), jax.sharding.reshard(tokens, P())
-  table_t = jnp.zeros((vocab_size, rows_t.shape[-1]), rows_t.dtype).at[tokens].add(rows_t)
+def _lookup_bwd(vocab_size, grads, tokens, rows_t):
+  def scatter(rows_t, tokens):
+    table_t = jnp.zeros((vocab_size, rows_t.shape[-1]), jnp.float32)
+    return table_t.at[tokens].add(rows_t.astype(jnp.float32)).astype(rows_t.dtype)
+
+  sharding = jax.typeof(tokens).sharding
+  spec = tuple(getattr(sharding, "spec", ())) + (None,) * tokens.ndim
+  split = tuple(a for s in spec[:tokens.ndim] for a in ((s,) if isinstance(s, str) else s or ()))
+  if not split:
+    return scatter(rows_t, tokens), None
+  if grads == "gather":  # every device gets every row and id
+    return scatter(jax.sharding.reshard(rows_t, P()), jax.sharding.reshard(tokens, P())), None
+  spec = P(*spec[:tokens.ndim])
+  table_t = jax.shard_map(lambda r, t: lax.psum(scatter(r, t), split), mesh=sharding.mesh,
+                          in_specs=(P(*spec, None), spec), out_specs=P())(rows_t, tokens)
   return table_t, None
 
 
-gathered_lookup.defvjp(_gathered_lookup_fwd, _gathered_lookup_bwd)
+lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def _call(mdl, x):
@@ -223,13 +242,13 @@ class TransformerLM(nn.Module):
     t = tokens.shape[-1]
     if t > self.cfg.seq_len:
       raise ValueError(f"tokens.shape={tokens.shape}: at most seq_len={self.cfg.seq_len} positions")
-    # The rows are looked up in the compute dtype, as nn.Embed(dtype=...) does: the table's gradient (a scatter-add
-    # of the rows' gradients) is then formed, and reduced over the data axes or formed from the gathered rows
-    # (embed_grads), in that dtype (bf16: half the bytes; the float32 table itself is what the optimizer updates).
+    # The rows are looked up in the compute dtype, as nn.Embed(dtype=...) does. The table's gradient is the rows'
+    # gradients scatter-added in float32 (:func:`lookup`), then reduced over the data axes or formed from the
+    # gathered rows (embed_grads) in the compute dtype (bf16: half the bytes; the float32 table itself is what the
+    # optimizer updates).
     dtype = jnp.dtype(self.cfg.dtype)
     table = self.embed.embedding.astype(dtype)
-    rows = (gathered_lookup(self.cfg.vocab_size, table, tokens) if self.cfg.embed_grads == "gather"
-            else embed_lookup(table, tokens))
+    rows = lookup(self.cfg.vocab_size, self.cfg.embed_grads, table, tokens)
     x = (rows + self.pos[:t]).astype(dtype)
     token, hold_at = None, self.cfg.num_layers - self.cfg.head_grads_within
     for i, blk in enumerate(self.blocks):
