@@ -345,7 +345,7 @@ def test_head_grads_held_within_the_top_blocks(head):
 
   # where the compiled step reduces the [H, V] gradients (the head's kernel and the embedding table)
   for k in (0, 1):
-    big, _ = _two_device_step_reductions(head, num_layers=2, head_grads_within=k)
+    big, _ = _two_device_step_reductions(head, num_layers=2, head_grads_within=k, embed_grads="reduce")
     assert sum(big) == 2, big
     if k == 0:
       assert big[-1] == 2, big  # both at the end
@@ -358,10 +358,10 @@ def test_head_grads_held_within_the_top_blocks(head):
 
 @pytest.mark.parametrize("head", ["fused", "plain"])
 def test_embedding_grads_gathered(head):
-  """``embed_grads="gather"`` changes no number: the loss and every parameter's gradient equal those of the default
+  """``embed_grads="gather"`` (the default) changes no number: the loss and every parameter's gradient equal those of
   "reduce" on one device, on a data=2 mesh and on a data=2 x fsdp=2 mesh (float32, ragged 13-token sequences, a
   token repeated across the devices' rows). In the trainer's step compiled for two devices (data parallel) the
-  embedding table's [V, H] gradient is no longer all-reduced (the head's still is) and the rows' gradients and
+  embedding table's [V, H] gradient is not all-reduced (the head's is) and the rows' gradients and
   their ids are all-gathered instead. An unknown value is refused, naming it."""
   import dataclasses
 
@@ -526,27 +526,34 @@ def test_presets_set_no_option_of_the_fused_head():
   assert headroom["vocab_size"] == 256000 and headroom["batch_size"] * headroom["seq_len"] == 65536
 
 
+@pytest.mark.parametrize("embed_grads", ["reduce", "gather"])
 @pytest.mark.parametrize("head", ["fused", "plain"])
-def test_bf16_step_reduces_the_vocabulary_gradients_in_bf16(head, tmp_path):
-  """A bf16 model on a data-parallel mesh reduces the gradients of its two [V, d] parameters, the embedding table
-  (rows looked up in the compute dtype, as ``nn.Embed(dtype=...)`` does) and the head, in bf16: the step's largest
-  all-reduces move half the bytes. Read from the program as XLA's partitioner leaves it (dumped through the step's
-  ``compiler_options``), before the CPU backend widens bf16 collectives."""
+def test_bf16_step_reduces_the_vocabulary_gradients_in_bf16(head, embed_grads, tmp_path):
+  """A bf16 model on a data-parallel mesh moves its two [V, d] parameters' gradients in bf16: the head's all-reduce,
+  and the embedding table's (rows looked up in the compute dtype, as ``nn.Embed(dtype=...)`` does) all-reduce
+  (``reduce``) or the all-gather of its rows' gradients (``gather``, [B, T, d]). Read from the program as XLA's
+  partitioner leaves it (dumped through the step's ``compiler_options``), before the CPU backend widens bf16
+  collectives."""
   import glob
   import re
 
-  v, d = 1024, 32
-  cfg = lm_model.ModelConfig(vocab_size=v, seq_len=16, d_model=d, num_layers=1, num_heads=2, d_ff=64,
-                             dtype="bfloat16")
-  tr = lm_train.make_trainer(cfg, head, "auto", 4, lm_train.make_optimizer(1e-3, 1, 2), 16, num_devices=2,
+  v, d, batch, t = 1024, 32, 4, 16
+  cfg = lm_model.ModelConfig(vocab_size=v, seq_len=t, d_model=d, num_layers=1, num_heads=2, d_ff=64,
+                             dtype="bfloat16", embed_grads=embed_grads)
+  tr = lm_train.make_trainer(cfg, head, "auto", batch, lm_train.make_optimizer(1e-3, 1, 2), t, num_devices=2,
                              compiler_options={"xla_dump_to": str(tmp_path),
                                                "xla_dump_hlo_pass_re": "spmd-partitioning"})
-  lm_train.compile_step(tr, tr.abstract_state(0), 16)
+  lm_train.compile_step(tr, tr.abstract_state(0), t)
   (path,) = glob.glob(str(tmp_path / "*jit_step*after_spmd-partitioning*"))
   with open(path) as f:
-    reduced = re.findall(r"= (\w+)\[([\d,]*)\]\{[\d,]*\} all-reduce\(", f.read())
-  vocab = sorted(dt for dt, dims in reduced if sorted(map(int, dims.split(","))) == [d, v])
-  assert vocab == ["bf16", "bf16"], reduced
+    text = f.read()
+
+  def moved(kind, dims):
+    found = re.findall(rf"= (\w+)\[([\d,]*)\]\{{[\d,]*\}} {kind}\(", text)
+    return sorted(dt for dt, shape in found if sorted(map(int, shape.split(","))) == sorted(dims))
+
+  assert moved("all-reduce", [d, v]) == ["bf16"] * (2 if embed_grads == "reduce" else 1), text.count("all-reduce(")
+  assert moved("all-gather", [batch, t, d]) == (["bf16"] if embed_grads == "gather" else [])
 
 
 def test_pgle_trains_the_same_steps(cache_dir, tmp_path, straight):
