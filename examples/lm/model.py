@@ -95,7 +95,7 @@ def lookup(vocab_size: int, grads: str, table: jax.Array, tokens: jax.Array) -> 
   """:func:`embed_lookup` whose backward forms the table's gradient in float32: each row's gradient is scatter-added
   into a float32 [V, H] table, cast to the table's dtype after. JAX's own transpose of the lookup scatter-adds in
   the table's dtype; in bf16, with token ids distributed as text's are (a few ids take many rows), that scatter took
-  7.8 ms for 8192 rows against 0.71 ms in float32 on an H100, and its error was 10x larger
+  7.8 ms for 8192 rows against 0.71 ms in float32 on an H100, and its error was 11x larger
   (``benchmarks/results/embed-grads-h100-2026-11-27/``).
 
   On a mesh that splits ``tokens``, ``grads`` says how the devices' rows come together:
