@@ -56,7 +56,7 @@ def token_ids(rng, n: int, vocab: int, law: str) -> np.ndarray:
   return ((rng.zipf(1.1, n) - 1) % vocab).astype(np.int32)
 
 
-def main():
+def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--vocab", type=int, default=131072)
   ap.add_argument("--hidden", type=int, default=1024)
@@ -64,7 +64,7 @@ def main():
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--small", action="store_true", help="V 960, H 64, rows 96,384: a CPU check")
   ap.add_argument("--out", default="/tmp/lce_probe_embed_grads")
-  a = ap.parse_args()
+  a = ap.parse_args(argv)
   if a.small:
     a.vocab, a.hidden, a.rows = 960, 64, "96,384"
   rng = np.random.default_rng(0)
@@ -86,7 +86,8 @@ def main():
         rows_out.append(r)
         print(json.dumps(r), flush=True)
       save_probe(a.out, rows_out, a.rounds)
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -710,6 +710,24 @@ def test_bench_floors_sums_the_fastest_products(tmp_path):
     bench_floors.main(["--shapes", "llama3-70b", "--out", str(tmp_path)])
 
 
+def test_probe_embed_grads_small(tmp_path):
+  """benchmarks/probe_embed_grads.py at its CPU size: every form at both row counts and both id laws, timed, and each
+  within one bf16 rounding of the float64 sum when it accumulates in float32 (the bf16 forms round every update)."""
+  from benchmarks import probe_embed_grads
+
+  assert probe_embed_grads.main(["--small", "--rounds", "1", "--out", str(tmp_path)]) == 0
+  with open(tmp_path / "results.json") as f:
+    res = json.load(f)
+  rows = res["rows"]
+  assert {(r["form"], r["rows"], r["ids"]) for r in rows} == {
+      (form, n, law) for form in ("bf16", "f32", "sorted_bf16", "sorted_f32") for n in (96, 384)
+      for law in ("uniform", "zipf")}
+  assert res["device"] and all(r["ms"] > 0 for r in rows)
+  assert all(r["rel_err"] <= 2.0 ** -8 for r in rows if r["form"].endswith("f32")), rows
+  zipf = {r["form"]: r["rel_err"] for r in rows if r["ids"] == "zipf" and r["rows"] == 384}
+  assert zipf["bf16"] > 2 * zipf["f32"], zipf
+
+
 def test_trainer_scaling_leaves_failed_steps_out_of_the_schedule():
   """A data-parallel row whose every trainer process failed names its step for ``--schedule`` to skip (an XLA
   abort compiling it in the driver's process would end the job); rows of other meshes, and rows that ran, do not."""
