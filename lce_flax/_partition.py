@@ -202,7 +202,8 @@ def shard_entropy_backward(x, w, bias, g_ent, s: Static, lay: Layout):
 # ------------------------------------------------------------------------------- the partitioned primitives
 
 
-def _axes(entry) -> tuple[str, ...]:
+def entry_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, an axis name or a tuple of them), as a tuple."""
   if entry is None:
     return ()
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
@@ -216,10 +217,10 @@ def _spec(sharding, ndim):
 def _layout(s: Static, mesh, x, w) -> Layout:
   xs, ws = _spec(x.sharding, 2), _spec(w.sharding, 2)
   v_dim = 1 - _h_dim(s)
-  tok = tuple(a for a in _axes(xs[0]) if mesh.shape[a] > 1)
-  wh = tuple(a for a in _axes(ws[_h_dim(s)]) if mesh.shape[a] > 1)
+  tok = tuple(a for a in entry_axes(xs[0]) if mesh.shape[a] > 1)
+  wh = tuple(a for a in entry_axes(ws[_h_dim(s)]) if mesh.shape[a] > 1)
   # a vocabulary axis that also splits the tokens or H is dropped (the partitioner reshards w to match)
-  v = tuple(a for a in _axes(ws[v_dim]) if mesh.shape[a] > 1 and a not in tok and a not in wh)
+  v = tuple(a for a in entry_axes(ws[v_dim]) if mesh.shape[a] > 1 and a not in tok and a not in wh)
   # uneven shards would be padded with unknown values: refuse rather than count padding as tokens or columns
   for what, n, axes in (("tokens", x.shape[0], tok), ("H of w", w.shape[_h_dim(s)], wh),
                         ("V of w", w.shape[v_dim], v)):

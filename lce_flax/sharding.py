@@ -215,12 +215,6 @@ def sharded_linear_cross_entropy(
   return (loss, aux) if return_aux else loss
 
 
-def _entry_axes(entry) -> tuple[str, ...]:
-  if entry is None:
-    return ()
-  return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
 def from_types(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux=False,
                options: LossOptions | None = None):
   """The op on arrays whose shardings are in their types (mesh axes of ``AxisType.Explicit``).
@@ -240,16 +234,16 @@ def from_types(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux
   h_dim, v_dim = (0, 1) if w_layout == "hv" else (1, 0)
   if x.ndim < 2:
     raise ValueError(f"x is sharded but has no batch dim to split: x.shape={x.shape}")
-  if _entry_axes(xs[-1]):
+  if _partition.entry_axes(xs[-1]):
     raise ValueError(f"x's hidden dim is sharded over {xs[-1]} (x.sharding={jax.typeof(x).sharding}); the head "
                      "contracts over H: shard the tokens instead, or reshard x")
-  inner = [ax for e in xs[1:-1] for ax in _entry_axes(e)]
+  inner = [ax for e in xs[1:-1] for ax in _partition.entry_axes(e)]
   if inner:
     raise ValueError(f"x is sharded over {inner} on a dim other than its first (x.sharding="
                      f"{jax.typeof(x).sharding}); tokens may be split on the first dim only")
-  batch = _entry_axes(xs[0])
-  vocab = _entry_axes(ws[v_dim])
-  fsdp = _entry_axes(ws[h_dim])
+  batch = _partition.entry_axes(xs[0])
+  vocab = _partition.entry_axes(ws[v_dim])
+  fsdp = _partition.entry_axes(ws[h_dim])
   if len(vocab) > 1 or len(fsdp) > 1:
     raise ValueError(f"w.sharding={jax.typeof(w).sharding}: each dim of w may be split over one mesh axis")
   return sharded_linear_cross_entropy(
