@@ -28,7 +28,9 @@ token-chunked dw (``dw_acc``), beside XLA's bare GEMM (and float32 xᵀ·dz + C)
 small correctness check of each ping-pong variant (in a child process), writes a copy of the tuning table with the
 faster schedule per role and shape, and stops starting work once BUDGET_S (default 200 s) is spent. PINGPONG=1 adds
 the ``pingpong`` schedule (each warpgroup its own ring; slower everywhere in earlier rounds).
-Env: SHAPES (comma list), BUDGET_S (stop starting new work after this many seconds).
+Env: SHAPES (comma list of ``benchmarks/shapes.py``'s ``HEADS``: the four heads by default, also llama3-8b-32k and
+gemma2-2b-32k, whose 32768-row products get tuning rows of their own), BUDGET_S (stop starting new work after this
+many seconds).
 """
 
 from __future__ import annotations
@@ -47,11 +49,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import shapes  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 
-SHAPES = {"gpt2-small": (16384, 768, 50304), "llama3-8b": (8192, 4096, 128256),
-          "qwen3-8b": (4096, 4096, 151936), "gemma2-2b": (8192, 2304, 256000)}
+SHAPES = shapes.HEADS
+DEFAULT_SHAPES = ",".join(shapes.LLM)
 T0 = time.time()
 ROWS: list[dict] = []
 
@@ -190,7 +193,7 @@ def main():
   ap.add_argument("--rounds", type=int, default=5)
   args = ap.parse_args()
   budget = float(os.environ.get("BUDGET_S", "200" if args.schedules else "1e9"))
-  shapes = os.environ.get("SHAPES", ",".join(SHAPES)).split(",")
+  shape_names = os.environ.get("SHAPES", DEFAULT_SHAPES).split(",")
   os.makedirs(args.out, exist_ok=True)
   dev = jax.devices()[0]
   kind = dev.device_kind
@@ -213,7 +216,7 @@ def main():
     with open(os.path.join(args.out, "results.json"), "w") as f:
       json.dump({"meta": meta, "rows": ROWS, "table": table_rows}, f, indent=1)
 
-  for shape in shapes:
+  for shape in shape_names:
     b, h, v = SHAPES[shape]
     k = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(k[0], (b, h), jnp.bfloat16)
@@ -591,7 +594,7 @@ def schedules(args, kind, meta, budget):
       json.dump(out, f, indent=1)
 
   dog = Watchdog(save)
-  shapes = os.environ.get("SHAPES", "llama3-8b,gpt2-small,qwen3-8b,gemma2-2b").split(",")
+  shape_names = os.environ.get("SHAPES", "llama3-8b,gpt2-small,qwen3-8b,gemma2-2b").split(",")
   opts = G.StatsOptions()
   # a small call of each ping-pong schedule first, against the cooperative one, in a child process: a wrong or
   # hanging schedule shows up there, in seconds, and its variants are left out of the timings here
@@ -605,7 +608,7 @@ def schedules(args, kind, meta, budget):
       raw = json.load(f)
   dev_key = next((kk for kk in raw.get("devices", {}) if kk.lower() == kind.lower()), kind)
   table = raw.setdefault("devices", {}).setdefault(dev_key, {})
-  for shape in shapes:
+  for shape in shape_names:
     if budget_left(budget) < 45:
       emit(kind="stop", shape=shape, why="past BUDGET_S")
       break

@@ -48,7 +48,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import bench  # noqa: E402
+from benchmarks import bench, shapes  # noqa: E402
 from benchmarks.bench_gemm import interleaved, sweep_configs  # noqa: E402
 from lce_flax import _device, _math, linear_cross_entropy  # noqa: E402
 from lce_flax._impl import common  # noqa: E402
@@ -56,8 +56,7 @@ from lce_flax._impl.pallas_mosaic import Config, op, tuning  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 
 LOOP = 8  # chunks timed in one jitted loop (each contender over the same columns)
-SHAPES = {"gpt2-small": (16384, 768, 50304), "llama3-8b": (8192, 4096, 128256),
-          "qwen3-8b": (4096, 4096, 151936), "gemma2-2b": (8192, 2304, 256000), "tiny": (128, 64, 512)}
+SHAPES = {**shapes.HEADS, "tiny": (128, 64, 512)}
 
 
 def chunk_inputs(b: int, h: int, v: int, interpret: bool):

@@ -37,6 +37,10 @@ LLM_SHAPES = (
     Shape("gemma2-2b", 8192, 2304, 256000),
 )
 LLM = {s.name: s for s in LLM_SHAPES}
+# the two largest heads at 32768 tokens (where the plain head's logits take 8.4 and 16.8 GB in bf16)
+LLM32K_SHAPES = (Shape("llama3-8b-32k", 32768, 4096, 128256), Shape("gemma2-2b-32k", 32768, 2304, 256000))
+# name -> (B, H, V) of every LLM head, the per-kernel benchmarks' shapes (their default: the four of LLM_SHAPES)
+HEADS = {s.name: (s.B, s.H, s.V) for s in (*LLM_SHAPES, *LLM32K_SHAPES)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +91,8 @@ PRESETS = {
         min_reps=1, max_reps=2, target_s=0.05),
     # GPU: the four LLM heads, forward and forward + backward.
     "llm": Preset("llm", shapes=LLM_SHAPES, min_reps=3, max_reps=10, target_s=0.4),
-    # GPU: the two largest heads at 32768 tokens (where the plain head's logits take 8.4 and 16.8 GB in bf16).
-    "llm32k": Preset("llm32k", shapes=(Shape("llama3-8b-32k", 32768, 4096, 128256),
-                                       Shape("gemma2-2b-32k", 32768, 2304, 256000)),
-                     passes=("fwdbwd",), min_reps=3, max_reps=6, target_s=0.5),
+    # GPU: the two largest heads at 32768 tokens.
+    "llm32k": Preset("llm32k", shapes=LLM32K_SHAPES, passes=("fwdbwd",), min_reps=3, max_reps=6, target_s=0.5),
     # GPU: time and memory vs V, B and H (forward + backward only) around an 8192×2048×65536 head.
     "sweep": Preset(
         "sweep",
