@@ -80,13 +80,20 @@ def fsdp_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
                              preferred_element_type=preferred_element_type)
 
 
+def _token_spec(tokens: jax.Array) -> P | None:
+  """``tokens``' PartitionSpec, one entry per dim, where its type names a mesh (an Explicit one); else None."""
+  sharding = jax.typeof(tokens).sharding
+  if not getattr(getattr(sharding, "mesh", None), "axis_names", ()):
+    return None
+  return P(*(tuple(sharding.spec) + (None,) * tokens.ndim)[:tokens.ndim])
+
+
 def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   """``nn.Embed``'s lookup (``table[tokens]``); on an Explicit mesh the rows come out split like ``tokens`` (a gather
   from a replicated table with split indices needs its output sharding spelled out there)."""
-  sharding = jax.typeof(tokens).sharding
-  if not getattr(getattr(sharding, "mesh", None), "axis_names", ()):
+  spec = _token_spec(tokens)
+  if spec is None:
     return jnp.take(table, tokens, axis=0)
-  spec = tuple(sharding.spec) + (None,) * (tokens.ndim - len(sharding.spec))
   return table.at[tokens].get(out_sharding=P(*spec, None))
 
 
@@ -119,15 +126,13 @@ def _lookup_bwd(vocab_size, grads, tokens, rows_t):
     table_t = jnp.zeros((vocab_size, rows_t.shape[-1]), jnp.float32)
     return table_t.at[tokens].add(rows_t.astype(jnp.float32)).astype(rows_t.dtype)
 
-  sharding = jax.typeof(tokens).sharding
-  spec = tuple(getattr(sharding, "spec", ())) + (None,) * tokens.ndim
-  split = tuple(a for s in spec[:tokens.ndim] for a in ((s,) if isinstance(s, str) else s or ()))
+  spec = _token_spec(tokens)
+  split = tuple(a for s in spec or () for a in ((s,) if isinstance(s, str) else s or ()))
   if not split:
     return scatter(rows_t, tokens), None
   if grads == "gather":  # every device gets every row and id
     return scatter(jax.sharding.reshard(rows_t, P()), jax.sharding.reshard(tokens, P())), None
-  spec = P(*spec[:tokens.ndim])
-  table_t = jax.shard_map(lambda r, t: lax.psum(scatter(r, t), split), mesh=sharding.mesh,
+  table_t = jax.shard_map(lambda r, t: lax.psum(scatter(r, t), split), mesh=jax.typeof(tokens).sharding.mesh,
                           in_specs=(P(*spec, None), spec), out_specs=P())(rows_t, tokens)
   return table_t, None
 
