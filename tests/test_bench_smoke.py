@@ -739,3 +739,27 @@ def test_trainer_scaling_leaves_failed_steps_out_of_the_schedule():
                     row(4, "fsdp=4", "an", None, ["OOM"]), row(4, "data=4", "default", None, ["flaky"]),
                     row(4, "data=4", "default", 0.06, rep=1)])
   assert failed_steps(rows) == {("fused", "an", 4): "['Check failed: buffer']"}
+
+
+def test_profile_head_reads_the_last_call_in_order(tmp_path):
+  """benchmarks/profile_head.py: ``last_call`` keeps the first GPU's stream kernels after the largest idle gap (the
+  host's wait between calls), in launch order, named by group; the driver runs on the CPU (no device numbers)."""
+  import json
+
+  from benchmarks import profile_head
+
+  meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": 8, "args": {"name": "/device:GPU:1"}},
+          {"ph": "M", "name": "thread_name", "pid": 7, "tid": 1, "args": {"name": "Stream #13(Compute)"}},
+          {"ph": "M", "name": "thread_name", "pid": 7, "tid": 3, "args": {"name": "XLA Ops"}}]
+  x = lambda pid, tid, ts, dur, name: {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}
+  events = meta + [x(7, 1, 0, 100, "gemm.1"), x(7, 1, 110, 50, "loop_fusion.2"),  # first call
+                   x(7, 1, 5000, 100, "gemm.1"), x(7, 1, 5120, 30, "loop_fusion.4"), x(7, 1, 5100, 10, "copy.3"),
+                   x(7, 3, 5000, 900, "gemm.1"), x(8, 1, 5000, 900, "other device")]
+  assert profile_head.last_call(events) == [("gemm", 100.0), ("copy", 10.0), ("loop_fusion", 30.0)]
+  assert profile_head.last_call(meta[1:2]) == []
+  assert profile_head.main(["--interpret", "--shapes", "tiny", "--steps", "1", "--warmup", "1",
+                            "--out", str(tmp_path)]) == 0
+  rows = json.loads((tmp_path / "profile_head.json").read_text())["rows"]
+  assert [(r["shape"], r["head"]) for r in rows] == [("tiny", "plain"), ("tiny", "auto")]
+  assert all(r["wall_ms"] > 0 and r["busy_ms"] is None for r in rows)
