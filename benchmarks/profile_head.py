@@ -35,9 +35,9 @@ from benchmarks.bench_floors import SHAPES, head_steps  # noqa: E402
 from benchmarks.trainer_profile import device_summary, kernel_group, read_trace  # noqa: E402
 
 
-def last_call(events: list[dict]) -> list[tuple[str, float]]:
-  """(kernel group, µs) of the first GPU's kernels in the last call of a trace, in launch order: the kernels after
-  the largest idle gap (the host's wait between calls)."""
+def last_call(events: list[dict], steps: int) -> list[tuple[str, float]]:
+  """(kernel group, µs) of the first GPU's stream kernels in the last of ``steps`` identical calls of a trace, in
+  launch order (each call launches the same kernels, so the last ``1/steps`` of them)."""
   names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   pids = [pid for pid, n in names.items() if "/device:GPU:0" in (n or "")]
@@ -48,11 +48,7 @@ def last_call(events: list[dict]) -> list[tuple[str, float]]:
   spans = sorted((float(e["ts"]), float(e["dur"]), e.get("name", "?")) for e in events
                  if e.get("pid") == pids[0] and e.get("ph") == "X" and "dur" in e
                  and (not threads or e.get("tid") in threads))
-  if not spans:
-    return []
-  gaps = [(spans[i][0] - (spans[i - 1][0] + spans[i - 1][1]), i) for i in range(1, len(spans))]
-  start = max(gaps)[1] if gaps else 0
-  return [(kernel_group(n), round(d, 1)) for _, d, n in spans[start:]]
+  return [(kernel_group(n), round(d, 1)) for _, d, n in spans[len(spans) - len(spans) // steps:]]
 
 
 def profile(name: str, lean: bool, interpret: bool, warmup: int, steps: int, trace_root: str) -> list[dict]:
@@ -70,7 +66,7 @@ def profile(name: str, lean: bool, interpret: bool, warmup: int, steps: int, tra
         times.append(1e3 * (time.perf_counter() - t))
     events = read_trace(folder)
     out.append({"shape": name, "head": head, "wall_ms": round(float(np.median(times)), 3),
-                **device_summary(events, steps), "sequence": last_call(events)})
+                **device_summary(events, steps), "sequence": last_call(events, steps)})
   return out
 
 
