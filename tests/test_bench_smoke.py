@@ -742,8 +742,8 @@ def test_trainer_scaling_leaves_failed_steps_out_of_the_schedule():
 
 
 def test_profile_head_reads_the_last_call_in_order(tmp_path):
-  """benchmarks/profile_head.py: ``last_call`` keeps the first GPU's stream kernels after the largest idle gap (the
-  host's wait between calls), in launch order, named by group; the driver runs on the CPU (no device numbers)."""
+  """benchmarks/profile_head.py: ``last_call`` keeps the first GPU's stream kernels of the last of ``steps`` calls,
+  in launch order, named by group; the driver runs on the CPU (no device numbers)."""
   import json
 
   from benchmarks import profile_head
@@ -756,10 +756,60 @@ def test_profile_head_reads_the_last_call_in_order(tmp_path):
   events = meta + [x(7, 1, 0, 100, "gemm.1"), x(7, 1, 110, 50, "loop_fusion.2"),  # first call
                    x(7, 1, 5000, 100, "gemm.1"), x(7, 1, 5120, 30, "loop_fusion.4"), x(7, 1, 5100, 10, "copy.3"),
                    x(7, 3, 5000, 900, "gemm.1"), x(8, 1, 5000, 900, "other device")]
-  assert profile_head.last_call(events) == [("gemm", 100.0), ("copy", 10.0), ("loop_fusion", 30.0)]
-  assert profile_head.last_call(meta[1:2]) == []
+  events.append(x(7, 1, 130, 5, "copy.3"))  # (each call launches the same three kernels)
+  assert profile_head.last_call(events, 2) == [("gemm", 100.0), ("copy", 10.0), ("loop_fusion", 30.0)]
+  assert profile_head.last_call(meta[1:2], 2) == []
   assert profile_head.main(["--interpret", "--shapes", "tiny", "--steps", "1", "--warmup", "1",
                             "--out", str(tmp_path)]) == 0
   rows = json.loads((tmp_path / "profile_head.json").read_text())["rows"]
   assert [(r["shape"], r["head"]) for r in rows] == [("tiny", "plain"), ("tiny", "auto")]
   assert all(r["wall_ms"] > 0 and r["busy_ms"] is None for r in rows)
+
+
+def test_probe_clocks_reads_nvidia_smi_samples():
+  """benchmarks/probe_clocks.py: medians of the clock and power columns, the most frequent limit reasons; lines that
+  are not samples (an error, a header) are skipped; no sample at all reads as None."""
+  from benchmarks.probe_clocks import parse_samples
+
+  lines = ["1755, 690.12, 0x0000000000000004", "1620, 701.50, 0x0000000000000004", "bad line",
+           "[N/A], 650.0, 0x0", "1980, 420.0, 0x0000000000000000"]
+  assert parse_samples(lines) == {"sm_mhz": 1755.0, "power_w": 690.1, "reasons": "0x0000000000000004",
+                                  "samples": 3}
+  assert parse_samples(["Field \"x\" is not a valid field to query."]) == {
+      "sm_mhz": None, "power_w": None, "reasons": None, "samples": 0}
+
+
+def test_bench_step_products_merges_rows_into_the_table(tmp_path):
+  """benchmarks/bench_step_products.py --merge: a row replaces the table's row of the same kind, design and bucket,
+  others stay; the GEMM rows are untouched; the package reads the merged rows (tuning.step_products)."""
+  import json
+
+  from benchmarks import bench_step_products
+  from lce_flax._impl.pallas_mosaic import tuning
+
+  row = lambda design, bkt, pair, t: {"design": design, "bucket": bkt, "shape": bkt, "products": pair,
+                                      "ms": {"gemm,gemm": t, ",".join(pair): t - 1.0}, "source": "test"}
+  table = tmp_path / "gemm_tuning.json"
+  table.write_text(json.dumps({"devices": {"NVIDIA H100 80GB HBM3": {"fwd": []}},
+                               "steps": {"NVIDIA H100 80GB HBM3": [row("logits", [8192, 4096, 131072],
+                                                                       ["gemm", "xla"], 40.0),
+                                                                   row("tokens", [8192, 4096, 131072],
+                                                                       ["xla", "gemm"], 41.0)]}}))
+  new = tmp_path / "steps.json"
+  new.write_text(json.dumps({"steps": {"NVIDIA H100 80GB HBM3": [row("logits", [8192, 4096, 131072],
+                                                                     ["xla", "xla"], 39.0)]}}))
+  bench_step_products.merge(str(new), str(table))
+  got = json.loads(table.read_text())
+  assert got["devices"] == {"NVIDIA H100 80GB HBM3": {"fwd": []}}
+  rows = got["steps"]["NVIDIA H100 80GB HBM3"]
+  assert [(r["design"], r["products"]) for r in rows] == [("tokens", ["xla", "gemm"]), ("logits", ["xla", "xla"])]
+  old = tuning.TABLE_PATH
+  try:
+    tuning.TABLE_PATH = str(table)
+    tuning.load_steps.cache_clear()
+    pair, why = tuning.step_products("logits", 8000, 4096, 128256, "NVIDIA H200")
+    assert pair == ("xla", "xla") and "38.00 ms against (gemm,gemm) 39.00" in why and "same" not in why
+    assert tuning.step_products("logits", 2048, 4096, 128256, "NVIDIA H100 80GB HBM3") is None
+  finally:
+    tuning.TABLE_PATH = old
+    tuning.load_steps.cache_clear()

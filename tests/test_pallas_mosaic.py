@@ -449,6 +449,45 @@ def test_fast_products_follow_the_tuning_table(monkeypatch):
   assert d.config.products == ("gemm", "gemm")
 
 
+def test_fast_products_follow_the_measured_step(monkeypatch):
+  """Where the tuning table has a ``steps`` row of the design at the head's bucket (the whole step timed with each
+  (dx, dw) pair), its fastest pair runs, before the per-product rows (which here would say otherwise), and
+  explain() says so with the times; another bucket or design falls back to the per-product rule. A config's
+  ``products`` may name a (dx, dw) pair; a bad one is an error naming it."""
+  from lce_flax import explain
+  from lce_flax._impl.pallas_mosaic import gemm, tuning
+
+  kind = tuning._norm_kind(gemm._device_kind())
+  b, h, v = 1024, 512, 2048
+  row = lambda mnk, ours, xla: {"bucket": list(tuning.bucket(*mnk)), "shape": list(mnk),
+                                "config": {"tile_m": 128, "tile_n": 128}, "vs_xla": {"ours_ms": ours, "xla_ms": xla}}
+  monkeypatch.setattr(tuning, "load_table", lambda: {kind: {"dx": [row((b, h, v), 12.0, 14.0)],
+                                                            "dw": [row((h, v, b), 12.0, 14.0)]}})
+  steps = {kind: [{"design": "logits", "bucket": list(tuning.bucket(b, h, v)), "shape": [1000, h, v],
+                   "products": ["xla", "gemm"], "source": "test",
+                   "ms": {"gemm,gemm": 38.2, "gemm,xla": 38.0, "xla,gemm": 37.5, "xla,xla": 37.8, "plain": 39.5}}]}
+  monkeypatch.setattr(tuning, "load_steps", lambda: steps)
+  sds = jax.ShapeDtypeStruct
+  args = lambda n: (sds((n, h), jnp.bfloat16), sds((h, v), jnp.bfloat16), sds((n,), jnp.int32))
+  d = explain(*args(1000), impl="pallas_mosaic", mode="fast", interpret=True)
+  assert d.config.fast_design == "logits" and d.config.products == ("xla", "gemm"), d.config
+  line = next(n for n in d.notes if "whole step measured fastest" in n)
+  assert "(dx, dw) on (xla, gemm): 37.50 ms against (gemm,gemm) 38.20, (gemm,xla) 38.00, (xla,xla) 37.80" in line
+  assert f"table: {kind}/steps/logits/1024x512x2048" in line
+  # another bucket of tokens: the per-product rows (ours faster on both)
+  d = explain(*args(4000), impl="pallas_mosaic", mode="fast", interpret=True, config=Config(fast_design="logits"))
+  assert d.config.products == ("gemm", "gemm") and not any("whole step" in n for n in d.notes)
+  # the "tokens" design does not take a "logits" row: its own rule (dx on XLA, dw added on the GEMM)
+  d = explain(*args(1000), impl="pallas_mosaic", mode="fast", interpret=True,
+              config=Config(fast_design="tokens", token_chunk=512))
+  assert d.config.products == ("xla", "gemm") and not any("whole step" in n for n in d.notes)
+  d = explain(*args(1000), impl="pallas_mosaic", mode="fast", interpret=True, config=Config(products=("gemm", "xla")))
+  assert d.config.products == ("gemm", "xla") and not any("whole step" in n for n in d.notes)
+  for bad in (("gemm",), ("xla", "cublas"), "cublas"):
+    with pytest.raises(ValueError, match="products=.*must be one of"):
+      explain(*args(1000), impl="pallas_mosaic", mode="fast", interpret=True, config=Config(products=bad))
+
+
 @pytest.mark.parametrize("design,w_layout,bias,smoothing", [
     ("logits", "hv", True, 0.1), ("logits", "vh", False, 0.1), ("tokens", "vh", True, 0.1),
     ("logits", "hv", True, 0.0), ("tokens", "hv", False, 0.0)])

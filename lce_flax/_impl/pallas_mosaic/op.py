@@ -111,7 +111,9 @@ class Config:
       it applies (V a multiple of the GEMM's 128-column tile and at least one CTA tile, H of 64: w read in
       place), else no.
     products: who forms the fast designs' backward products dx = dz·wᵀ and, in the "logits" design, dw = xᵀ·dz:
-      ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS), both; None: in the
+      ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS), both, or a (dx, dw)
+      tuple of them; None: the pair the whole step measured fastest with at this head's bucket where the tuning
+      table has it (:func:`.tuning.step_products`); else in the
       "logits" design with the forward on the GEMM, each product on the GEMM unless the tuning table measured
       XLA's faster at its shape (:func:`.tuning.xla_faster`), else ``"xla"``; in the "tokens" design dx on
       XLA and each chunk's dw added into the float32 dw on the GEMM (TMA reduce-adds into the carried buffer, in
@@ -254,8 +256,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
     splits = min(splits, cdiv(vp, 2 * bv))
   tiles = Plan(bt, bv, bk, stages, splits, sem, ws)
   if mode == "fast":
-    if c.products not in (None, *PRODUCTS):
-      raise ValueError(f"products={c.products!r} must be one of {PRODUCTS} (or None)")
+    products_pair(c.products)  # (a clear error for a bad one)
     tiles = dataclasses.replace(tiles, gemm=_gemm_config(c, "fwd_store", tokens, hidden, vocab, interpret, ws),
                                 stored=c.stored)
     # a token chunk asked for picks the design that has a token loop
@@ -360,6 +361,16 @@ def _gemm_config(c: Config, role: str, tokens: int, hidden: int, vocab: int, int
   return cfg
 
 
+def products_pair(products) -> tuple[str, str] | None:
+  """``Config.products`` as a (dx, dw) pair: one name for both, or a pair of names; None stays None."""
+  if products is None:
+    return None
+  pair = (products, products) if isinstance(products, str) else tuple(products)
+  if len(pair) != 2 or any(not isinstance(q, str) or q not in PRODUCTS for q in pair):
+    raise ValueError(f"products={products!r} must be one of {PRODUCTS}, a (dx, dw) pair of them, or None")
+  return pair
+
+
 def _products(p: Plan, c: Config, num_tokens: int, hidden: int, vocab: int) -> Plan:
   """``products`` resolved, (dx, dw): both as asked; else XLA's where the forward is not on the GEMM. In the
   "tokens" design: dx on XLA (its chunk-sized dx ran faster on XLA's GEMM on an H100 at gpt2-small, 4096-token
@@ -368,14 +379,18 @@ def _products(p: Plan, c: Config, num_tokens: int, hidden: int, vocab: int) -> P
   :class:`.gemm.AddTo` (TMA reduce-adds in place: over 8 chunks of 4096 tokens 53.2 against cuBLAS's 55.4 ms at
   llama3-8b, level at gemma2-2b and gpt2-small, ``benchmarks/results/h100-2026-11-25-r16-addto/dw_acc/``). In
   the "logits" design each product on the GEMM but where its tuning-table row measured XLA's GEMM faster at its
-  shape (:func:`.tuning.xla_faster`)."""
+  shape (:func:`.tuning.xla_faster`). Either design takes, before those rules, the pair its whole step measured
+  fastest with at this head's bucket where the table has that step (:func:`.tuning.step_products`)."""
   if c.products is not None:
-    return dataclasses.replace(p, products=(c.products, c.products))
+    return dataclasses.replace(p, products=products_pair(c.products))
   if p.gemm is None:
     return dataclasses.replace(p, products=("xla", "xla"))
+  kind, rows = gemm_lib._device_kind(), cdiv(num_tokens, p.block_t) * p.block_t
+  step = tuning.step_products(p.fast_design, rows, hidden, vocab, kind)
+  if step is not None:
+    return dataclasses.replace(p, products=step[0])
   if p.fast_design == "tokens":
     return dataclasses.replace(p, products=("xla", "gemm"))
-  kind, rows = gemm_lib._device_kind(), cdiv(num_tokens, p.block_t) * p.block_t
   on = lambda role, mnk: "xla" if tuning.xla_faster(role, *mnk, kind) else "gemm"
   return dataclasses.replace(p, products=(on("dx", (rows, hidden, vocab)), on("dw", (hidden, vocab, rows))))
 
@@ -554,10 +569,14 @@ def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.
   else:
     why = gemm_refusal(tuning.DEFAULT, hidden, vocab)
     fwd = "forward: the warp-specialised kernel of kernels_ws.py" + (f" ({why})" if why else " (gemm=False)")
+  # (the pair the whole step measured fastest with, where the table has it and it is what runs)
+  step = tuning.step_products(p.fast_design, cdiv(max(num_tokens, 1), p.block_t) * p.block_t, hidden, vocab, kind)
+  step = step if step is not None and step[0] == p.products and p.gemm is not None else None
+
   def product(role, on, mnk):
     if on == "gemm":
       return f"on the GEMM: {tuning.describe(role, *mnk, kind)}"
-    why = tuning.xla_faster(role, *mnk, kind) if p.gemm is not None else None
+    why = tuning.xla_faster(role, *mnk, kind) if p.gemm is not None and step is None else None
     return "by XLA (cuBLAS)" + (f": {why}" if why else "")
 
   prods = f"backward products: dx = dz·wᵀ {product('dx', p.products[0], (rows, hidden, vocab))}"
@@ -567,7 +586,7 @@ def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.
     prods += f"; each chunk's dw added into the float32 dw in place by {acc}"
   else:
     prods += f"; dw = xᵀ·dz {product('dw', p.products[1], (hidden, vocab, rows))}"
-  return [fwd, prods]
+  return [fwd, prods] + ([f"backward products: {step[1]}"] if step is not None else [])
 
 
 def _v_multiple(p: Plan, w_layout: str) -> int:

@@ -128,14 +128,27 @@ def _norm_kind(kind: str) -> str:
   return " ".join(kind.lower().split())
 
 
-@functools.lru_cache(maxsize=1)
-def load_table() -> dict:
-  """``{device kind (lower case): {role: [{"bucket": [m, n, k], "config": {...}, ...}, ...]}}``."""
+def _read() -> dict:
   if not os.path.exists(TABLE_PATH):
     return {}
   with open(TABLE_PATH) as f:
-    raw = json.load(f)
-  return {_norm_kind(kind): roles for kind, roles in raw.get("devices", {}).items()}
+    return json.load(f)
+
+
+@functools.lru_cache(maxsize=1)
+def load_table() -> dict:
+  """``{device kind (lower case): {role: [{"bucket": [m, n, k], "config": {...}, ...}, ...]}}``."""
+  return {_norm_kind(kind): roles for kind, roles in _read().get("devices", {}).items()}
+
+
+@functools.lru_cache(maxsize=1)
+def load_steps() -> dict:
+  """``{device kind (lower case): [row, ...]}``: the file's ``"steps"``, the fast designs' whole step (forward and
+  backward of x and w) timed with each (dx, dw) pair of backward products, in alternation
+  (``benchmarks/bench_step_products.py``). A row: ``"design"``, ``"bucket"`` (tokens, hidden, vocab rounded to
+  powers of two), ``"shape"``, ``"products"`` (the fastest pair), ``"ms"`` (each pair's time, "dx,dw": ms, and the
+  plain head's), ``"source"``."""
+  return {_norm_kind(kind): rows for kind, rows in _read().get("steps", {}).items()}
 
 
 # Device kinds that are one chip: the H100 and H200 are both GH100 (SM90, 227 KB of shared memory per block), the
@@ -143,10 +156,10 @@ def load_table() -> dict:
 CHIPS = (("h100", "h200", "gh200"),)
 
 
-def device_rows(device_kind: str) -> tuple[dict, str]:
-  """``({role: rows}, the kind they were measured on)`` for ``device_kind``: its own rows, else those of a kind of
-  the same chip (:data:`CHIPS`), else none."""
-  table, kind = load_table(), _norm_kind(device_kind)
+def _of_chip(table: dict, device_kind: str, empty):
+  """``(table[kind], kind)``: ``device_kind``'s own entry, else that of a kind of the same chip (:data:`CHIPS`),
+  else ``(empty, kind)``."""
+  kind = _norm_kind(device_kind)
   if kind in table:
     return table[kind], kind
   for marks in CHIPS:
@@ -154,7 +167,31 @@ def device_rows(device_kind: str) -> tuple[dict, str]:
       for other in sorted(table):
         if any(mk in other for mk in marks):
           return table[other], other
-  return {}, kind
+  return empty, kind
+
+
+def device_rows(device_kind: str) -> tuple[dict, str]:
+  """``({role: rows}, the kind they were measured on)`` for ``device_kind``: its own rows, else those of a kind of
+  the same chip (:data:`CHIPS`), else none."""
+  return _of_chip(load_table(), device_kind, {})
+
+
+def step_products(design: str, tokens: int, hidden: int, vocab: int, device_kind: str):
+  """``((dx, dw), why)``: the pair of backward products the fast design ``design``'s whole step measured fastest
+  with at this head's bucket (a ``"steps"`` row of the same bucket, :func:`load_steps`), else None. The step is
+  what counts: the bare products timed alone favoured ours by 1-3% where the step ran faster on XLA's, whose
+  GEMMs draw less power at the same speed under the H100's power limit (``benchmarks/probe_clocks.py``)."""
+  rows, measured_on = _of_chip(load_steps(), device_kind, [])
+  want = list(bucket(tokens, hidden, vocab))
+  for row in rows:
+    if row["design"] == design and row["bucket"] == want:
+      pair = tuple(row["products"])
+      ms = row["ms"]
+      rest = ", ".join(f"({k}) {v:.2f}" for k, v in ms.items() if k != ",".join(pair))
+      b = "x".join(str(x) for x in row["bucket"])
+      return pair, (f"the whole step measured fastest with (dx, dw) on ({', '.join(pair)}): "
+                    f"{ms[','.join(pair)]:.2f} ms against {rest} (table: {measured_on}/steps/{design}/{b})")
+  return None
 
 
 def _source(device_kind: str, measured_on: str, role: str, row) -> str:

@@ -1,0 +1,107 @@
+"""The fast design's whole step with each pair of backward products, beside the plain head (one GPU): the tuning
+table's ``steps`` rows.
+
+The backward products dx = dz·wᵀ and dw = xᵀ·dz run on the package's GEMM or on XLA's (cuBLAS). Timed alone, in
+alternation, ours measured faster at most LLM heads; inside the op's step, whose GEMMs run back to back at the
+GPU's power limit, the order can differ (``benchmarks/probe_clocks.py``). So per shape this times, in alternation
+(median of ``--rounds`` rounds of 10-run medians), ``value_and_grad`` of x and w (summed loss) of
+
+  plain       the plain head (``bench.py``'s ``plain_bf16``)
+  dx,dw       ``impl="pallas_mosaic", mode="fast"`` with ``PallasMosaicConfig(products=(dx, dw))``, each of
+              ``gemm,gemm``, ``gemm,xla``, ``xla,gemm``, ``xla,xla`` (the design the op picks at that shape)
+
+and writes a row of the table's ``"steps"`` (:func:`lce_flax._impl.pallas_mosaic.tuning.load_steps`): the design,
+the bucket, the fastest pair and every time.
+
+    python3 -m benchmarks.bench_step_products [--shapes llama3-8b,qwen3-8b] [--rounds 7] [--out DIR]
+    python3 -m benchmarks.bench_step_products --merge DIR/steps.json     # into the package's table
+    python3 -m benchmarks.bench_step_products --interpret --shapes tiny --rounds 1   # a CPU check
+
+Writes ``DIR/results.json`` (device, versions, date, ``LCE_FLAX_COMMIT``, rows) and ``DIR/steps.json`` (the rows
+under the device's kind) after every shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import bench  # noqa: E402
+from benchmarks.bench_floors import SHAPES, head_steps  # noqa: E402
+from benchmarks.bench_gemm import interleaved, save_probe  # noqa: E402
+from lce_flax import PallasMosaicConfig, explain, linear_cross_entropy  # noqa: E402
+from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
+
+PAIRS = (("gemm", "gemm"), ("gemm", "xla"), ("xla", "gemm"), ("xla", "xla"))
+
+
+def step_row(name: str, rounds: int, interpret: bool) -> dict:
+  """One shape's times and its ``steps`` row."""
+  x, w, y = bench.make_inputs(SHAPES[name])
+  b, h = x.shape
+  v = w.shape[1]
+  calls = {"plain": (head_steps(y, False, interpret)["plain"], (x, w))}
+  design = block_t = None
+  for pair in PAIRS:
+    cfg = PallasMosaicConfig(products=pair)
+    kw = dict(reduction="sum", impl="pallas_mosaic", mode="fast", config=cfg, interpret=interpret)
+    d = explain(x, w, y, **kw)
+    design, block_t = d.config.fast_design, d.config.block_t
+    loss = lambda x, w, kw=kw: linear_cross_entropy(x, w, y, **kw)
+    calls[",".join(pair)] = (jax.jit(jax.value_and_grad(loss, (0, 1))), (x, w))
+  t = interleaved(calls, rounds=rounds)
+  best = min((k for k in t if k != "plain"), key=t.get)
+  rows = -(-b // block_t) * block_t  # (the op's rows: tokens padded to its row tile, as its lookup takes them)
+  return {"design": design, "bucket": list(tuning.bucket(rows, h, v)), "shape": [b, h, v], "name": name,
+          "products": best.split(","), "ms": {k: round(s, 3) for k, s in t.items()},
+          "source": f"benchmarks/bench_step_products.py, {rounds} alternated rounds"}
+
+
+def merge(path: str, table_path: str = tuning.TABLE_PATH) -> None:
+  """The rows of a ``steps.json`` into the package's table: a row replaces the table's row of the same kind,
+  design and bucket."""
+  with open(path) as f:
+    new = json.load(f)["steps"]
+  with open(table_path) as f:
+    table = json.load(f)
+  steps = table.setdefault("steps", {})
+  for kind, rows in new.items():
+    old = steps.setdefault(kind, [])
+    for row in rows:
+      old[:] = [r for r in old if (r["design"], r["bucket"]) != (row["design"], row["bucket"])] + [row]
+  with open(table_path, "w") as f:
+    json.dump(table, f, indent=1)
+    f.write("\n")
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--shapes", default="qwen3-8b,llama3-8b,gemma2-2b,gpt2-small")
+  ap.add_argument("--rounds", type=int, default=7)
+  ap.add_argument("--interpret", action="store_true", help="the kernels interpreted (a CPU check)")
+  ap.add_argument("--merge", metavar="STEPS_JSON", help="merge a steps.json into the package's table, and stop")
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_step_products"))
+  a = ap.parse_args(argv)
+  if a.merge:
+    merge(a.merge)
+    return 0
+  kind = jax.devices()[0].device_kind
+  rows = []
+  for name in a.shapes.split(","):
+    r = step_row(name, a.rounds, a.interpret)
+    rows.append(r)
+    print(json.dumps(r), flush=True)
+    save_probe(a.out, rows, a.rounds)
+    with open(os.path.join(a.out, "steps.json"), "w") as f:
+      json.dump({"steps": {kind: rows}}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
