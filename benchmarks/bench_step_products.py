@@ -15,6 +15,7 @@ the bucket, the fastest pair and every time.
 
     python3 -m benchmarks.bench_step_products [--shapes llama3-8b,qwen3-8b] [--rounds 7] [--out DIR]
     python3 -m benchmarks.bench_step_products --merge DIR/steps.json     # into the package's table
+    python3 -m benchmarks.bench_step_products --check [--shapes ...]     # then: plain against auto, as it now runs
     python3 -m benchmarks.bench_step_products --interpret --shapes tiny --rounds 1   # a CPU check
 
 Writes ``DIR/results.json`` (device, versions, date, ``LCE_FLAX_COMMIT``, rows) and ``DIR/steps.json`` (the rows
@@ -63,6 +64,17 @@ def step_row(name: str, rounds: int, interpret: bool) -> dict:
           "source": f"benchmarks/bench_step_products.py, {rounds} alternated rounds"}
 
 
+def check_row(name: str, rounds: int, interpret: bool) -> dict:
+  """``--check``: the plain head against ``auto`` as the table now picks it, in alternation, and the pair it ran."""
+  x, w, y = bench.make_inputs(SHAPES[name])
+  heads = head_steps(y, False, interpret)
+  d = explain(x, w, y, reduction="sum")
+  t = interleaved({k: (heads[k], (x, w)) for k in ("plain", "auto")}, rounds=rounds)
+  return {"name": name, "impl": d.impl, "design": getattr(d.config, "fast_design", None),
+          "products": list(getattr(d.config, "products", None) or ()), "ms": {k: round(s, 3) for k, s in t.items()},
+          "auto_vs_plain": round(t["auto"] / t["plain"], 3)}
+
+
 def merge(path: str, table_path: str = tuning.TABLE_PATH) -> None:
   """The rows of a ``steps.json`` into the package's table: a row replaces the table's row of the same kind,
   design and bucket."""
@@ -86,6 +98,8 @@ def main(argv=None) -> int:
   ap.add_argument("--rounds", type=int, default=7)
   ap.add_argument("--interpret", action="store_true", help="the kernels interpreted (a CPU check)")
   ap.add_argument("--merge", metavar="STEPS_JSON", help="merge a steps.json into the package's table, and stop")
+  ap.add_argument("--check", action="store_true", help="only the plain head against auto as the table picks it "
+                  "(rows into DIR/results.json)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_step_products"))
   a = ap.parse_args(argv)
   if a.merge:
@@ -94,10 +108,12 @@ def main(argv=None) -> int:
   kind = jax.devices()[0].device_kind
   rows = []
   for name in a.shapes.split(","):
-    r = step_row(name, a.rounds, a.interpret)
+    r = (check_row if a.check else step_row)(name, a.rounds, a.interpret)
     rows.append(r)
     print(json.dumps(r), flush=True)
     save_probe(a.out, rows, a.rounds)
+    if a.check:
+      continue
     with open(os.path.join(a.out, "steps.json"), "w") as f:
       json.dump({"steps": {kind: rows}}, f, indent=1)
   return 0
