@@ -813,3 +813,15 @@ def test_bench_step_products_merges_rows_into_the_table(tmp_path):
   finally:
     tuning.TABLE_PATH = old
     tuning.load_steps.cache_clear()
+
+
+def test_bench_step_products_check_row():
+  """bench_step_products --check on the CPU: the plain head and auto timed both ways (each call waited for, and ten
+  queued), the ratios taken from the same medians."""
+  from benchmarks import bench_step_products
+
+  r = bench_step_products.check_row("tiny", 1, True)
+  assert r["impl"] == "chunked" and set(r["ms"]) == set(r["ms_queued"]) == {"plain", "auto"}
+  assert abs(r["auto_vs_plain"] - r["ms"]["auto"] / r["ms"]["plain"]) < 2e-3
+  assert abs(r["auto_vs_plain_queued"] - r["ms_queued"]["auto"] / r["ms_queued"]["plain"]) < 2e-3
+  assert all(v > 0 for v in (*r["ms"].values(), *r["ms_queued"].values()))
