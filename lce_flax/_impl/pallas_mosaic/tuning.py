@@ -179,8 +179,9 @@ def device_rows(device_kind: str) -> tuple[dict, str]:
 def step_products(design: str, tokens: int, hidden: int, vocab: int, device_kind: str):
   """``((dx, dw), why)``: the pair of backward products the fast design ``design``'s whole step measured fastest
   with at this head's bucket (a ``"steps"`` row of the same bucket, :func:`load_steps`), else None. The step is
-  what counts: the bare products timed alone favoured ours by 1-3% where the step ran faster on XLA's, whose
-  GEMMs draw less power at the same speed under the H100's power limit (``benchmarks/probe_clocks.py``)."""
+  what counts: the heads run at the GPU's power limit, where a GEMM's time depends on what runs around it, and
+  the bare products timed alone favoured ours at shapes whose step ran faster with dx on XLA's
+  (``benchmarks/results/step-products-h100-2026-11-28/``)."""
   rows, measured_on = _of_chip(load_steps(), device_kind, [])
   want = list(bucket(tokens, hidden, vocab))
   for row in rows:
