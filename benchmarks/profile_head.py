@@ -32,23 +32,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import bench  # noqa: E402
 from benchmarks.bench_floors import SHAPES, head_steps  # noqa: E402
-from benchmarks.trainer_profile import device_summary, kernel_group, read_trace  # noqa: E402
+from benchmarks.trainer_profile import device_spans, device_summary, kernel_group, read_trace  # noqa: E402
 
 
 def last_call(events: list[dict], steps: int) -> list[tuple[str, float]]:
   """(kernel group, µs) of the first GPU's stream kernels in the last of ``steps`` identical calls of a trace, in
   launch order (each call launches the same kernels, so the last ``1/steps`` of them)."""
-  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  pids = [pid for pid, n in names.items() if "/device:GPU:0" in (n or "")]
-  if not pids:
-    return []
-  threads = {e.get("tid") for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
-             and e.get("pid") == pids[0] and e.get("args", {}).get("name", "").startswith("Stream")}
-  spans = sorted((float(e["ts"]), float(e["dur"]), e.get("name", "?")) for e in events
-                 if e.get("pid") == pids[0] and e.get("ph") == "X" and "dur" in e
-                 and (not threads or e.get("tid") in threads))
-  return [(kernel_group(n), round(d, 1)) for _, d, n in spans[len(spans) - len(spans) // steps:]]
+  spans = device_spans(events)[1]
+  return [(kernel_group(n), round(b - a, 1)) for a, b, n in spans[len(spans) - len(spans) // steps:]]
 
 
 def profile(name: str, lean: bool, interpret: bool, warmup: int, steps: int, trace_root: str) -> list[dict]:

@@ -78,31 +78,38 @@ def idle_gaps(spans: list[tuple[float, float, str]], steps: int, top: int = 12, 
                         for g, x, y in gaps[:top]]}
 
 
-def device_summary(events: list[dict], steps: int) -> dict:
-  """Per-step kernel time of the first GPU in a Chrome/Perfetto trace's ``events``: busy (union of its
-  complete events' intervals on its "Stream" lines, or on all its lines if none is named so), collectives, and the
-  kernel groups (ms per step), largest first. ``device`` is the process name read (None where the trace has no
-  device process, as on the CPU: then every number is None)."""
+def device_spans(events: list[dict]) -> tuple[str | None, list[tuple[float, float, str]], list[str]]:
+  """The first GPU's (or TPU's) process name and its kernels, ``(start µs, end µs, name)`` on its "Stream" lines
+  (all its lines if none is named so: not the "XLA Ops" line's copies), sorted; ``(None, [], the process names)``
+  where the trace has no device process (as on the CPU)."""
   names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   devices = sorted((n, pid) for pid, n in names.items() if re.search(r"/device:(GPU|TPU):0\b", n or ""))
   if not devices:  # (the names it has, to adapt this reader to another exporter's naming)
-    return {"device": None, "busy_ms": None, "collective_ms": None, "idle_ms": None, "idle_gaps": [], "kernels": {},
-            "processes": sorted(n for n in names.values() if n)}
+    return None, [], sorted(n for n in names.values() if n)
   name, pid = devices[0]
   threads = {e.get("tid"): e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") == pid}
-  streams = {t for t, n in threads.items() if n.startswith("Stream")}  # kernels; not the "XLA Ops" line's copies
-  spans, groups = [], collections.Counter()
-  coll = []
-  for e in events:
-    if e.get("pid") != pid or e.get("ph") != "X" or "dur" not in e or (streams and e.get("tid") not in streams):
-      continue
-    a, d = float(e["ts"]), float(e["dur"])
-    spans.append((a, a + d, e.get("name", "?")))
-    groups[kernel_group(e.get("name", "?"))] += d
-    if COLLECTIVE.search(e.get("name", "")):
-      coll.append((a, a + d))
+  streams = {t for t, n in threads.items() if n.startswith("Stream")}
+  spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "?")) for e in events
+                 if e.get("pid") == pid and e.get("ph") == "X" and "dur" in e
+                 and (not streams or e.get("tid") in streams))
+  return name, spans, []
+
+
+def device_summary(events: list[dict], steps: int) -> dict:
+  """Per-step kernel time of the first GPU in a Chrome/Perfetto trace's ``events`` (:func:`device_spans`): busy
+  (union of its kernels' intervals), collectives, and the kernel groups (ms per step), largest first. ``device``
+  is the process name read (None where the trace has no device process, as on the CPU: then every number is
+  None)."""
+  name, spans, processes = device_spans(events)
+  if name is None:
+    return {"device": None, "busy_ms": None, "collective_ms": None, "idle_ms": None, "idle_gaps": [], "kernels": {},
+            "processes": processes}
+  groups = collections.Counter()
+  for a, b, n in spans:
+    groups[kernel_group(n)] += b - a
+  coll = [(a, b) for a, b, n in spans if COLLECTIVE.search(n)]
   per = lambda us: round(us / 1e3 / steps, 4)
   return {"device": name, "busy_ms": per(_union([s[:2] for s in spans])), "collective_ms": per(_union(coll)),
           **idle_gaps(spans, steps), "kernels": {g: per(t) for g, t in groups.most_common()}}
