@@ -15,6 +15,10 @@ of any bare product of the device, then :data:`DEFAULT`. A row's config names it
 ``cooperative`` when absent, ``pingpong`` or ``pingpong_ws``; ``benchmarks/bench_gemm.py --schedules`` writes rows
 for the faster one). A device kind with no rows of its own takes those of a kind of the same chip (the H200 the
 H100's: :func:`device_rows`), and :func:`describe` says so.
+
+Beside the GEMM rows the file holds ``"steps"``: the fast designs' whole step timed with each pair of backward
+products (ours or XLA's for dx and dw) at a head's bucket (``benchmarks/bench_step_products.py``); where one exists
+its fastest pair runs (:func:`step_products`).
 """
 
 from __future__ import annotations
