@@ -23,8 +23,11 @@ them in the weak-scaling ratios.
 XLA option for the train step (the trainer's ``--compiler-option``) and each ``--flag`` item a trainer argument as
 it is, e.g. ``--variant sol:xla_gpu_enable_analytical_sol_latency_estimator=true`` (XLA's scheduler costing the
 collectives and kernels by their sizes), ``--variant pgle:--pgle=3`` (by the times the first 3 steps measured) or
-``--variant unordered:--no-layer-grads-in-order``; rows carry their variant (``default``: none) and its trainer
-arguments, and weak scaling compares a row with k = 1 of its own head and variant.
+``--variant unordered:--no-layer-grads-in-order``; an ``env:KEY=VALUE`` item sets an environment variable of the
+variant's trainer processes (``--variant nch4:env:NCCL_MAX_NCHANNELS=4``: NCCL reads its settings when a process
+starts, so only a process of its own can change them; the schedules compiled in this process do not see it). Rows
+carry their variant (``default``: none) and its trainer arguments, and weak scaling compares a row with k = 1 of
+its own head and variant.
 
 ``--schedule`` compiles each head's step on one device and on the largest data-parallel mesh in this process, once
 per variant (of a ``--pgle=N`` one, the step a short run compiled with its profile, read from XLA's dump; the HLOs
@@ -48,6 +51,7 @@ import gzip
 import io
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -83,11 +87,21 @@ def job_meta(n: int, preset: str, per_device_batch: int) -> dict:
           "per_device_batch": per_device_batch, "preset": preset}
 
 
+ENV_ARG = "--env="  # (a variant's environment item among its trainer arguments: split off before they are parsed)
+
+
+def split_env(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+  """(the trainer arguments, the environment) of a variant's arguments (:func:`parse_variants`'s ``env:`` items)."""
+  env = dict(a.removeprefix(ENV_ARG).split("=", 1) for a in argv if a.startswith(ENV_ARG))
+  return [a for a in argv if not a.startswith(ENV_ARG)], env
+
+
 def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> dict:
   """One trainer process; its train_lm.json (or the error it ended with, or that it ran past ``timeout_s``)."""
+  argv, extra = split_env(argv)
   cmd = [sys.executable, SCRIPT, *argv, "--out", out, "--quiet"]
   path = os.environ.get("PYTHONPATH")  # (kept: optional wheels installed with --target are found through it)
-  env = {**os.environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
+  env = {**os.environ, **extra, "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                           timeout=timeout_s)
@@ -110,6 +124,7 @@ def schedule_rows(argv: list[str], k: int, head: str, variant: str, per_device_b
   from examples.lm import main as lm_main  # noqa: PLC0415
   from examples.lm.train import compile_step, compiled_memory, trainer_from_args  # noqa: PLC0415
 
+  argv = split_env(argv)[0]  # (an environment variable cannot reach this process's compile)
   dump = tempfile.mkdtemp(prefix="trainer_scaling_dump_")
   try:
     dump_args = compiler_option_args([f"xla_dump_to={dump}", "xla_dump_hlo_as_text=true"])
@@ -187,8 +202,9 @@ def compiler_option_args(options: list[str]) -> list[str]:
 
 def parse_variants(items: list[str]) -> dict[str, list[str]]:
   """``NAME:ITEM,ITEM`` items as name -> trainer arguments: a ``KEY=VALUE`` item becomes ``--compiler-option
-  KEY=VALUE``, a ``--flag`` item stays as it is; ``default`` (no arguments) first unless a variant takes that
-  name."""
+  KEY=VALUE``, a ``--flag`` item stays as it is, an ``env:KEY=VALUE`` item becomes ``--env=KEY=VALUE`` (an
+  environment variable of the trainer process, :func:`split_env`); ``default`` (no arguments) first unless a
+  variant takes that name."""
   out: dict[str, list[str]] = {"default": []}
   for item in items:
     name, sep, opts = item.partition(":")
@@ -197,9 +213,14 @@ def parse_variants(items: list[str]) -> dict[str, list[str]]:
         raise ValueError(item)
       parts = opts.split(",")
       flags = [o for o in parts if o.startswith("--")]
-      out[name] = [*flags, *compiler_option_args([o for o in parts if not o.startswith("--")])]
+      envs = [o.removeprefix("env:") for o in parts if o.startswith("env:")]
+      if any(not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", e) for e in envs):
+        raise ValueError(item)
+      xla = [o for o in parts if not o.startswith(("--", "env:"))]
+      out[name] = [*flags, *compiler_option_args(xla), *(ENV_ARG + e for e in envs)]
     except ValueError:
-      raise SystemExit(f"--variant {item!r}: expected NAME:ITEM[,ITEM...], each KEY=VALUE or --flag") from None
+      raise SystemExit(f"--variant {item!r}: expected NAME:ITEM[,ITEM...], each KEY=VALUE, --flag or "
+                       "env:KEY=VALUE") from None
   return out
 
 

@@ -434,19 +434,25 @@ def test_hlo_schedule_head_reduction_held_with_the_slot_free():
 
 
 def test_trainer_scaling_variants():
-  """benchmarks/trainer_scaling.py --variant: NAME:KEY=VALUE,... as the trainer's --compiler-option arguments and
-  --flag items as they are (``default`` first), malformed ones refused; weak scaling within a variant; the mesh
+  """benchmarks/trainer_scaling.py --variant: NAME:KEY=VALUE,... as the trainer's --compiler-option arguments,
+  --flag items as they are and env:KEY=VALUE items as the process's environment (``default`` first), malformed ones
+  refused; weak scaling within a variant; the mesh
   kinds of k devices."""
-  from benchmarks.trainer_scaling import meshes, parse_variants, weak_scaling
+  from benchmarks.trainer_scaling import meshes, parse_variants, split_env, weak_scaling
 
   assert parse_variants(["lhs:xla_gpu_enable_latency_hiding_scheduler=true,xla_x=2"]) == {
       "default": [], "lhs": ["--compiler-option", "xla_gpu_enable_latency_hiding_scheduler=true",
                              "--compiler-option", "xla_x=2"]}
   assert parse_variants(["u:--no-layer-grads-in-order,xla_y=1"])["u"] == [
       "--no-layer-grads-in-order", "--compiler-option", "xla_y=1"]
-  for bad in ("lhs", "lhs:", ":a=1", "lhs:a"):
+  for bad in ("lhs", "lhs:", ":a=1", "lhs:a", "n:env:NCCL_MAX_NCHANNELS", "n:env:1X=2"):
     with pytest.raises(SystemExit, match="--variant"):
       parse_variants([bad])
+  # env: items: the trainer process's environment, split off its arguments (and off those compiled in-process)
+  nch = parse_variants(["nch:env:NCCL_MAX_NCHANNELS=4,--pgle=2,env:NCCL_ALGO=Ring,xla_z=1"])["nch"]
+  assert nch == ["--pgle=2", "--compiler-option", "xla_z=1", "--env=NCCL_MAX_NCHANNELS=4", "--env=NCCL_ALGO=Ring"]
+  assert split_env(nch) == (["--pgle=2", "--compiler-option", "xla_z=1"],
+                            {"NCCL_MAX_NCHANNELS": "4", "NCCL_ALGO": "Ring"})
   row = lambda k, var, t: {"k": k, "mesh": f"data={k}", "head": "fused", "variant": var, "step_time_s": t}
   got = weak_scaling([row(1, "default", 0.10), row(1, "lhs", 0.08), row(2, "default", 0.125), row(2, "lhs", 0.1)])
   assert [r["weak_scaling"] for r in got] == [1.0, 1.0, 0.8, 0.8]
@@ -825,3 +831,24 @@ def test_bench_step_products_check_row():
   assert abs(r["auto_vs_plain"] - r["ms"]["auto"] / r["ms"]["plain"]) < 2e-3
   assert abs(r["auto_vs_plain_queued"] - r["ms_queued"]["auto"] / r["ms_queued"]["plain"]) < 2e-3
   assert all(v > 0 for v in (*r["ms"].values(), *r["ms_queued"].values()))
+
+
+def test_trainer_scaling_runs_a_variant_with_its_environment(tmp_path, monkeypatch):
+  """run_trainer: a variant's env: items reach the trainer process's environment, not its arguments."""
+  import json
+  import subprocess
+
+  from benchmarks import trainer_scaling
+
+  seen = {}
+
+  def fake_run(cmd, env, **_):
+    seen.update(cmd=cmd, env=env)
+    (tmp_path / "train_lm.json").write_text(json.dumps({"runs": {}}))
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+
+  monkeypatch.setattr(trainer_scaling.subprocess, "run", fake_run)
+  argv = ["--steps", "2", *trainer_scaling.parse_variants(["n:env:NCCL_MAX_NCHANNELS=4"])["n"]]
+  assert trainer_scaling.run_trainer(argv, str(tmp_path)) == {"runs": {}}
+  assert seen["env"]["NCCL_MAX_NCHANNELS"] == "4" and not any("NCCL" in a for a in seen["cmd"])
+  assert seen["cmd"][2:4] == ["--steps", "2"]
