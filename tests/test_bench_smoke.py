@@ -814,7 +814,8 @@ def test_bench_step_products_merges_rows_into_the_table(tmp_path):
     tuning.TABLE_PATH = str(table)
     tuning.load_steps.cache_clear()
     pair, why = tuning.step_products("logits", 8000, 4096, 128256, "NVIDIA H200")
-    assert pair == ("xla", "xla") and "38.00 ms against (gemm,gemm) 39.00" in why and "same" not in why
+    assert pair == ("xla", "xla") and "38.00 ms against (gemm, gemm) 39.00" in why
+    assert why.endswith("(table: nvidia h100 80gb hbm3/steps/logits/8192x4096x131072, the same chip as NVIDIA H200)")
     assert tuning.step_products("logits", 2048, 4096, 128256, "NVIDIA H100 80GB HBM3") is None
   finally:
     tuning.TABLE_PATH = old

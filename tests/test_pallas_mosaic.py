@@ -472,7 +472,8 @@ def test_fast_products_follow_the_measured_step(monkeypatch):
   d = explain(*args(1000), impl="pallas_mosaic", mode="fast", interpret=True)
   assert d.config.fast_design == "logits" and d.config.products == ("xla", "gemm"), d.config
   line = next(n for n in d.notes if "whole step measured fastest" in n)
-  assert "(dx, dw) on (xla, gemm): 37.50 ms against (gemm,gemm) 38.20, (gemm,xla) 38.00, (xla,xla) 37.80" in line
+  assert ("(dx, dw) on (xla, gemm): 37.50 ms against (gemm, gemm) 38.20, (gemm, xla) 38.00, (xla, xla) 37.80, the "
+          "plain head 39.50") in line
   assert f"table: {kind}/steps/logits/1024x512x2048" in line
   # another bucket of tokens: the per-product rows (ours faster on both)
   d = explain(*args(4000), impl="pallas_mosaic", mode="fast", interpret=True, config=Config(fast_design="logits"))

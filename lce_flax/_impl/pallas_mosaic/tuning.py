@@ -190,12 +190,13 @@ def step_products(design: str, tokens: int, hidden: int, vocab: int, device_kind
   want = list(bucket(tokens, hidden, vocab))
   for row in rows:
     if row["design"] == design and row["bucket"] == want:
-      pair = tuple(row["products"])
-      ms = row["ms"]
-      rest = ", ".join(f"({k}) {v:.2f}" for k, v in ms.items() if k != ",".join(pair))
+      pair, ms = tuple(row["products"]), row["ms"]
+      rest = ", ".join(("the plain head" if k == "plain" else f"({k.replace(',', ', ')})") + f" {v:.2f}"
+                       for k, v in ms.items() if k != ",".join(pair))
       b = "x".join(str(x) for x in row["bucket"])
+      same = "" if measured_on == _norm_kind(device_kind) else f", the same chip as {device_kind}"
       return pair, (f"the whole step measured fastest with (dx, dw) on ({', '.join(pair)}): "
-                    f"{ms[','.join(pair)]:.2f} ms against {rest} (table: {measured_on}/steps/{design}/{b})")
+                    f"{ms[','.join(pair)]:.2f} ms against {rest} (table: {measured_on}/steps/{design}/{b}{same})")
   return None
 
 
