@@ -44,6 +44,14 @@ from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 PAIRS = (("gemm", "gemm"), ("gemm", "xla"), ("xla", "gemm"), ("xla", "xla"))
 
 
+def pair_step(y, pair, interpret: bool):
+  """The jitted ``value_and_grad`` of x and w (summed loss) of ``impl="pallas_mosaic", mode="fast"`` with the
+  backward products ``pair`` (``PallasMosaicConfig.products``), and the keywords it calls the op with."""
+  kw = dict(reduction="sum", impl="pallas_mosaic", mode="fast", config=PallasMosaicConfig(products=pair),
+            interpret=interpret)
+  return jax.jit(jax.value_and_grad(lambda x, w: linear_cross_entropy(x, w, y, **kw), (0, 1))), kw
+
+
 def step_row(name: str, rounds: int, interpret: bool) -> dict:
   """One shape's times and its ``steps`` row."""
   x, w, y = bench.make_inputs(SHAPES[name])
@@ -52,12 +60,10 @@ def step_row(name: str, rounds: int, interpret: bool) -> dict:
   calls = {"plain": (head_steps(y, False, interpret)["plain"], (x, w))}
   design = block_t = None
   for pair in PAIRS:
-    cfg = PallasMosaicConfig(products=pair)
-    kw = dict(reduction="sum", impl="pallas_mosaic", mode="fast", config=cfg, interpret=interpret)
+    f, kw = pair_step(y, pair, interpret)
     d = explain(x, w, y, **kw)
     design, block_t = d.config.fast_design, d.config.block_t
-    loss = lambda x, w, kw=kw: linear_cross_entropy(x, w, y, **kw)
-    calls[",".join(pair)] = (jax.jit(jax.value_and_grad(loss, (0, 1))), (x, w))
+    calls[",".join(pair)] = (f, (x, w))
   t = interleaved(calls, rounds=rounds)
   best = min((k for k in t if k != "plain"), key=t.get)
   rows = -(-b // block_t) * block_t  # (the op's rows: tokens padded to its row tile, as its lookup takes them)

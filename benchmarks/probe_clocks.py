@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import bench  # noqa: E402
 from benchmarks.bench_floors import SHAPES, head_steps  # noqa: E402
 from benchmarks.bench_gemm import interleaved, save_probe  # noqa: E402
+from benchmarks.bench_step_products import pair_step  # noqa: E402
 from benchmarks.trainer_profile import device_summary, read_trace  # noqa: E402
-from lce_flax import PallasMosaicConfig, linear_cross_entropy  # noqa: E402
 
 FIELDS = ("clocks.sm", "power.draw", "clocks_throttle_reasons.active")
 
@@ -49,10 +49,7 @@ def contenders(y, interpret: bool) -> dict:
   """name -> jitted call of (x, w) (see the module's docstring)."""
   heads = head_steps(y, False, interpret)
   for name, products in (("auto_xla", "xla"), ("auto_gemm", "gemm")):
-    cfg = PallasMosaicConfig(products=products)
-    loss = lambda x, w, c=cfg: linear_cross_entropy(x, w, y, reduction="sum", impl="pallas_mosaic", mode="fast",
-                                                    config=c, interpret=interpret)
-    heads[name] = jax.jit(jax.value_and_grad(loss, (0, 1)))
+    heads[name] = pair_step(y, products, interpret)[0]
 
   def xla3(x, w):
     z = x @ w
