@@ -162,6 +162,7 @@ class Plan:
   stats_gemm: bool = False  # lean: the forward's statistics on the GEMM too (see lean_stats_on_gemm)
   products: tuple[str, str] | None = None  # fast designs: (dx, dw) each on "gemm" or "xla" (None: the lean design)
   stored: str | None = None  # fast designs: Config.stored as asked (None: where it applies; see stores_probs)
+  products_step: str | None = None  # the table's line on the whole step whose fastest pair ``products`` is (or None)
 
   @property
   def token_cotangents(self) -> bool:
@@ -388,7 +389,7 @@ def _products(p: Plan, c: Config, num_tokens: int, hidden: int, vocab: int) -> P
   kind, rows = gemm_lib._device_kind(), cdiv(num_tokens, p.block_t) * p.block_t
   step = tuning.step_products(p.fast_design, rows, hidden, vocab, kind)
   if step is not None:
-    return dataclasses.replace(p, products=step[0])
+    return dataclasses.replace(p, products=step[0], products_step=step[1])
   if p.fast_design == "tokens":
     return dataclasses.replace(p, products=("xla", "gemm"))
   on = lambda role, mnk: "xla" if tuning.xla_faster(role, *mnk, kind) else "gemm"
@@ -569,14 +570,10 @@ def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.
   else:
     why = gemm_refusal(tuning.DEFAULT, hidden, vocab)
     fwd = "forward: the warp-specialised kernel of kernels_ws.py" + (f" ({why})" if why else " (gemm=False)")
-  # (the pair the whole step measured fastest with, where the table has it and it is what runs)
-  step = tuning.step_products(p.fast_design, cdiv(max(num_tokens, 1), p.block_t) * p.block_t, hidden, vocab, kind)
-  step = step if step is not None and step[0] == p.products and p.gemm is not None else None
-
   def product(role, on, mnk):
     if on == "gemm":
       return f"on the GEMM: {tuning.describe(role, *mnk, kind)}"
-    why = tuning.xla_faster(role, *mnk, kind) if p.gemm is not None and step is None else None
+    why = tuning.xla_faster(role, *mnk, kind) if p.gemm is not None and p.products_step is None else None
     return "by XLA (cuBLAS)" + (f": {why}" if why else "")
 
   prods = f"backward products: dx = dz·wᵀ {product('dx', p.products[0], (rows, hidden, vocab))}"
@@ -586,7 +583,7 @@ def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.
     prods += f"; each chunk's dw added into the float32 dw in place by {acc}"
   else:
     prods += f"; dw = xᵀ·dz {product('dw', p.products[1], (hidden, vocab, rows))}"
-  return [fwd, prods] + ([f"backward products: {step[1]}"] if step is not None else [])
+  return [fwd, prods] + ([f"backward products: {p.products_step}"] if p.products_step else [])
 
 
 def _v_multiple(p: Plan, w_layout: str) -> int:
