@@ -16,6 +16,7 @@ the bucket, the fastest pair and every time.
     python3 -m benchmarks.bench_step_products [--shapes llama3-8b,qwen3-8b] [--rounds 7] [--out DIR]
     python3 -m benchmarks.bench_step_products --merge DIR/steps.json     # into the package's table
     python3 -m benchmarks.bench_step_products --check [--shapes ...]     # then: plain against auto, as it now runs
+    python3 -m benchmarks.bench_step_products --chunks 4096,8192 --shapes llama3-8b-32k   # the "tokens" design's chunk
     python3 -m benchmarks.bench_step_products --interpret --shapes tiny --rounds 1   # a CPU check
 
 Writes ``DIR/results.json`` (device, versions, date, ``LCE_FLAX_COMMIT``, rows) and ``DIR/steps.json`` (the rows
@@ -101,6 +102,39 @@ def check_row(name: str, rounds: int, interpret: bool) -> dict:
           "auto_vs_plain_queued": round(q["auto"] / q["plain"], 3)}
 
 
+def temp_bytes(f, args) -> int:
+  """The compiled step's extra device memory beyond its inputs and outputs (XLA's temp allocation)."""
+  return int(f.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def chunk_row(name: str, chunks: list[int], rounds: int, interpret: bool) -> dict:
+  """``--chunks``: the "tokens" design at each chunk of ``chunks`` tokens (``PallasMosaicConfig(token_chunk=c)``, its
+  products as the table picks them) against the plain head, in alternation, with each step's extra memory. A plain
+  head that does not fit (gemma2-2b at 32768 tokens on an 80 GB GPU) is recorded as its error and left out."""
+  x, w, y = bench.make_inputs(SHAPES[name])
+  calls, mem, errors, products = {}, {}, {}, {}
+  for c in chunks:
+    kw = dict(reduction="sum", impl="pallas_mosaic", mode="fast", interpret=interpret,
+              config=PallasMosaicConfig(fast_design="tokens", token_chunk=c))
+    f = jax.jit(jax.value_and_grad(lambda x, w, kw=kw: linear_cross_entropy(x, w, y, **kw), (0, 1)))
+    products[str(c)] = list(explain(x, w, y, **kw).config.products)
+    calls[str(c)], mem[str(c)] = (f, (x, w)), temp_bytes(f, (x, w))
+  plain = head_steps(y, False, interpret)["plain"]
+  try:
+    mem["plain"] = temp_bytes(plain, (x, w))
+    jax.block_until_ready(plain(x, w))
+    calls["plain"] = (plain, (x, w))
+  except Exception as e:  # noqa: BLE001 (recorded in the row: out of memory at the largest heads)
+    errors["plain"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  t = interleaved(calls, rounds=rounds)
+  row = {"name": name, "shape": [*x.shape, w.shape[1]],
+         "products": products, "ms": {k: round(s, 3) for k, s in t.items()},
+         "temp_gb": {k: round(b / 1e9, 3) for k, b in mem.items()}, "errors": errors}
+  if "plain" in t:
+    row["vs_plain"] = {k: round(s / t["plain"], 3) for k, s in t.items() if k != "plain"}
+  return row
+
+
 def merge(path: str, table_path: str = tuning.TABLE_PATH) -> None:
   """The rows of a ``steps.json`` into the package's table: a row replaces the table's row of the same kind,
   design and bucket."""
@@ -126,6 +160,8 @@ def main(argv=None) -> int:
   ap.add_argument("--merge", metavar="STEPS_JSON", help="merge a steps.json into the package's table, and stop")
   ap.add_argument("--check", action="store_true", help="only the plain head against auto as the table picks it "
                   "(rows into DIR/results.json)")
+  ap.add_argument("--chunks", metavar="C1,C2", help="only the \"tokens\" design at these chunks of tokens against "
+                  "the plain head, with each step's extra memory (rows into DIR/results.json)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_step_products"))
   a = ap.parse_args(argv)
   if a.merge:
@@ -134,11 +170,14 @@ def main(argv=None) -> int:
   kind = jax.devices()[0].device_kind
   rows = []
   for name in a.shapes.split(","):
-    r = (check_row if a.check else step_row)(name, a.rounds, a.interpret)
+    if a.chunks:
+      r = chunk_row(name, [int(c) for c in a.chunks.split(",")], a.rounds, a.interpret)
+    else:
+      r = (check_row if a.check else step_row)(name, a.rounds, a.interpret)
     rows.append(r)
     print(json.dumps(r), flush=True)
     save_probe(a.out, rows, a.rounds)
-    if a.check:
+    if a.check or a.chunks:
       continue
     with open(os.path.join(a.out, "steps.json"), "w") as f:
       json.dump({"steps": {kind: rows}}, f, indent=1)
