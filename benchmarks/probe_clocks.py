@@ -16,7 +16,14 @@ is timed in alternation (median of ``--rounds`` rounds of 10-run medians), then 
 ``trainer_profile.device_summary``).
 
     python3 -m benchmarks.probe_clocks [--shapes qwen3-8b,llama3-8b] [--out DIR]
+    python3 -m benchmarks.probe_clocks --products [--shapes ...]   # each bare product: ours against XLA's
     python3 -m benchmarks.probe_clocks --interpret --shapes tiny --rounds 1 --seconds 0.2   # a CPU check
+
+``--products`` takes, instead of the heads, each of the three products alone (``fwd`` x·w, ``dx`` dz·wᵀ, ``dw``
+xᵀ·dz, bf16 out) on the package's GEMM (its tuning table's config) and on XLA's (cuBLAS), as
+``bench_floors.product_calls`` builds them, and adds each one's energy per call (``joules``: the median power times
+the sustained ms per call) and per FLOP (``pj_per_flop``): at the power limit, the energy a GEMM spends per FLOP sets
+its speed.
 
 Writes ``DIR/results.json`` (device, versions, date, ``LCE_FLAX_COMMIT``, rows) after every shape.
 """
@@ -37,7 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import bench  # noqa: E402
-from benchmarks.bench_floors import SHAPES, head_steps  # noqa: E402
+from benchmarks.bench_floors import SHAPES, head_steps, product_calls  # noqa: E402
 from benchmarks.bench_gemm import interleaved, save_probe  # noqa: E402
 from benchmarks.bench_step_products import pair_step  # noqa: E402
 from benchmarks.trainer_profile import device_summary, read_trace  # noqa: E402
@@ -57,6 +64,19 @@ def contenders(y, interpret: bool) -> dict:
 
   heads["xla3"] = jax.jit(xla3)
   return heads
+
+
+def product_contenders(x, w, interpret: bool) -> dict:
+  """``--products``: name -> (jitted call, args, FLOPs) of each bare product on ours and on XLA's GEMM."""
+  from lce_flax._impl.pallas_mosaic import gemm  # noqa: PLC0415
+
+  (b, h), v = x.shape, w.shape[1]
+  dz = jax.jit(lambda x, w: x @ w)(x, w)  # (any bf16 [B, V] times the same)
+  out = {}
+  for role in ("fwd", "dx", "dw"):
+    for name, (f, args) in product_calls(role, x, w, dz, gemm._device_kind(), interpret, False).items():
+      out[f"{role}_{name}"] = (f, args, 2.0 * b * h * v)
+  return out
 
 
 def parse_samples(lines: list[str]) -> dict:
@@ -103,17 +123,24 @@ def sustained(f, args, seconds: float) -> dict:
   return {"ms_per_call": round(ms, 3), **parse_samples(lines)}
 
 
-def measure(name: str, rounds: int, seconds: float, steps: int, interpret: bool) -> list[dict]:
+def measure(name: str, rounds: int, seconds: float, steps: int, interpret: bool, products: bool = False
+            ) -> list[dict]:
   x, w, y = bench.make_inputs(SHAPES[name])
-  calls = contenders(y, interpret)
-  t = interleaved({k: (f, (x, w)) for k, f in calls.items()}, rounds=rounds)
+  if products:
+    calls = product_contenders(x, w, interpret)
+  else:
+    calls = {k: (f, (x, w), 6.0 * x.shape[0] * x.shape[1] * w.shape[1]) for k, f in contenders(y, interpret).items()}
+  t = interleaved({k: (f, a) for k, (f, a, _) in calls.items()}, rounds=rounds)
   rows = []
-  for k, f in calls.items():
-    row = {"shape": name, "contender": k, "ms": round(t[k], 3), **sustained(f, (x, w), seconds)}
+  for k, (f, args, flops) in calls.items():
+    row = {"shape": name, "contender": k, "ms": round(t[k], 3), **sustained(f, args, seconds)}
+    if row["power_w"] is not None:
+      joules = row["power_w"] * row["ms_per_call"] / 1e3
+      row.update(joules=round(joules, 4), pj_per_flop=round(joules / flops * 1e12, 4))
     with tempfile.TemporaryDirectory(prefix="probe_clocks_") as folder:
       with jax.profiler.trace(folder, create_perfetto_trace=True):
         for _ in range(steps):
-          jax.block_until_ready(f(x, w))
+          jax.block_until_ready(f(*args))
       s = device_summary(read_trace(folder), steps)
     row.update(busy_ms=s["busy_ms"], kernels=dict(list(s["kernels"].items())[:6]))
     print({kk: v for kk, v in row.items() if kk != "kernels"}, flush=True)
@@ -128,15 +155,16 @@ def main(argv=None) -> int:
   ap.add_argument("--seconds", type=float, default=3.0)
   ap.add_argument("--steps", type=int, default=3, help="profiled calls per contender")
   ap.add_argument("--interpret", action="store_true", help="the kernels interpreted (a CPU check)")
+  ap.add_argument("--products", action="store_true", help="each bare product, ours against XLA's, instead of the heads")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/probe_clocks"))
   a = ap.parse_args(argv)
   rows = []
   for name in a.shapes.split(","):
-    rows += measure(name, a.rounds, a.seconds, a.steps, a.interpret)
+    rows += measure(name, a.rounds, a.seconds, a.steps, a.interpret, a.products)
     save_probe(a.out, rows, a.rounds)
   for r in rows:
     print(f"{r['shape']:12s} {r['contender']:10s} {r['ms']:8.3f} ms  sustained {r['ms_per_call']:8.3f} ms  "
-          f"{r['sm_mhz']} MHz  {r['power_w']} W  reasons {r['reasons']}")
+          f"{r['sm_mhz']} MHz  {r['power_w']} W  reasons {r['reasons']}  {r.get('pj_per_flop')} pJ/FLOP")
   return 0 if np.isfinite([r["ms"] for r in rows]).all() else 1
 
 

@@ -834,6 +834,34 @@ def test_bench_step_products_check_row():
   assert all(v > 0 for v in (*r["ms"].values(), *r["ms_queued"].values()))
 
 
+def test_bench_step_products_chunk_row():
+  """bench_step_products --chunks on the CPU: the "tokens" design at a chunk beside the plain head, each step's
+  extra memory from its compiled step, the ratio taken from the same medians."""
+  from benchmarks import bench_step_products
+
+  r = bench_step_products.chunk_row("tiny", [128], 1, True)
+  assert r["shape"] == [256, 64, 960] and set(r["ms"]) == {"128", "plain"} and r["errors"] == {}
+  assert set(r["temp_gb"]) == {"128", "plain"} and r["products"]["128"] == ["xla", "xla"]
+  assert abs(r["vs_plain"]["128"] / (r["ms"]["128"] / r["ms"]["plain"]) - 1) < 2e-3
+
+
+def test_probe_clocks_products_are_the_bare_products():
+  """probe_clocks --products: each of the three products on ours and on XLA's GEMM, with its 2·B·H·V FLOPs (what the
+  energy per FLOP divides by), and the same product from both."""
+  import numpy as np
+
+  from benchmarks import bench, probe_clocks
+  from benchmarks.bench_floors import SHAPES
+
+  x, w, _ = bench.make_inputs(SHAPES["tiny"])
+  calls = probe_clocks.product_contenders(x, w, True)
+  assert sorted(calls) == sorted(f"{r}_{g}" for r in ("fwd", "dx", "dw") for g in ("xla", "ours"))
+  assert {c[2] for c in calls.values()} == {2.0 * 256 * 64 * 960}
+  f, args, _ = calls["dw_xla"]
+  g, gargs, _ = calls["dw_ours"]
+  np.testing.assert_allclose(np.asarray(g(*gargs), np.float32), np.asarray(f(*args), np.float32), rtol=2e-2, atol=2e-2)
+
+
 def test_trainer_scaling_runs_a_variant_with_its_environment(tmp_path, monkeypatch):
   """run_trainer: a variant's env: items reach the trainer process's environment, not its arguments."""
   import json
