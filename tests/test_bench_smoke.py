@@ -862,6 +862,21 @@ def test_probe_clocks_products_are_the_bare_products():
   np.testing.assert_allclose(np.asarray(g(*gargs), np.float32), np.asarray(f(*args), np.float32), rtol=2e-2, atol=2e-2)
 
 
+def test_probe_waves_dx_is_the_product():
+  """probe_waves: the dx it times on ours and on XLA's GEMM is dz·wᵀ (float64 NumPy reference), at a ragged row
+  count."""
+  import numpy as np
+
+  from benchmarks import probe_waves
+
+  ours, xla, (dz, w), _ = probe_waves.dx_calls(200, 64, 960, True)
+  ref = np.asarray(dz, np.float64) @ np.asarray(w, np.float64).T
+  for f in (ours, xla):
+    got = np.asarray(f(dz, w), np.float64)
+    assert got.shape == (200, 64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+
+
 def test_trainer_scaling_runs_a_variant_with_its_environment(tmp_path, monkeypatch):
   """run_trainer: a variant's env: items reach the trainer process's environment, not its arguments."""
   import json
