@@ -9,6 +9,7 @@ reports ms, TFLOP/s and the waves (CTA tiles ÷ SMs): where ours loses its rate 
 XLA's does not, the last wave is what it loses.
 
     python3 -m benchmarks.probe_waves [--hidden 4096 --vocab 128256 --rows 7936,8192,8448] [--out DIR]
+    python3 -m benchmarks.probe_waves --configs "wg_split=m,order_width=8"   # also ours with the table's config changed
     python3 -m benchmarks.probe_waves --interpret --hidden 64 --vocab 960 --rows 128,256 --rounds 1   # a CPU check
 
 Writes ``DIR/results.json`` (device, versions, date, ``LCE_FLAX_COMMIT``, rows).
@@ -17,6 +18,7 @@ Writes ``DIR/results.json`` (device, versions, date, ``LCE_FLAX_COMMIT``, rows).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_epilogue import _parse_changes  # noqa: E402
 from benchmarks.bench_gemm import interleaved, save_probe  # noqa: E402
 from lce_flax import _device  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
@@ -49,6 +52,8 @@ def main(argv=None) -> int:
   ap.add_argument("--vocab", type=int, default=128256)
   ap.add_argument("--rows", default="7936,8192,8448")
   ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--configs", default="", help="';'-separated field=value,... changes to the table's dx config, "
+                  "each timed as ours[change]")
   ap.add_argument("--interpret", action="store_true", help="the kernels interpreted (a CPU check)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/probe_waves"))
   a = ap.parse_args(argv)
@@ -56,7 +61,12 @@ def main(argv=None) -> int:
   rows_out = []
   for m in (int(r) for r in a.rows.split(",")):
     ours, xla, args, cfg = dx_calls(m, a.hidden, a.vocab, a.interpret)
-    t = interleaved({"ours": (ours, args), "xla": (xla, args)}, rounds=a.rounds)
+    calls = {"ours": (ours, args), "xla": (xla, args)}
+    for item in filter(None, a.configs.split(";")):
+      c2 = dataclasses.replace(cfg, **_parse_changes(item))
+      calls[f"ours[{item}]"] = (jax.jit(lambda dz, w, c2=c2: G.gemm(dz, w, transpose_b=True, config=c2,
+                                                                     interpret=a.interpret)), args)
+    t = interleaved(calls, rounds=a.rounds)
     cm, cn = cfg.cluster_tile()
     tiles = math.ceil(m / cm) * math.ceil(a.hidden / cn) * cfg.cluster_size()
     flops = 2.0 * m * a.hidden * a.vocab
