@@ -1,7 +1,7 @@
 """Whether the dx product loses time to its last, partly filled wave of output tiles (one GPU).
 
 dx = dz·wᵀ has a small output (B×H) and a long contraction (V): at llama3-8b, 8192×4096 out over K = 128256, whose
-CTA tiles of 128×256 are 512 for the H100's 132 SMs, 3.88 waves, so the last wave leaves 12% of the SMs idle.
+CTA tiles of 128×256 are 1024 for the H100's 132 SMs, 7.76 waves, so the last wave leaves a quarter of the SMs idle.
 A GEMM that splits K (or streams it) fills that wave; one that does not pays for it. This times dx at a few row
 counts around ``--rows`` (each a whole number of 128-row tiles, so the number of waves moves while the work per
 tile stays), on the package's GEMM (the tuning table's config for that shape) and on XLA's, in alternation, and
@@ -41,9 +41,13 @@ def dx_calls(rows: int, hidden: int, vocab: int, interpret: bool):
   dz = jax.random.normal(kz, (rows, vocab), jnp.bfloat16)
   w = (0.02 * jax.random.normal(kw, (hidden, vocab))).astype(jnp.bfloat16)
   cfg = tuning.select_config("dx", rows, hidden, vocab, G._device_kind())
-  ours = jax.jit(lambda dz, w: G.gemm(dz, w, transpose_b=True, config=cfg, interpret=interpret))
   xla = jax.jit(lambda dz, w: jax.lax.dot_general(dz, w, (((1,), (1,)), ((), ()))))
-  return ours, xla, (dz, w), cfg
+  return ours_dx(cfg, interpret), xla, (dz, w), cfg
+
+
+def ours_dx(cfg: G.GemmConfig, interpret: bool):
+  """The package's GEMM forming dx = dz·wᵀ (w [H, V]) with the tiling ``cfg``, jitted."""
+  return jax.jit(lambda dz, w: G.gemm(dz, w, transpose_b=True, config=cfg, interpret=interpret))
 
 
 def main(argv=None) -> int:
@@ -63,9 +67,7 @@ def main(argv=None) -> int:
     ours, xla, args, cfg = dx_calls(m, a.hidden, a.vocab, a.interpret)
     calls = {"ours": (ours, args), "xla": (xla, args)}
     for item in filter(None, a.configs.split(";")):
-      c2 = dataclasses.replace(cfg, **_parse_changes(item))
-      calls[f"ours[{item}]"] = (jax.jit(lambda dz, w, c2=c2: G.gemm(dz, w, transpose_b=True, config=c2,
-                                                                     interpret=a.interpret)), args)
+      calls[f"ours[{item}]"] = (ours_dx(dataclasses.replace(cfg, **_parse_changes(item)), a.interpret), args)
     t = interleaved(calls, rounds=a.rounds)
     cm, cn = cfg.cluster_tile()
     tiles = math.ceil(m / cm) * math.ceil(a.hidden / cn) * cfg.cluster_size()
