@@ -492,6 +492,32 @@ def test_fast_products_follow_the_measured_step(monkeypatch):
       explain(*args(1000), impl="pallas_mosaic", mode="fast", interpret=True, config=Config(products=bad))
 
 
+def test_explain_says_what_a_larger_token_chunk_costs():
+  """explain() on the "tokens" design: where the default chunk was cut to fit TOKEN_CHUNK_BYTES (32768 tokens of
+  llama3-8b and gemma2-2b) a line says so, with the memory a doubled ``Config.token_chunk`` would hold; none where
+  the chunk is at its full-speed size (gpt2-small) or was asked for."""
+  from lce_flax import explain
+
+  sds = jax.ShapeDtypeStruct
+
+  def notes(n, h, v, **kw):
+    d = explain(sds((n, h), jnp.bfloat16), sds((h, v), jnp.bfloat16), sds((n,), jnp.int32), impl="pallas_mosaic",
+                mode="fast", interpret=True, **kw)
+    return d.config, [x for x in d.notes if x.startswith("token chunks of")]
+
+  for (h, v), chunk in (((4096, 128256), 4096), ((2304, 256000), 2048)):
+    cfg, got = notes(32768, h, v)
+    assert (cfg.fast_design, cfg.token_chunk) == ("tokens", chunk) and len(got) == 1, (cfg, got)
+    assert got[0].startswith(f"token chunks of {chunk} tokens: the largest power of two whose stored tiles "
+                             f"({chunk}×{v}×2 bytes) fit in 1024 MiB")
+    assert f"holds about {2 * chunk * v * 2 / 1e9:.2f} GB more when doubled" in got[0]
+    assert "Config.token_chunk" in got[0]
+    cfg, got = notes(32768, h, v, config=Config(token_chunk=2 * chunk))
+    assert cfg.token_chunk == 2 * chunk and got == []
+  cfg, got = notes(16384, 768, 50304)
+  assert (cfg.fast_design, cfg.token_chunk) == ("tokens", 8192) and got == []
+
+
 @pytest.mark.parametrize("design,w_layout,bias,smoothing", [
     ("logits", "hv", True, 0.1), ("logits", "vh", False, 0.1), ("tokens", "vh", True, 0.1),
     ("logits", "hv", True, 0.0), ("tokens", "hv", False, 0.0)])

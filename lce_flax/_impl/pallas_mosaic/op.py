@@ -528,6 +528,8 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
     notes.append(_lean_note(p, num_tokens, hidden, vocab))
   else:
     notes.extend(_gemm_notes(p, num_tokens, hidden, vocab, spec, probs))
+    if p.fast_design == "tokens" and (config is None or config.token_chunk is None):
+      notes.extend(_chunk_note(p.token_chunk, num_tokens, hidden, vocab, jnp.dtype(dtype).itemsize))
     if probs:
       notes.append(f"the stored tiles are exp(zc - r), r each row's largest logit at the labels of {REF_COLUMNS} "
                    "tokens of the batch: the backward's products take them as they are (dz = one factor per row, the "
@@ -560,6 +562,19 @@ def _lean_note(p: Plan, num_tokens: int, hidden: int, vocab: int) -> str:
   return (f"lean kernels on the persistent GEMM (lce_flax/_impl/pallas_mosaic/gemm.py): {fwd}; each chunk's logit "
           f"gradient recomputed with the LogitGrad epilogue, "
           f"{tuning.describe('lean_dz', rows, p.vocab_chunk, hidden, kind)}; dx and dw of each chunk by XLA (cuBLAS)")
+
+
+def _chunk_note(chunk: int, num_tokens: int, hidden: int, vocab: int, itemsize: int) -> list[str]:
+  """explain()'s line on a default "tokens" chunk that :data:`TOKEN_CHUNK_BYTES` cut below its full-speed size
+  (:func:`token_chunk`): what a larger ``Config.token_chunk`` would cost and buy. None where it was not cut."""
+  if pow2_floor(max(_fast_chunk(num_tokens, hidden), 1)) <= chunk:
+    return []
+  return [f"token chunks of {chunk} tokens: the largest power of two whose stored tiles ({chunk}×{vocab}×{itemsize} "
+          f"bytes) fit in {TOKEN_CHUNK_BYTES >> 20} MiB, which keeps the extra memory near H·V·4 + 1 GiB; each chunk "
+          f"adds its dw into the {hidden}×{vocab} float32 dw, so a larger Config.token_chunk runs faster and holds "
+          f"about {2 * chunk * vocab * itemsize / 1e9:.2f} GB more when doubled (on an H100 at 32768 tokens, doubling "
+          "the chunk took llama3-8b's step from 0.986 to 0.980× the plain head's time and gemma2-2b's from 0.928 to "
+          "0.890×, each 2.1 GB more: benchmarks/results/step-h100-2026-11-28-r20/)"]
 
 
 def _gemm_notes(p: Plan, num_tokens: int, hidden: int, vocab: int, spec: common.Spec, probs: bool) -> list[str]:
