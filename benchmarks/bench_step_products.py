@@ -45,12 +45,16 @@ from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 PAIRS = (("gemm", "gemm"), ("gemm", "xla"), ("xla", "gemm"), ("xla", "xla"))
 
 
-def pair_step(y, pair, interpret: bool):
-  """The jitted ``value_and_grad`` of x and w (summed loss) of ``impl="pallas_mosaic", mode="fast"`` with the
-  backward products ``pair`` (``PallasMosaicConfig.products``), and the keywords it calls the op with."""
-  kw = dict(reduction="sum", impl="pallas_mosaic", mode="fast", config=PallasMosaicConfig(products=pair),
-            interpret=interpret)
+def fast_step(y, config: PallasMosaicConfig, interpret: bool):
+  """The jitted ``value_and_grad`` of x and w (summed loss) of ``impl="pallas_mosaic", mode="fast"`` with
+  ``config``, and the keywords it calls the op with."""
+  kw = dict(reduction="sum", impl="pallas_mosaic", mode="fast", config=config, interpret=interpret)
   return jax.jit(jax.value_and_grad(lambda x, w: linear_cross_entropy(x, w, y, **kw), (0, 1))), kw
+
+
+def pair_step(y, pair, interpret: bool):
+  """:func:`fast_step` with the backward products ``pair`` (``PallasMosaicConfig.products``)."""
+  return fast_step(y, PallasMosaicConfig(products=pair), interpret)
 
 
 def step_row(name: str, rounds: int, interpret: bool) -> dict:
@@ -114,9 +118,7 @@ def chunk_row(name: str, chunks: list[int], rounds: int, interpret: bool) -> dic
   x, w, y = bench.make_inputs(SHAPES[name])
   calls, mem, errors, products = {}, {}, {}, {}
   for c in chunks:
-    kw = dict(reduction="sum", impl="pallas_mosaic", mode="fast", interpret=interpret,
-              config=PallasMosaicConfig(fast_design="tokens", token_chunk=c))
-    f = jax.jit(jax.value_and_grad(lambda x, w, kw=kw: linear_cross_entropy(x, w, y, **kw), (0, 1)))
+    f, kw = fast_step(y, PallasMosaicConfig(fast_design="tokens", token_chunk=c), interpret)
     products[str(c)] = list(explain(x, w, y, **kw).config.products)
     calls[str(c)], mem[str(c)] = (f, (x, w)), temp_bytes(f, (x, w))
   plain = head_steps(y, False, interpret)["plain"]

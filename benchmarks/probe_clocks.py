@@ -48,6 +48,7 @@ from benchmarks.bench_floors import SHAPES, head_steps, product_calls  # noqa: E
 from benchmarks.bench_gemm import interleaved, save_probe  # noqa: E402
 from benchmarks.bench_step_products import pair_step  # noqa: E402
 from benchmarks.trainer_profile import device_summary, read_trace  # noqa: E402
+from lce_flax._impl.pallas_mosaic import gemm  # noqa: E402
 
 FIELDS = ("clocks.sm", "power.draw", "clocks_throttle_reasons.active")
 
@@ -68,8 +69,6 @@ def contenders(y, interpret: bool) -> dict:
 
 def product_contenders(x, w, interpret: bool) -> dict:
   """``--products``: name -> (jitted call, args, FLOPs) of each bare product on ours and on XLA's GEMM."""
-  from lce_flax._impl.pallas_mosaic import gemm  # noqa: PLC0415
-
   (b, h), v = x.shape, w.shape[1]
   dz = jax.jit(lambda x, w: x @ w)(x, w)  # (any bf16 [B, V] times the same)
   out = {}
