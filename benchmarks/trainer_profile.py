@@ -11,9 +11,10 @@ model, ``--per-device-batch`` sequences per device, a data-parallel mesh of k de
 (``examples.lm.train.run_steps``: each step dispatched before the previous one's loss is read). Each step's time
 as the trainer counts it; from the trace, on the first device, the time its streams are busy (the union of its
 kernels' intervals) and what they run, grouped by kernel name (numbers stripped), with the collectives (NCCL
-kernels) summed apart. A step that is longer than its device's busy time waited on something else (the host,
-another device): the idle gaps of 50 µs or more are summed per step and the largest listed with the kernels on
-either side.
+kernels) summed apart, and the collectives' time with no other kernel running (what they cannot hide), by
+collective and the kernel before it. A step that is longer than its device's busy time waited on something else
+(the host, another device): the idle gaps of 50 µs or more are summed per step and the largest listed with the
+kernels on either side.
 
 Writes ``DIR/trainer_profile.json`` (device, versions, date, commit, one entry per (k, head): step ms, busy ms,
 collective ms, the kernel groups) and prints, per head, the kernel groups whose time per step grew most from k = 1
@@ -97,6 +98,53 @@ def device_spans(events: list[dict]) -> tuple[str | None, list[tuple[float, floa
   return name, spans, []
 
 
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+  out: list[tuple[float, float]] = []
+  for a, b in sorted(intervals):
+    if out and a <= out[-1][1]:
+      out[-1] = (out[-1][0], max(out[-1][1], b))
+    else:
+      out.append((a, b))
+  return out
+
+
+def _uncovered(a: float, b: float, cover: list[tuple[float, float]]) -> float:
+  """How much of [a, b] no interval of ``cover`` (merged, sorted) covers."""
+  left = b - a
+  for c, d in cover:
+    if d <= a:
+      continue
+    if c >= b:
+      break
+    left -= min(b, d) - max(a, c)
+  return left
+
+
+def exposed_collectives(spans: list[tuple[float, float, str]], steps: int, top: int = 8) -> dict:
+  """The collectives' time during which no other kernel of the device runs: what they add to the step where
+  they cannot hide. ``compute_ms``: the union of the other kernels' intervals; ``exposed_collective_ms``: the
+  collectives' union less that; ``exposed``: the ``top`` largest by exposed time, grouped by collective kernel
+  and the compute kernel that ended last before each began (one place in the step: the same one in each step),
+  with their launches and their whole and exposed time per step (ms)."""
+  compute = _merged([(a, b) for a, b, n in spans if not COLLECTIVE.search(n)])
+  coll = sorted((a, b, n) for a, b, n in spans if COLLECTIVE.search(n))
+  ends = sorted((b, n) for a, b, n in spans if not COLLECTIVE.search(n))
+  places: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+  for a, b, n in coll:
+    before = [m for e, m in ends if e <= a]
+    key = (kernel_group(n), kernel_group(before[-1]) if before else "(step start)")
+    places[key][0] += 1
+    places[key][1] += b - a
+    places[key][2] += _uncovered(a, b, compute)
+  merged = _merged([(a, b) for a, b, _ in coll])
+  per = lambda us: round(us / 1e3 / steps, 4)
+  rows = sorted(places.items(), key=lambda kv: -kv[1][2])[:top]
+  return {"compute_ms": per(_union(compute)),
+          "exposed_collective_ms": per(sum(_uncovered(a, b, compute) for a, b in merged)),
+          "exposed": [{"collective": c, "after": after, "launches_per_step": round(v[0] / steps, 2),
+                       "ms": per(v[1]), "exposed_ms": per(v[2])} for (c, after), v in rows]}
+
+
 def device_summary(events: list[dict], steps: int) -> dict:
   """Per-step kernel time of the first GPU in a Chrome/Perfetto trace's ``events`` (:func:`device_spans`): busy
   (union of its kernels' intervals), collectives, and the kernel groups (ms per step), largest first. ``device``
@@ -104,15 +152,16 @@ def device_summary(events: list[dict], steps: int) -> dict:
   None)."""
   name, spans, processes = device_spans(events)
   if name is None:
-    return {"device": None, "busy_ms": None, "collective_ms": None, "idle_ms": None, "idle_gaps": [], "kernels": {},
-            "processes": processes}
+    return {"device": None, "busy_ms": None, "collective_ms": None, "compute_ms": None, "exposed_collective_ms": None,
+            "exposed": [], "idle_ms": None, "idle_gaps": [], "kernels": {}, "processes": processes}
   groups = collections.Counter()
   for a, b, n in spans:
     groups[kernel_group(n)] += b - a
   coll = [(a, b) for a, b, n in spans if COLLECTIVE.search(n)]
   per = lambda us: round(us / 1e3 / steps, 4)
   return {"device": name, "busy_ms": per(_union([s[:2] for s in spans])), "collective_ms": per(_union(coll)),
-          **idle_gaps(spans, steps), "kernels": {g: per(t) for g, t in groups.most_common()}}
+          **exposed_collectives(spans, steps), **idle_gaps(spans, steps),
+          "kernels": {g: per(t) for g, t in groups.most_common()}}
 
 
 def read_trace(folder: str) -> list[dict]:
@@ -194,8 +243,13 @@ def main(argv=None) -> int:
     many = next(r for r in runs if r["head"] == head and r["k"] == hi)
     print(f"\n{head}: step {one['step_ms']} -> {many['step_ms']} ms; device busy {one['busy_ms']} -> "
           f"{many['busy_ms']} ms; idle in gaps of 50 us or more {one['idle_ms']} -> {many['idle_ms']} ms; "
-          f"collectives {one['collective_ms']} -> {many['collective_ms']} ms")
+          f"collectives {one['collective_ms']} -> {many['collective_ms']} ms, of which with no other kernel running "
+          f"{one['exposed_collective_ms']} -> {many['exposed_collective_ms']} ms; other kernels' union "
+          f"{one['compute_ms']} -> {many['compute_ms']} ms")
     if one["device"] is not None:
+      for e in many["exposed"]:
+        print(f"  exposed, k = {hi}: {e['exposed_ms']:7.3f} of {e['ms']:7.3f} ms  {e['collective'][:48]} after "
+              f"{e['after'][:40]} ({e['launches_per_step']} a step)")
       for r in (one, many):
         print(f"  largest gaps, k = {r['k']}: " + "; ".join(f"{g['us']:.0f} us {g['after'][:40]} -> {g['before'][:40]}"
                                                            for g in r["idle_gaps"][:5]))

@@ -616,6 +616,31 @@ def test_trainer_profile_sums_device_time():
   assert growth(got, more)[0] == ("loop_add_fusion", 0.75, 2.0)
 
 
+def test_trainer_profile_exposed_collectives():
+  """benchmarks/trainer_profile.py: a collective's time with no other kernel of the device running is counted as
+  exposed, by collective and the kernel that ended last before it, per step; a collective under a compute kernel
+  adds nothing; against hand-computed values."""
+  from benchmarks.trainer_profile import exposed_collectives
+
+  ar, ag = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(args)", "ncclDevKernel_AllGather_RING_LL"
+  spans = [(0, 1000, "gemm_fusion_dot.4"), (900, 1600, "loop_add_fusion.2"), (3000, 5000, "mosaic_gpu_kernel"),
+           (1200, 2200, ar),  # 1200-1600 under the add, 1600-2200 alone
+           (3500, 4000, ag),  # under the Mosaic kernel
+           (4800, 5300, ar), (5100, 5400, ag)]  # 4800-5000 under it; 5000-5400 alone (the two overlap)
+  got = exposed_collectives(spans, steps=2)
+  assert got["compute_ms"] == round((1600 + 2000) / 2e3, 4)
+  assert got["exposed_collective_ms"] == round((600 + 400) / 2e3, 4)
+  rows = {(e["collective"], e["after"]): e for e in got["exposed"]}
+  assert rows[("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "gemm_fusion_dot")] == {
+      "collective": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "after": "gemm_fusion_dot", "launches_per_step": 0.5,
+      "ms": 0.5, "exposed_ms": 0.3}
+  assert rows[("ncclDevKernel_AllGather_RING_LL", "loop_add_fusion")]["exposed_ms"] == 0.0
+  # after the Mosaic kernel's end (5000): the all-reduce 4800-5300 began before it ended, so it follows the add
+  assert rows[("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "loop_add_fusion")]["exposed_ms"] == 0.15
+  assert rows[("ncclDevKernel_AllGather_RING_LL", "mosaic_gpu_kernel")]["exposed_ms"] == 0.15
+  assert got["exposed"][0]["exposed_ms"] == 0.3  # largest first
+
+
 def test_trainer_profile_runs_on_cpu(tmp_path):
   """benchmarks/trainer_profile.py end to end on 2 simulated CPU devices with a tiny model: one run per (k, head),
   each step timed (the CPU trace has no device process, so no device numbers); ``--compiler-option`` reaches the
