@@ -6,7 +6,8 @@ the kernels whose time grows from one device to k.
       python3 -m benchmarks.trainer_profile --preset cpu --small --ks 1,2 --out DIR   # a CPU check of the driver
 
 For each k and head (``fused``: lce_flax's, ``plain``: ``nn.Dense`` + optax) the trainer's step (its preset's
-model, ``--per-device-batch`` sequences per device, a data-parallel mesh of k devices) is compiled, run
+model, ``--per-device-batch`` sequences per device, on k devices: a data-parallel mesh, or with ``--meshes`` the
+FSDP and tensor meshes of ``trainer_scaling``) is compiled, run
 ``--warmup`` times, then ``--steps`` times under ``jax.profiler.trace`` (Perfetto JSON), as the trainer runs them
 (``examples.lm.train.run_steps``: each step dispatched before the previous one's loss is read). Each step's time
 as the trainer counts it; from the trace, on the first device, the time its streams are busy (the union of its
@@ -39,7 +40,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # (the example trainer's package, examples.lm)
 
-from benchmarks.trainer_scaling import SMALL, compiler_option_args, job_meta  # noqa: E402
+from benchmarks.trainer_scaling import SMALL, compiler_option_args, job_meta, meshes  # noqa: E402
 
 COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|collective", re.I)
 
@@ -185,11 +186,13 @@ def growth(one: dict, many: dict, top: int = 12) -> list[tuple[str, float, float
 # ------------------------------------------------------------------------------------------- the runs
 
 def profile_one(argv: list[str], k: int, head: str, per_device_batch: int, warmup: int, steps: int,
-                trace_dir: str) -> dict:
+                trace_dir: str, mesh: str | None = None) -> dict:
+  """``head``'s step on ``mesh`` (the trainer's ``--mesh``; default ``data={k}``) of ``k`` devices, profiled."""
   from examples.lm import main as lm_main  # noqa: PLC0415
   from examples.lm.train import compile_step, compiled_memory, run_steps, trainer_from_args  # noqa: PLC0415
 
-  args = lm_main.parse_args([*argv, "--mesh", f"data={k}", "--num-devices", str(k),
+  mesh = mesh or f"data={k}"
+  args = lm_main.parse_args([*argv, "--mesh", mesh, "--num-devices", str(k),
                              "--batch-size", str(per_device_batch * k)])
   tr = trainer_from_args(args, head)
   rng = np.random.default_rng(0)
@@ -204,15 +207,18 @@ def profile_one(argv: list[str], k: int, head: str, per_device_batch: int, warmu
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):  # (timed as the trainer times its steps)
       state, times = run_steps(compiled, state, range(steps), lambda i: batch)
   summary = device_summary(read_trace(trace_dir), steps)
-  return {"k": k, "head": head, "batch_size": args.batch_size, "step_ms": round(1e3 * float(np.median(times)), 3),
-          "step_ms_all": [round(1e3 * t, 3) for t in times], "memory": compiled_memory(compiled), **summary}
+  return {"k": k, "mesh": mesh, "head": head, "batch_size": args.batch_size,
+          "step_ms": round(1e3 * float(np.median(times)), 3), "step_ms_all": [round(1e3 * t, 3) for t in times],
+          "memory": compiled_memory(compiled), **summary}
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--preset", default="gpu")
   ap.add_argument("--per-device-batch", type=int, default=8, help="sequences per device")
-  ap.add_argument("--ks", default="1,2", help="comma-separated device counts (data-parallel meshes)")
+  ap.add_argument("--ks", default="1,2", help="comma-separated device counts")
+  ap.add_argument("--meshes", default="data", help="comma-separated mesh kinds for k > 1 (data, fsdp, tensor: "
+                  "trainer_scaling's); k = 1 runs data=1 once")
   ap.add_argument("--heads", default="fused,plain")
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--steps", type=int, default=5, help="profiled steps per (k, head)")
@@ -229,19 +235,27 @@ def main(argv=None) -> int:
   common = ["--preset", a.preset, *(SMALL if a.small else []), *compiler_option_args(a.compiler_option)]
   traces = os.path.join(a.out, "traces") if a.keep_traces else tempfile.mkdtemp(prefix="trainer_profile_")
   meta = {**job_meta(jax.device_count(), a.preset, a.per_device_batch), "steps": a.steps}
+  kinds = a.meshes.split(",")
+  for kind in kinds:
+    if kind not in meshes(2):
+      raise SystemExit(f"--meshes {a.meshes}: {kind!r} is not one of {sorted(meshes(2))}")
   runs = []
   for head in a.heads.split(","):
     for k in ks:
-      r = profile_one(common, k, head, a.per_device_batch, a.warmup, a.steps, os.path.join(traces, f"{head}_{k}"))
-      runs.append(r)
-      print(json.dumps({key: v for key, v in r.items() if key != "kernels"}), flush=True)
-      with open(os.path.join(a.out, "trainer_profile.json"), "w") as f:
-        json.dump({**meta, "runs": runs}, f, indent=1)
+      for mesh in sorted({meshes(k).get(kind, f"data={k}") for kind in kinds}):
+        r = profile_one(common, k, head, a.per_device_batch, a.warmup, a.steps,
+                        os.path.join(traces, f"{head}_{mesh.replace('=', '').replace(',', '_')}"), mesh)
+        runs.append(r)
+        print(json.dumps({key: v for key, v in r.items() if key != "kernels"}), flush=True)
+        with open(os.path.join(a.out, "trainer_profile.json"), "w") as f:
+          json.dump({**meta, "runs": runs}, f, indent=1)
   lo, hi = min(ks), max(ks)
-  for head in a.heads.split(","):
+  for head, kind in ((h, kind) for h in a.heads.split(",") for kind in kinds):
+    if kind not in meshes(hi):
+      continue
     one = next(r for r in runs if r["head"] == head and r["k"] == lo)
-    many = next(r for r in runs if r["head"] == head and r["k"] == hi)
-    print(f"\n{head}: step {one['step_ms']} -> {many['step_ms']} ms; device busy {one['busy_ms']} -> "
+    many = next(r for r in runs if r["head"] == head and r["mesh"] == meshes(hi)[kind])
+    print(f"\n{head}, {many['mesh']}: step {one['step_ms']} -> {many['step_ms']} ms; device busy {one['busy_ms']} -> "
           f"{many['busy_ms']} ms; idle in gaps of 50 us or more {one['idle_ms']} -> {many['idle_ms']} ms; "
           f"collectives {one['collective_ms']} -> {many['collective_ms']} ms, of which with no other kernel running "
           f"{one['exposed_collective_ms']} -> {many['exposed_collective_ms']} ms; other kernels' union "

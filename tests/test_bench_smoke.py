@@ -642,9 +642,9 @@ def test_trainer_profile_exposed_collectives():
 
 
 def test_trainer_profile_runs_on_cpu(tmp_path):
-  """benchmarks/trainer_profile.py end to end on 2 simulated CPU devices with a tiny model: one run per (k, head),
-  each step timed (the CPU trace has no device process, so no device numbers); ``--compiler-option`` reaches the
-  step's compile (a misspelled one fails it)."""
+  """benchmarks/trainer_profile.py end to end on 2 simulated CPU devices with a tiny model: one run per (k, head)
+  (and mesh, with ``--meshes``), each step timed (the CPU trace has no device process, so no device numbers);
+  ``--compiler-option`` reaches the step's compile (a misspelled one fails it)."""
   import json
   import subprocess
   import sys
@@ -665,6 +665,14 @@ def test_trainer_profile_runs_on_cpu(tmp_path):
   assert [(r["k"], r["head"], r["batch_size"]) for r in runs] == [(1, "fused", 8), (2, "fused", 16), (1, "plain", 8),
                                                                    (2, "plain", 16)]
   assert all(r["step_ms"] > 0 and len(r["step_ms_all"]) == 2 and r["busy_ms"] is None for r in runs)
+  # --meshes: k = 1 once, then each mesh kind of k = 2 (FSDP: the parameters split over the devices)
+  assert run("--heads", "fused", "--meshes", "data,fdsp").returncode != 0
+  proc = run("--heads", "fused", "--meshes", "data,fsdp")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  runs = json.loads((tmp_path / "trainer_profile.json").read_text())["runs"]
+  assert [(r["k"], r["mesh"], r["batch_size"]) for r in runs] == [(1, "data=1", 8), (2, "data=2", 16),
+                                                                   (2, "fsdp=2", 16)]
+  assert "fused, fsdp=2: step" in proc.stdout and "fused, data=2: step" in proc.stdout
 
 
 def test_bench_lean_widths(tmp_path):
