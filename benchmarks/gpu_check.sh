@@ -72,6 +72,10 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap --form
   | sed 's/^/gpu: /' || echo "gpu: nvidia-smi not found"
 echo "cpu cores: $(nproc)"
 [ "$SECTIONS" = " 1 2 3 4 " ] || echo "sections run: $SECTIONS(GPU_CHECK_SECTIONS): not the whole check"
+if [ "${GPU_CHECK_SECONDS:-570}" -lt 570 ]; then  # (the tests alone took ~310 s of it on one H100, 2026-11-28)
+  echo "time limit: GPU_CHECK_SECONDS=$GPU_CHECK_SECONDS, under the 570 s the whole check is given: its tests may be" \
+    "stopped before they end, and a check stopped so does not pass"
+fi
 "$PY" - <<'EOF'
 import importlib.metadata as md, platform
 names = ["jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint", "numpy",
