@@ -25,6 +25,7 @@ to the largest k. The traces themselves stay in a temporary folder unless ``--ke
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import glob
 import gzip
@@ -54,14 +55,19 @@ def kernel_group(name: str) -> str:
   return re.sub(r"[._]\d+$", "", name)
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
-  total, end = 0.0, -float("inf")
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+  """``intervals`` as disjoint ones, sorted."""
+  out: list[tuple[float, float]] = []
   for a, b in sorted(intervals):
-    if b <= end:
-      continue
-    total += b - max(a, end)
-    end = b
-  return total
+    if out and a <= out[-1][1]:
+      out[-1] = (out[-1][0], max(out[-1][1], b))
+    else:
+      out.append((a, b))
+  return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+  return sum(b - a for a, b in _merged(intervals))
 
 
 def idle_gaps(spans: list[tuple[float, float, str]], steps: int, top: int = 12, floor_us: float = 50.0) -> dict:
@@ -99,16 +105,6 @@ def device_spans(events: list[dict]) -> tuple[str | None, list[tuple[float, floa
   return name, spans, []
 
 
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-  out: list[tuple[float, float]] = []
-  for a, b in sorted(intervals):
-    if out and a <= out[-1][1]:
-      out[-1] = (out[-1][0], max(out[-1][1], b))
-    else:
-      out.append((a, b))
-  return out
-
-
 def _uncovered(a: float, b: float, cover: list[tuple[float, float]]) -> float:
   """How much of [a, b] no interval of ``cover`` (merged, sorted) covers."""
   left = b - a
@@ -130,10 +126,11 @@ def exposed_collectives(spans: list[tuple[float, float, str]], steps: int, top: 
   compute = _merged([(a, b) for a, b, n in spans if not COLLECTIVE.search(n)])
   coll = sorted((a, b, n) for a, b, n in spans if COLLECTIVE.search(n))
   ends = sorted((b, n) for a, b, n in spans if not COLLECTIVE.search(n))
+  end_times = [e for e, _ in ends]
   places: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
   for a, b, n in coll:
-    before = [m for e, m in ends if e <= a]
-    key = (kernel_group(n), kernel_group(before[-1]) if before else "(step start)")
+    i = bisect.bisect_right(end_times, a)  # the compute kernels that ended by a
+    key = (kernel_group(n), kernel_group(ends[i - 1][1]) if i else "(step start)")
     places[key][0] += 1
     places[key][1] += b - a
     places[key][2] += _uncovered(a, b, compute)
