@@ -566,7 +566,7 @@ def _lean_note(p: Plan, num_tokens: int, hidden: int, vocab: int) -> str:
 
 def _chunk_note(chunk: int, num_tokens: int, hidden: int, vocab: int, itemsize: int) -> list[str]:
   """explain()'s line on a default "tokens" chunk that :data:`TOKEN_CHUNK_BYTES` cut below its full-speed size
-  (:func:`token_chunk`): what a larger ``Config.token_chunk`` would cost and buy. None where it was not cut."""
+  (:func:`token_chunk`): what a larger ``Config.token_chunk`` would cost and buy; no line where it was not cut."""
   if pow2_floor(max(_fast_chunk(num_tokens, hidden), 1)) <= chunk:
     return []
   return [f"token chunks of {chunk} tokens: the largest power of two whose stored tiles ({chunk}×{vocab}×{itemsize} "
