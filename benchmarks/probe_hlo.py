@@ -1,5 +1,6 @@
 """Compiles one fwd+bwd step of the head on this GPU and reports what XLA made of it: the optimized HLO's GEMM
-custom calls (and whether each accumulates into an operand: cuBLAS ``beta`` = 1), Mosaic calls, while loops and
+custom calls (and whether each accumulates into an operand: cuBLAS ``beta`` = 1), the GEMMs its autotuner gave to
+Triton (with their tiling and split-K), Mosaic calls, while loops and
 conditionals (each a device→host read of its predicate), copies of large buffers, the temp memory and (with
 ``--buffers``) the buffers XLA's buffer assignment holds at the peak (from its dump, ``--xla_dump_to``).
 
@@ -47,6 +48,9 @@ def main():
   with open(os.path.join(a.out, f"{name}.hlo.txt"), "w") as fh:
     fh.write(text)
   gemms = [ln.strip()[:400] for ln in text.splitlines() if "custom_call_target=\"__cublas" in ln]
+  # GEMMs XLA's autotuner gave to its Triton emitter instead of cuBLAS: the fusion's output and its tiling (a
+  # split_k > 1 holds float32 partial sums of the output's size times split_k)
+  triton = [_triton_gemm(ln) for ln in text.splitlines() if "__triton" in ln and "gemm" in ln and " fusion(" in ln]
   big = 256 * 2**20
 
   def nbytes(ln):
@@ -61,7 +65,8 @@ def main():
   report = dict(
       device=jax.devices()[0].device_kind, jax=jax.__version__, shape=a.shape, mode=a.mode,
       temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
-      gemms=gemms, gemm_beta=[re.search(r'"beta":([\d.]+)', g).group(1) if '"beta"' in g else None for g in gemms],
+      gemms=gemms, triton_gemms=triton,
+      gemm_beta=[re.search(r'"beta":([\d.]+)', g).group(1) if '"beta"' in g else None for g in gemms],
       mosaic_calls=sum("mosaic_gpu" in ln and "custom-call" in ln for ln in text.splitlines()),
       whiles=sum(" while(" in ln for ln in text.splitlines()),
       conditionals=sum(" conditional(" in ln for ln in text.splitlines()),
@@ -71,6 +76,12 @@ def main():
   print(json.dumps(report, indent=1))
   with open(os.path.join(a.out, f"{name}.json"), "w") as fh:
     json.dump(report, fh, indent=1)
+
+
+def _triton_gemm(line: str) -> str:
+  """A Triton GEMM fusion's line cut to its result (name, shape) and its tiling config."""
+  config = re.search(r'"(triton_gemm_config|block_level_fusion_config)":{[^}]*}', line)
+  return f"{line.strip().split(' fusion(')[0][:160]} {config.group(0) if config else ''}"
 
 
 def _peak_buffers(dump: str) -> list[str]:
