@@ -791,6 +791,28 @@ def test_gpu_lean_memory_at_llm_shapes(b, h, v):
   assert temp <= b * h * 4 + 64 * 10**6, (temp, b * h * 4 + 64 * 10**6)
 
 
+@pytest.mark.parametrize("w_layout", ["hv", "vh"])
+def test_lean_chunk_dw_product_is_formed_in_the_weights_dtype(w_layout):
+  """Each vocabulary chunk's dw product (xᵀ·dz, [H, chunk]) leaves the dot in w's dtype (bf16), accumulated in
+  float32 inside it: a float32 dot and a convert would hand the float32 [H, chunk] buffer to whichever GEMM XLA's
+  autotuner picks (a cuBLAS pick keeps it apart from the convert: 21.2 MB more at gemma2-2b's 2304×2304 chunk,
+  lean's bound is B·H·4 + 64 MB). Checked on the lowered program: no dot in the backward yields that shape in
+  float32, one yields it in bf16."""
+  import re
+
+  b, h, v, cw = 200, 192, 1024, 384
+  sds = jax.ShapeDtypeStruct
+  args = (sds((b, h), jnp.bfloat16), sds((h, v) if w_layout == "hv" else (v, h), jnp.bfloat16),
+          sds((b,), jnp.int32))
+  cfg = Config(block_t=64, vocab_chunk=cw)
+  f = lambda x, w, y: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", reduction="sum", config=cfg,
+                                           interpret=True, w_layout=w_layout)
+  text = jax.jit(jax.grad(f, (0, 1))).lower(*args).as_text()
+  shape = f"{h}x{cw}" if w_layout == "hv" else f"{cw}x{h}"
+  dots = re.findall(r"stablehlo\.dot_general[^\n]*-> tensor<(\d+x\d+)x(\w+)>", text)
+  assert (shape, "bf16") in dots and (shape, "f32") not in dots, (shape, dots)
+
+
 @pytest.mark.gpu(min_cc=(9, 0))
 def test_gpu_options_compiled():
   check(config=None, h=512, v=5003, batch_shape=(1000,), options=OPTIONS["all"], bias=True, interpret=False)

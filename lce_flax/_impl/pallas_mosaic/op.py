@@ -728,7 +728,9 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
     # hold zeros in the chunk's other columns, so adding the chunk's products completes them exactly.
     dz, w_c = dz_of(start, lo)
     dw_c = common.slice_vocab(dw, start, cw, spec.w_layout)
-    dw = lax.dynamic_update_slice_in_dim(dw, dw_c + common.grad_w(xp, dz, spec.w_layout).astype(dw.dtype), start,
+    # (the product in dw's dtype from the dot itself, accumulated in float32 all the same: a float32 product and a
+    # convert would leave its [H, chunk] float32 buffer to whichever GEMM XLA's autotuner picks)
+    dw = lax.dynamic_update_slice_in_dim(dw, dw_c + common.grad_w(xp, dz, spec.w_layout, out_dtype=dw.dtype), start,
                                          vaxis)
     if db is not None:
       db_c = lax.dynamic_slice_in_dim(db, start, cw)
