@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_gemm import SHAPES, interleaved  # noqa: E402
+from benchmarks.bench_gemm import SHAPES, config_changes, interleaved  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 
@@ -78,21 +78,13 @@ def variants():
   }
 
 
-def _parse_changes(item: str) -> dict:
-  changes = {}
-  for kv in item.split(","):
-    key, val = kv.split("=")
-    changes[key] = int(val) if val.isdigit() else (None if val == "None" else val)
-  return changes
-
-
 def config_variants(spec: str, b: int, h: int, v: int, kind: str, which: tuple[str, ...]) -> dict:
   """For each ``;``-separated ``field=value,...`` of ``spec``: the variants ``which`` (of :data:`ROLES`) with their
   tuning-table config changed so, named ``<variant>[<item>]``."""
   out = {}
   for item in filter(None, spec.split(";")):
     for name in which:
-      cfg = dataclasses.replace(tuning.select_config(ROLES[name], b, v, h, kind), **_parse_changes(item))
+      cfg = dataclasses.replace(tuning.select_config(ROLES[name], b, v, h, kind), **config_changes(item))
       out[f"{name}[{item}]"] = gemm_variant(name, config=cfg)
   return out
 

@@ -151,6 +151,21 @@ def interleaved(fns, rounds=3):
   return {name: float(np.median(v)) for name, v in ts.items()}
 
 
+def config_changes(item: str) -> dict:
+  """``"field=value,..."`` (the ``--configs`` items of the benchmarks that time a table row changed) as keyword
+  changes of a :class:`tuning.GemmConfig`, each value typed as its field is: ``wg_split=m,order_width=8`` gives
+  ``{"wg_split": "m", "order_width": 8}``; ``None`` clears an optional field (``cluster=None``)."""
+  fields = {f.name: f for f in dataclasses.fields(tuning.GemmConfig)}
+  changes = {}
+  for kv in filter(None, item.split(",")):
+    key, sep, val = kv.partition("=")
+    if not sep or key not in fields:
+      raise ValueError(f"config change {kv!r}: expected field=value with a field of GemmConfig ({', '.join(fields)})")
+    default = fields[key].default
+    changes[key] = None if val == "None" else int(val) if isinstance(default, int) else val
+  return changes
+
+
 def sweep_configs(role):
   """The sweep's grid: the warpgroup split, the 2-CTA cluster (and its direction), the snake's direction."""
   stages = 3 if role == "dw_acc" else 4

@@ -31,8 +31,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_epilogue import EPI_SHAPES, _parse_changes  # noqa: E402
-from benchmarks.bench_gemm import interleaved  # noqa: E402
+from benchmarks.bench_epilogue import EPI_SHAPES  # noqa: E402
+from benchmarks.bench_gemm import config_changes, interleaved  # noqa: E402
 from lce_flax._impl.common import cdiv  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
@@ -65,7 +65,7 @@ def contenders(product: str, b: int, h: int, v: int, kind: str, spec: str, chunk
   base = tuning.select_config(role, *mnk, kind)
   cfgs = {"table": base}
   for item in filter(None, spec.split(";")):
-    cfgs[f"table[{item}]"] = dataclasses.replace(base, **_parse_changes(item))
+    cfgs[f"table[{item}]"] = dataclasses.replace(base, **config_changes(item))
   fns = {"xla": xla}
   fns.update({name: ours(cfg) for name, cfg in cfgs.items()})
   return fns, cfgs

@@ -28,8 +28,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_epilogue import _parse_changes  # noqa: E402
-from benchmarks.bench_gemm import interleaved, save_probe  # noqa: E402
+from benchmarks.bench_gemm import config_changes, interleaved, save_probe  # noqa: E402
 from lce_flax import _device  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
     ours, xla, args, cfg = dx_calls(m, a.hidden, a.vocab, a.interpret)
     calls = {"ours": (ours, args), "xla": (xla, args)}
     for item in filter(None, a.configs.split(";")):
-      calls[f"ours[{item}]"] = (ours_dx(dataclasses.replace(cfg, **_parse_changes(item)), a.interpret), args)
+      calls[f"ours[{item}]"] = (ours_dx(dataclasses.replace(cfg, **config_changes(item)), a.interpret), args)
     t = interleaved(calls, rounds=a.rounds)
     cm, cn = cfg.cluster_tile()
     tiles = math.ceil(m / cm) * math.ceil(a.hidden / cn) * cfg.cluster_size()

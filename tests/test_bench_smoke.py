@@ -929,3 +929,22 @@ def test_trainer_scaling_runs_a_variant_with_its_environment(tmp_path, monkeypat
   assert trainer_scaling.run_trainer(argv, str(tmp_path)) == {"runs": {}}
   assert seen["env"]["NCCL_MAX_NCHANNELS"] == "4" and not any("NCCL" in a for a in seen["cmd"])
   assert seen["cmd"][2:4] == ["--steps", "2"]
+
+
+def test_config_changes_are_typed_by_the_config_fields():
+  """``--configs`` items of the GEMM benchmarks: each value typed as its GemmConfig field, ``None`` clearing an
+  optional one, and an unknown field or a missing ``=`` named in the error."""
+  import dataclasses
+
+  from benchmarks.bench_gemm import config_changes
+  from lce_flax._impl.pallas_mosaic import tuning
+
+  got = config_changes("wg_split=m,order_width=8,cluster=None")
+  assert got == {"wg_split": "m", "order_width": 8, "cluster": None}
+  cfg = dataclasses.replace(tuning.GemmConfig(cluster="n"), **got)
+  assert (cfg.wg_split, cfg.order_width, cfg.cluster) == ("m", 8, None)
+  assert config_changes("") == {}
+  with pytest.raises(ValueError, match="'tile_q=1'.*GemmConfig"):
+    config_changes("tile_q=1")
+  with pytest.raises(ValueError, match="'stages'"):
+    config_changes("stages")
