@@ -850,6 +850,15 @@ def test_bench_step_products_merges_rows_into_the_table(tmp_path):
     assert pair == ("xla", "xla") and "38.00 ms against (gemm, gemm) 39.00" in why
     assert why.endswith("(table: nvidia h100 80gb hbm3/steps/logits/8192x4096x131072, the same chip as NVIDIA H200)")
     assert tuning.step_products("logits", 2048, 4096, 128256, "NVIDIA H100 80GB HBM3") is None
+    # an H200 row of its own at the bucket: the H200 runs it; the H100 keeps its own
+    h200 = tmp_path / "h200.json"
+    h200.write_text(json.dumps({"steps": {"NVIDIA H200": [row("logits", [8192, 4096, 131072], ["gemm", "gemm"],
+                                                              37.0)]}}))
+    bench_step_products.merge(str(h200), str(table))
+    tuning.load_steps.cache_clear()
+    pair, why = tuning.step_products("logits", 8000, 4096, 128256, "NVIDIA H200")
+    assert pair == ("gemm", "gemm") and why.endswith("(table: nvidia h200/steps/logits/8192x4096x131072)")
+    assert tuning.step_products("logits", 8000, 4096, 128256, "NVIDIA H100 80GB HBM3")[0] == ("xla", "xla")
   finally:
     tuning.TABLE_PATH = old
     tuning.load_steps.cache_clear()

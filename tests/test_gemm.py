@@ -550,8 +550,9 @@ def test_select_config():
 
 
 def test_a_kind_without_rows_takes_those_of_its_chip(monkeypatch):
-  """The H200 (GH100, as the H100) takes the H100's rows where it has none of its own, its own where it has them,
-  and explain()'s line says whose rows it runs; another chip takes the default."""
+  """The H200 (GH100, as the H100) takes the H100's rows where it has none of its own, its own where it has them
+  (at a bucket where both have one), the H100's nearer row where its own is further away, and explain()'s line
+  says whose rows it runs; another chip takes the default."""
   row = lambda tile_n: {"bucket": [8192, 131072, 4096], "shape": [8192, 128256, 4096],
                         "config": {"tile_m": 128, "tile_n": tile_n, "cluster": "n"},
                         "vs_xla": {"ours_ms": 9.0, "xla_ms": 8.0}}
@@ -565,6 +566,15 @@ def test_a_kind_without_rows_takes_those_of_its_chip(monkeypatch):
   table["nvidia h200"] = {"fwd": [row(192)]}
   got, src = tuning.select_row("fwd", 8192, 128256, 4096, "NVIDIA H200")
   assert got.tile_n == 192 and src == "table: nvidia h200/fwd/8192x131072x4096"
+  # a second H100 row at gemma2-2b's bucket: nearer there than the H200's own row at llama3-8b's
+  gemma = {"bucket": [8192, 262144, 2048], "shape": [8192, 256000, 2304], "config": {"tile_n": 256, "cluster": None}}
+  table["nvidia h100 80gb hbm3"]["fwd"].append(gemma)
+  got, src = tuning.select_row("fwd", 8192, 256000, 2304, "NVIDIA H200")
+  assert got.tile_n == 256 and src == ("table: nvidia h100 80gb hbm3/fwd/8192x262144x2048, the same chip as "
+                                       "NVIDIA H200")
+  assert tuning.select_row("fwd", 8192, 128256, 4096, "NVIDIA H200")[0].tile_n == 192
+  assert tuning.select_row("fwd", 8192, 128256, 4096, "NVIDIA H100 80GB HBM3")[0].tile_n == 128
+  assert "the same chip as NVIDIA H200" in tuning.xla_faster("dx", 8192, 128256, 4096, "NVIDIA H200")
 
 
 def test_config_fits_a_small_output(monkeypatch):

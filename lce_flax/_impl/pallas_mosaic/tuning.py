@@ -13,8 +13,9 @@ to powers of two; the row nearest in log-distance serves a shape. A role with lo
 takes its bare product's row (:func:`fit_role` makes it fit the hooks' SMEM), then (``plain`` too) the nearest row
 of any bare product of the device, then :data:`DEFAULT`. A row's config names its schedule (``"schedule"``:
 ``cooperative`` when absent, ``pingpong`` or ``pingpong_ws``; ``benchmarks/bench_gemm.py --schedules`` writes rows
-for the faster one). A device kind with no rows of its own takes those of a kind of the same chip (the H200 the
-H100's: :func:`device_rows`), and :func:`describe` says so.
+for the faster one). A device kind runs its own rows and those of the kinds of the same chip (the H200 the
+H100's), the nearest row serving and its own where two are as near (:func:`device_rows`); :func:`describe` says
+whose row it ran.
 
 Beside the GEMM rows the file holds ``"steps"``: the fast designs' whole step timed with each pair of backward
 products (ours or XLA's for dx and dw) at a head's bucket (``benchmarks/bench_step_products.py``); where one exists
@@ -156,28 +157,32 @@ def load_steps() -> dict:
 
 
 # Device kinds that are one chip: the H100 and H200 are both GH100 (SM90, 227 KB of shared memory per block), the
-# H200 with more and faster HBM. A kind with no rows of its own takes those of a kind of the same chip.
+# H200 with more and faster HBM. A kind runs its own rows and, where they have a nearer one, those of a kind of the
+# same chip.
 CHIPS = (("h100", "h200", "gh200"),)
 
 
-def _of_chip(table: dict, device_kind: str, empty):
-  """``(table[kind], kind)``: ``device_kind``'s own entry, else that of a kind of the same chip (:data:`CHIPS`),
-  else ``(empty, kind)``."""
+def _kinds(table: dict, device_kind: str) -> list[str]:
+  """The kinds of ``table`` whose rows ``device_kind`` may run: its own first, then those of the same chip
+  (:data:`CHIPS`)."""
   kind = _norm_kind(device_kind)
-  if kind in table:
-    return table[kind], kind
+  out = [kind] if kind in table else []
   for marks in CHIPS:
     if any(mk in kind for mk in marks):
-      for other in sorted(table):
-        if any(mk in other for mk in marks):
-          return table[other], other
-  return empty, kind
+      out += [other for other in sorted(table) if other != kind and any(mk in other for mk in marks)]
+  return out
 
 
-def device_rows(device_kind: str) -> tuple[dict, str]:
-  """``({role: rows}, the kind they were measured on)`` for ``device_kind``: its own rows, else those of a kind of
-  the same chip (:data:`CHIPS`), else none."""
-  return _of_chip(load_table(), device_kind, {})
+def device_rows(device_kind: str) -> dict[str, list[tuple[str, dict]]]:
+  """``{role: [(measured_on, row), ...]}`` for ``device_kind``: its own rows, then those of the kinds of the same
+  chip (:data:`CHIPS`). A shape takes the row nearest its bucket (:func:`_pick`), its own kind's where two are
+  as near: an H200 with a row of its own at one bucket runs it there and the H100's rows elsewhere."""
+  table = load_table()
+  rows: dict[str, list[tuple[str, dict]]] = {}
+  for kind in _kinds(table, device_kind):
+    for role, rs in table[kind].items():
+      rows.setdefault(role, []).extend((kind, row) for row in rs)
+  return rows
 
 
 def step_products(design: str, tokens: int, hidden: int, vocab: int, device_kind: str):
@@ -186,9 +191,9 @@ def step_products(design: str, tokens: int, hidden: int, vocab: int, device_kind
   what counts: the heads run at the GPU's power limit, where a GEMM's time depends on what runs around it, and
   the bare products timed alone favoured ours at shapes whose step ran faster with dx on XLA's
   (``benchmarks/results/step-products-h100-2026-11-28/``)."""
-  rows, measured_on = _of_chip(load_steps(), device_kind, [])
+  steps = load_steps()
   want = list(bucket(tokens, hidden, vocab))
-  for row in rows:
+  for measured_on, row in ((kind, row) for kind in _kinds(steps, device_kind) for row in steps[kind]):
     if row["design"] == design and row["bucket"] == want:
       pair, ms = tuple(row["products"]), row["ms"]
       rest = ", ".join(("the plain head" if k == "plain" else f"({k.replace(',', ', ')})") + f" {v:.2f}"
@@ -207,9 +212,10 @@ def _source(device_kind: str, measured_on: str, role: str, row) -> str:
 
 
 def _pick(rows, m: int, n: int, k: int):
-  """The (role, row) of ``rows`` whose bucket is nearest to (m, n, k) in log-distance."""
+  """The (role, measured_on, row) of ``rows`` whose bucket is nearest to (m, n, k) in log-distance (the first of
+  those as near)."""
   want = [math.log2(d) for d in bucket(m, n, k)]
-  return min(rows, key=lambda rr: sum(abs(math.log2(b) - w) for b, w in zip(rr[1]["bucket"], want)))
+  return min(rows, key=lambda r: sum(abs(math.log2(b) - w) for b, w in zip(r[-1]["bucket"], want)))
 
 
 # roles with loss work run on their bare product's row, adjusted to fit their extra shared memory
@@ -258,13 +264,13 @@ def select_row(role: str, m: int, n: int, k: int, device_kind: str) -> tuple[Gem
 
 
 def _row(role: str, m: int, n: int, k: int, device_kind: str) -> tuple[GemmConfig, str]:
-  table, measured_on = device_rows(device_kind)
-  bare = [(r, row) for r in ("fwd", "dx", "dw") for row in table.get(r, ())]
+  table = device_rows(device_kind)
+  bare = [(r, on, row) for r in ("fwd", "dx", "dw") for on, row in table.get(r, ())]
   for tier in (role, BASE_ROLE.get(role, role), "bare"):
-    rows = bare if tier == "bare" else [(tier, row) for row in table.get(tier, ())]
+    rows = bare if tier == "bare" else [(tier, on, row) for on, row in table.get(tier, ())]
     if not rows:
       continue
-    r, row = _pick(rows, m, n, k)
+    r, measured_on, row = _pick(rows, m, n, k)
     cfg = GemmConfig(**row["config"])
     return (cfg if r == role else fit_role(role, cfg)), _source(device_kind, measured_on, r, row)
   return fit_role(role, DEFAULT), "default"
@@ -278,11 +284,10 @@ XLA_MARGIN = 1.03
 def xla_faster(role: str, m: int, n: int, k: int, device_kind: str) -> str | None:
   """For a bare product (``dx`` or ``dw``): why XLA's GEMM runs it instead of ours at this shape (its table row's
   ``vs_xla`` times, ours over XLA's above :data:`XLA_MARGIN`), else None (ours; also where no row has them)."""
-  table, measured_on = device_rows(device_kind)
-  rows = [(role, row) for row in table.get(role, ())]
+  rows = [(role, on, row) for on, row in device_rows(device_kind).get(role, ())]
   if not rows:
     return None
-  _, row = _pick(rows, m, n, k)
+  _, measured_on, row = _pick(rows, m, n, k)
   t = row.get("vs_xla")
   if not t or t["ours_ms"] <= XLA_MARGIN * t["xla_ms"]:
     return None
