@@ -14,7 +14,7 @@ and writes a row of the table's ``"steps"`` (:func:`lce_flax._impl.pallas_mosaic
 the bucket, the fastest pair and every time.
 
     python3 -m benchmarks.bench_step_products [--shapes llama3-8b,qwen3-8b] [--rounds 7] [--out DIR]
-    python3 -m benchmarks.bench_step_products --merge DIR/steps.json     # into the package's table
+    python3 -m benchmarks.bench_step_products --merge DIR/steps.json     # into the package's table (tuning_table)
     python3 -m benchmarks.bench_step_products --check [--shapes ...]     # then: plain against auto, as it now runs
     python3 -m benchmarks.bench_step_products --chunks 4096,8192 --shapes llama3-8b-32k   # the "tokens" design's chunk
     python3 -m benchmarks.bench_step_products --interpret --shapes tiny --rounds 1   # a CPU check
@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import bench  # noqa: E402
+from benchmarks import bench, tuning_table  # noqa: E402
 from benchmarks.bench_floors import SHAPES, head_steps  # noqa: E402
 from benchmarks.bench_gemm import interleaved, save_probe  # noqa: E402
 from lce_flax import PallasMosaicConfig, explain, linear_cross_entropy  # noqa: E402
@@ -137,23 +137,6 @@ def chunk_row(name: str, chunks: list[int], rounds: int, interpret: bool) -> dic
   return row
 
 
-def merge(path: str, table_path: str = tuning.TABLE_PATH) -> None:
-  """The rows of a ``steps.json`` into the package's table: a row replaces the table's row of the same kind,
-  design and bucket."""
-  with open(path) as f:
-    new = json.load(f)["steps"]
-  with open(table_path) as f:
-    table = json.load(f)
-  steps = table.setdefault("steps", {})
-  for kind, rows in new.items():
-    old = steps.setdefault(kind, [])
-    for row in rows:
-      old[:] = [r for r in old if (r["design"], r["bucket"]) != (row["design"], row["bucket"])] + [row]
-  with open(table_path, "w") as f:
-    json.dump(table, f, indent=1)
-    f.write("\n")
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--shapes", default="qwen3-8b,llama3-8b,gemma2-2b,gpt2-small")
@@ -167,7 +150,7 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_step_products"))
   a = ap.parse_args(argv)
   if a.merge:
-    merge(a.merge)
+    print(tuning_table.merge(a.merge))
     return 0
   kind = jax.devices()[0].device_kind
   rows = []

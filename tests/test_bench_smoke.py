@@ -818,12 +818,53 @@ def test_probe_clocks_reads_nvidia_smi_samples():
       "sm_mhz": None, "power_w": None, "reasons": None, "samples": 0}
 
 
-def test_bench_step_products_merges_rows_into_the_table(tmp_path):
-  """benchmarks/bench_step_products.py --merge: a row replaces the table's row of the same kind, design and bucket,
-  others stay; the GEMM rows are untouched; the package reads the merged rows (tuning.step_products)."""
+def test_tuning_table_merges_gemm_rows_of_another_kind(tmp_path):
+  """benchmarks/tuning_table.py: GEMM rows written on an H200 go under its kind beside the H100's (a row of the same
+  kind, role and bucket replaced, the kind matched whatever its case), the H100's rows untouched; the package then
+  runs the H200's row at its bucket and the H100's elsewhere; a file with no rows is an error naming it."""
   import json
 
-  from benchmarks import bench_step_products
+  from benchmarks import tuning_table
+  from lce_flax._impl.pallas_mosaic import tuning
+
+  row = lambda bkt, tile_n: {"bucket": bkt, "shape": bkt, "config": {"tile_n": tile_n}}
+  llama, gemma = [8192, 131072, 4096], [8192, 262144, 2048]
+  table = tmp_path / "gemm_tuning.json"
+  table.write_text(json.dumps({"devices": {"NVIDIA H100 80GB HBM3": {"fwd": [row(llama, 128), row(gemma, 128)]}},
+                               "steps": {}}))
+  first = tmp_path / "first.json"
+  first.write_text(json.dumps({"devices": {"NVIDIA H200": {"fwd": [row(llama, 192)], "dx": [row(llama, 128)]}}}))
+  assert tuning_table.merge(str(first), str(table)) == {"replaced": 0, "added": 2}
+  again = tmp_path / "again.json"
+  again.write_text(json.dumps({"devices": {"nvidia h200": {"fwd": [row(llama, 256)]}}}))
+  assert tuning_table.merge(str(again), str(table)) == {"replaced": 1, "added": 0}
+  got = json.loads(table.read_text())["devices"]
+  assert sorted(got) == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+  assert [r["config"]["tile_n"] for r in got["NVIDIA H200"]["fwd"]] == [256]
+  assert [r["config"]["tile_n"] for r in got["NVIDIA H100 80GB HBM3"]["fwd"]] == [128, 128]
+  old = tuning.TABLE_PATH
+  try:
+    tuning.TABLE_PATH = str(table)
+    tuning.load_table.cache_clear()
+    assert tuning.select_config("fwd", 8192, 128256, 4096, "NVIDIA H200").tile_n == 256
+    cfg, src = tuning.select_row("fwd", 8192, 256000, 2304, "NVIDIA H200")
+    assert cfg.tile_n == 128 and "nvidia h100 80gb hbm3/fwd/8192x262144x2048, the same chip" in src
+  finally:
+    tuning.TABLE_PATH = old
+    tuning.load_table.cache_clear()
+  empty = tmp_path / "empty.json"
+  empty.write_text(json.dumps({"meta": {}}))
+  with pytest.raises(ValueError, match="empty.json: no"):
+    tuning_table.merge(str(empty), str(table))
+
+
+def test_bench_step_products_merges_rows_into_the_table(tmp_path):
+  """benchmarks/tuning_table.py (bench_step_products --merge): a steps row replaces the table's row of the same kind,
+  design and bucket, others stay; the GEMM rows are untouched; the package reads the merged rows
+  (tuning.step_products)."""
+  import json
+
+  from benchmarks import tuning_table
   from lce_flax._impl.pallas_mosaic import tuning
 
   row = lambda design, bkt, pair, t: {"design": design, "bucket": bkt, "shape": bkt, "products": pair,
@@ -837,7 +878,7 @@ def test_bench_step_products_merges_rows_into_the_table(tmp_path):
   new = tmp_path / "steps.json"
   new.write_text(json.dumps({"steps": {"NVIDIA H100 80GB HBM3": [row("logits", [8192, 4096, 131072],
                                                                      ["xla", "xla"], 39.0)]}}))
-  bench_step_products.merge(str(new), str(table))
+  tuning_table.merge(str(new), str(table))
   got = json.loads(table.read_text())
   assert got["devices"] == {"NVIDIA H100 80GB HBM3": {"fwd": []}}
   rows = got["steps"]["NVIDIA H100 80GB HBM3"]
@@ -854,7 +895,7 @@ def test_bench_step_products_merges_rows_into_the_table(tmp_path):
     h200 = tmp_path / "h200.json"
     h200.write_text(json.dumps({"steps": {"NVIDIA H200": [row("logits", [8192, 4096, 131072], ["gemm", "gemm"],
                                                               37.0)]}}))
-    bench_step_products.merge(str(h200), str(table))
+    tuning_table.merge(str(h200), str(table))
     tuning.load_steps.cache_clear()
     pair, why = tuning.step_products("logits", 8000, 4096, 128256, "NVIDIA H200")
     assert pair == ("gemm", "gemm") and why.endswith("(table: nvidia h200/steps/logits/8192x4096x131072)")
