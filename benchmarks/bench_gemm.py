@@ -19,7 +19,8 @@ time is counted, their FLOPs are not). Then the products with their loss work:
   dw_acc           xᵀ·dz + C in float32 (a token-chunked dw); XLA: dot in float32 + C
 
 ``--sweep`` also times a grid of configs per product and writes the fastest into the package's tuning table
-(``lce_flax/_impl/pallas_mosaic/gemm_tuning.json``, under this device's kind) and into the output folder.
+(``lce_flax/_impl/pallas_mosaic/gemm_tuning.json``, under this device's kind) and into the output folder (from a
+copy of the repository on a GPU machine: ``benchmarks/tuning_table.py`` merges that file into the table here).
 One JSON line per measurement on stdout; everything into ``--out`` (``results.json``).
 ``--schedules`` times the GEMM's schedules (:attr:`GemmConfig.schedule`: ``cooperative``, the table's row, against
 ``pingpong`` and ``pingpong_ws``, the latter also on 2-CTA clusters) on the forward with and without its loss work

@@ -22,8 +22,8 @@ at a width costs at least the forward product plus its chunks' products (``lean_
 the plain head that lean mode is held to; and, with ``--sweep``, ``lean_dz`` on each config of a grid (the warpgroup
 split, the 2-CTA cluster and its direction, the snake's order and width); the fastest per head goes into
 ``lean_dz_rows.json`` in the table's format, with its time against XLA's bare product (``vs_xla``), to be merged
-into ``lce_flax/_impl/pallas_mosaic/gemm_tuning.json`` under this device's kind. Every kernel's dz is checked
-against the kernels_ws one on the same inputs (``check`` rows).
+into ``lce_flax/_impl/pallas_mosaic/gemm_tuning.json`` under this device's kind (``benchmarks/tuning_table.py``).
+Every kernel's dz is checked against the kernels_ws one on the same inputs (``check`` rows).
 
     python -m benchmarks.bench_lean [--shapes llama3-8b,...] [--rounds 3] [--widths] [--products] [--sweep] [--out DIR]
     python -m benchmarks.bench_lean --interpret --shapes tiny --rounds 1     # a CPU check of the harness
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     table.append({"bucket": list(tuning.bucket(*mnk)), "shape": list(mnk), "config": dataclasses.asdict(cfg),
                   "vs_xla": {"ours_ms": round(t[best], 4), "xla_ms": round(t["xla"], 4)}})
     with open(os.path.join(a.out, "lean_dz_rows.json"), "w") as f:
-      json.dump({"device": kind, "date": meta["date"], "lean_dz": table}, f, indent=1)
+      json.dump({"date": meta["date"], "devices": {kind: {"lean_dz": table}}}, f, indent=1)
   return 0
 
 

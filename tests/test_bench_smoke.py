@@ -579,8 +579,16 @@ def test_bench_lean_runs_each_kernel_and_checks_it(tmp_path, monkeypatch):
   assert set(chunk["ms"]) == {"xla", "gemm", "lean_dz", "kernels_ws"} and "gemm[lean_dz] 128x512x64" in chunk[
       "lean_dz_config"]
   assert sweep["best"] in sweep["ms"] and sweep["best"] != "xla"
-  (row,) = json.loads((tmp_path / "lean_dz_rows.json").read_text())["lean_dz"]
+  ((kind, roles),) = json.loads((tmp_path / "lean_dz_rows.json").read_text())["devices"].items()
+  (row,) = roles["lean_dz"]
   assert row["shape"] == [128, 512, 64] and set(row["vs_xla"]) == {"ours_ms", "xla_ms"}
+  # in the table's format: benchmarks/tuning_table.py merges it under the device's kind
+  from benchmarks import tuning_table
+
+  table = tmp_path / "table.json"
+  table.write_text(json.dumps({"devices": {}}))
+  assert tuning_table.merge(str(tmp_path / "lean_dz_rows.json"), str(table)) == {"replaced": 0, "added": 1}
+  assert json.loads(table.read_text())["devices"][kind]["lean_dz"] == [row]
 
 
 def test_trainer_profile_sums_device_time():
