@@ -18,9 +18,10 @@ time is counted, their FLOPs are not). Then the products with their loss work:
   dx_prologue      dz formed from stored logits + per-row lse/coef in the prologue, then dz·wᵀ
   dw_acc           xᵀ·dz + C in float32 (a token-chunked dw); XLA: dot in float32 + C
 
-``--sweep`` also times a grid of configs per product and writes the fastest into the package's tuning table
-(``lce_flax/_impl/pallas_mosaic/gemm_tuning.json``, under this device's kind) and into the output folder (from a
-copy of the repository on a GPU machine: ``benchmarks/tuning_table.py`` merges that file into the table here).
+``--sweep`` also times a grid of configs per product (after the table's own row for this device and shape) and
+writes the fastest, under this device's kind in the format of the package's tuning table
+(``lce_flax/_impl/pallas_mosaic/gemm_tuning.json``), to ``gemm_tuning.json`` in the output folder:
+``benchmarks/tuning_table.py`` merges it into the package's table.
 One JSON line per measurement on stdout; everything into ``--out`` (``results.json``).
 ``--schedules`` times the GEMM's schedules (:attr:`GemmConfig.schedule`: ``cooperative``, the table's row, against
 ``pingpong`` and ``pingpong_ws``, the latter also on 2-CTA clusters) on the forward with and without its loss work
@@ -177,6 +178,14 @@ def sweep_configs(role):
           for wg, cl, om, ow in grid[:n]]
 
 
+def sweep_candidates(role, mnk, kind):
+  """What ``--sweep`` times for one product: the config the table gives this device at this shape first (on a
+  kind with no rows of its own, the same chip's), then the grid's others, so a row the sweep writes is never one
+  it measured slower than the row it would replace."""
+  table = tuning.select_config(role, *mnk, kind)
+  return [table] + [c for c in sweep_configs(role) if c != table]
+
+
 def products(x, w, dz):
   """name -> (our call(config), xla call, A as [M,K], B as [K,N] for the example)."""
   ours = {
@@ -261,7 +270,7 @@ def main():
       t_xla = timeit(f_xla, xargs)
       ref = f_xla(*xargs)
       emit(kind="xla", shape=shape, product=prod, ms=round(t_xla, 3), tflops=round(flops / t_xla / 1e9, 1))
-      cfgs = sweep_configs(role) if args.sweep else [tuning.select_config(role, *mnk, kind)]
+      cfgs = sweep_candidates(role, mnk, kind) if args.sweep else [tuning.select_config(role, *mnk, kind)]
       results = []
       make, oargs = ours[prod]
       for cfg in cfgs:

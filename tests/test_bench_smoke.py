@@ -1006,3 +1006,16 @@ def test_config_changes_are_typed_by_the_config_fields():
     config_changes("tile_q=1")
   with pytest.raises(ValueError, match="'stages'"):
     config_changes("stages")
+
+
+def test_gemm_sweep_times_the_tables_row_first():
+  """bench_gemm --sweep: the table's config for the device and shape first (the H200 runs the H100's), then the
+  grid's others, none twice; a device with no rows starts from the default."""
+  from benchmarks.bench_gemm import sweep_candidates, sweep_configs
+  from lce_flax._impl.pallas_mosaic import tuning
+
+  mnk = (8192, 4096, 128256)
+  got = sweep_candidates("dx", mnk, "NVIDIA H200")
+  assert got[0] == tuning.select_config("dx", *mnk, "NVIDIA H100 80GB HBM3")
+  assert len(set(got)) == len(got) and set(got) >= set(sweep_configs("dx"))
+  assert sweep_candidates("dx", mnk, "no such device")[0] == tuning.select_config("dx", *mnk, "no such device")
