@@ -51,7 +51,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import shapes  # noqa: E402
+from benchmarks import shapes, tuning_table  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 
@@ -631,8 +631,8 @@ def schedules(args, kind, meta, budget):
   if os.path.exists(tuning.TABLE_PATH):
     with open(tuning.TABLE_PATH) as f:
       raw = json.load(f)
-  dev_key = next((kk for kk in raw.get("devices", {}) if kk.lower() == kind.lower()), kind)
-  table = raw.setdefault("devices", {}).setdefault(dev_key, {})
+  devices = raw.setdefault("devices", {})
+  table = devices.setdefault(tuning_table.kind_key(devices, kind), {})
   for shape in shape_names:
     if budget_left(budget) < 45:
       emit(kind="stop", shape=shape, why="past BUDGET_S")

@@ -9,7 +9,8 @@ Two kinds of rows come back from the GPU:
 
 Every other row stays, so rows measured on one chip (an H200) can be added beside another's (the H100's) one bucket
 at a time: the package runs a kind's own row where it is the nearest, and the same chip's other rows elsewhere
-(``tuning.device_rows``). A device kind is matched to the table's key without regard to case.
+(``tuning.device_rows``). A device kind is matched to the table's key as the package reads kinds (case and
+spacing aside).
 
     python3 -m benchmarks.tuning_table DIR/gemm_tuning.json [DIR/steps.json ...]
 """
@@ -26,14 +27,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 
 
-def _key(section: dict, kind: str) -> str:
-  """The section's key for ``kind`` (the one already there, whatever its case), else ``kind``."""
-  return next((k for k in section if k.lower() == kind.lower()), kind)
+def kind_key(section: dict, kind: str) -> str:
+  """The key of ``section`` (the table's "devices" or "steps") for the device kind ``kind``: the one already there
+  that the package reads as the same kind (case and spacing aside), else ``kind``."""
+  return next((k for k in section if tuning._norm_kind(k) == tuning._norm_kind(kind)), kind)
 
 
 def merge(path: str, table_path: str = tuning.TABLE_PATH) -> dict:
   """The "devices" and "steps" rows of the file ``path`` into the table at ``table_path``; returns how many rows
-  of each section were replaced and added."""
+  (of both sections) replaced one of the table's and how many were added."""
   with open(path) as f:
     new = json.load(f)
   if not any(s in new for s in ("devices", "steps")):
@@ -49,13 +51,13 @@ def merge(path: str, table_path: str = tuning.TABLE_PATH) -> dict:
 
   devices = table.setdefault("devices", {})
   for kind, roles in new.get("devices", {}).items():
-    mine = devices.setdefault(_key(devices, kind), {})
+    mine = devices.setdefault(kind_key(devices, kind), {})
     for role, rows in roles.items():
       for row in rows:
         put(mine.setdefault(role, []), row, lambda a, b: a["bucket"] == b["bucket"])
   steps = table.setdefault("steps", {})
   for kind, rows in new.get("steps", {}).items():
-    mine = steps.setdefault(_key(steps, kind), [])
+    mine = steps.setdefault(kind_key(steps, kind), [])
     for row in rows:
       put(mine, row, lambda a, b: (a["design"], a["bucket"]) == (b["design"], b["bucket"]))
   with open(table_path, "w") as f:
