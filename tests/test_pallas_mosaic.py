@@ -10,6 +10,7 @@ tests run the compiled kernels (``pytest -m gpu`` on an SM90 machine).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -799,11 +800,9 @@ def test_gpu_lean_memory_at_llm_shapes(b, h, v, gemms):
 def test_lean_chunk_dw_product_is_formed_in_the_weights_dtype(w_layout):
   """Each vocabulary chunk's dw product (xᵀ·dz, [H, chunk]) leaves the dot in w's dtype (bf16), accumulated in
   float32 inside it: a float32 dot and a convert would hand the float32 [H, chunk] buffer to whichever GEMM XLA's
-  autotuner picks (a cuBLAS pick keeps it apart from the convert: 21.2 MB more at gemma2-2b's 2304×2304 chunk,
-  lean's bound is B·H·4 + 64 MB). Checked on the lowered program: no dot in the backward yields that shape in
-  float32, one yields it in bf16."""
-  import re
-
+  autotuner picks (a cuBLAS pick keeps it apart from the convert: 21.2 MB more once on an H100 at gemma2-2b's
+  2304×2304 chunk, lean's bound is B·H·4 + 64 MB). Checked on the lowered program: no dot in the backward yields
+  that shape in float32, one yields it in bf16."""
   b, h, v, cw = 200, 192, 1024, 384
   sds = jax.ShapeDtypeStruct
   args = (sds((b, h), jnp.bfloat16), sds((h, v) if w_layout == "hv" else (v, h), jnp.bfloat16),
