@@ -826,7 +826,23 @@ def test_probe_clocks_reads_nvidia_smi_samples():
       "sm_mhz": None, "power_w": None, "reasons": None, "samples": 0}
 
 
-def test_tuning_table_merges_gemm_rows_of_another_kind(tmp_path):
+@pytest.fixture
+def package_table(monkeypatch):
+  """``use(path)``: the package reads its tuning table from ``path`` (its cached reads dropped; call it again after
+  the file changes); the package's own table again after the test."""
+  from lce_flax._impl.pallas_mosaic import tuning
+
+  def use(path):
+    monkeypatch.setattr(tuning, "TABLE_PATH", str(path))
+    tuning.load_table.cache_clear()
+    tuning.load_steps.cache_clear()
+
+  yield use
+  tuning.load_table.cache_clear()
+  tuning.load_steps.cache_clear()
+
+
+def test_tuning_table_merges_gemm_rows_of_another_kind(tmp_path, package_table):
   """benchmarks/tuning_table.py: GEMM rows written on an H200 go under its kind beside the H100's (a row of the same
   kind, role and bucket replaced, the kind matched whatever its case), the H100's rows untouched; the package then
   runs the H200's row at its bucket and the H100's elsewhere; a file with no rows is an error naming it."""
@@ -850,23 +866,17 @@ def test_tuning_table_merges_gemm_rows_of_another_kind(tmp_path):
   assert sorted(got) == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
   assert [r["config"]["tile_n"] for r in got["NVIDIA H200"]["fwd"]] == [256]
   assert [r["config"]["tile_n"] for r in got["NVIDIA H100 80GB HBM3"]["fwd"]] == [128, 128]
-  old = tuning.TABLE_PATH
-  try:
-    tuning.TABLE_PATH = str(table)
-    tuning.load_table.cache_clear()
-    assert tuning.select_config("fwd", 8192, 128256, 4096, "NVIDIA H200").tile_n == 256
-    cfg, src = tuning.select_row("fwd", 8192, 256000, 2304, "NVIDIA H200")
-    assert cfg.tile_n == 128 and "nvidia h100 80gb hbm3/fwd/8192x262144x2048, the same chip" in src
-  finally:
-    tuning.TABLE_PATH = old
-    tuning.load_table.cache_clear()
+  package_table(table)
+  assert tuning.select_config("fwd", 8192, 128256, 4096, "NVIDIA H200").tile_n == 256
+  cfg, src = tuning.select_row("fwd", 8192, 256000, 2304, "NVIDIA H200")
+  assert cfg.tile_n == 128 and "nvidia h100 80gb hbm3/fwd/8192x262144x2048, the same chip" in src
   empty = tmp_path / "empty.json"
   empty.write_text(json.dumps({"meta": {}}))
   with pytest.raises(ValueError, match="empty.json: no"):
     tuning_table.merge(str(empty), str(table))
 
 
-def test_bench_step_products_merges_rows_into_the_table(tmp_path):
+def test_bench_step_products_merges_rows_into_the_table(tmp_path, package_table):
   """benchmarks/tuning_table.py (bench_step_products --merge): a steps row replaces the table's row of the same kind,
   design and bucket, others stay; the GEMM rows are untouched; the package reads the merged rows
   (tuning.step_products)."""
@@ -891,26 +901,20 @@ def test_bench_step_products_merges_rows_into_the_table(tmp_path):
   assert got["devices"] == {"NVIDIA H100 80GB HBM3": {"fwd": []}}
   rows = got["steps"]["NVIDIA H100 80GB HBM3"]
   assert [(r["design"], r["products"]) for r in rows] == [("tokens", ["xla", "gemm"]), ("logits", ["xla", "xla"])]
-  old = tuning.TABLE_PATH
-  try:
-    tuning.TABLE_PATH = str(table)
-    tuning.load_steps.cache_clear()
-    pair, why = tuning.step_products("logits", 8000, 4096, 128256, "NVIDIA H200")
-    assert pair == ("xla", "xla") and "38.00 ms against (gemm, gemm) 39.00" in why
-    assert why.endswith("(table: nvidia h100 80gb hbm3/steps/logits/8192x4096x131072, the same chip as NVIDIA H200)")
-    assert tuning.step_products("logits", 2048, 4096, 128256, "NVIDIA H100 80GB HBM3") is None
-    # an H200 row of its own at the bucket: the H200 runs it; the H100 keeps its own
-    h200 = tmp_path / "h200.json"
-    h200.write_text(json.dumps({"steps": {"NVIDIA H200": [row("logits", [8192, 4096, 131072], ["gemm", "gemm"],
-                                                              37.0)]}}))
-    tuning_table.merge(str(h200), str(table))
-    tuning.load_steps.cache_clear()
-    pair, why = tuning.step_products("logits", 8000, 4096, 128256, "NVIDIA H200")
-    assert pair == ("gemm", "gemm") and why.endswith("(table: nvidia h200/steps/logits/8192x4096x131072)")
-    assert tuning.step_products("logits", 8000, 4096, 128256, "NVIDIA H100 80GB HBM3")[0] == ("xla", "xla")
-  finally:
-    tuning.TABLE_PATH = old
-    tuning.load_steps.cache_clear()
+  package_table(table)
+  pair, why = tuning.step_products("logits", 8000, 4096, 128256, "NVIDIA H200")
+  assert pair == ("xla", "xla") and "38.00 ms against (gemm, gemm) 39.00" in why
+  assert why.endswith("(table: nvidia h100 80gb hbm3/steps/logits/8192x4096x131072, the same chip as NVIDIA H200)")
+  assert tuning.step_products("logits", 2048, 4096, 128256, "NVIDIA H100 80GB HBM3") is None
+  # an H200 row of its own at the bucket: the H200 runs it; the H100 keeps its own
+  h200 = tmp_path / "h200.json"
+  h200.write_text(json.dumps({"steps": {"NVIDIA H200": [row("logits", [8192, 4096, 131072], ["gemm", "gemm"],
+                                                            37.0)]}}))
+  tuning_table.merge(str(h200), str(table))
+  package_table(table)
+  pair, why = tuning.step_products("logits", 8000, 4096, 128256, "NVIDIA H200")
+  assert pair == ("gemm", "gemm") and why.endswith("(table: nvidia h200/steps/logits/8192x4096x131072)")
+  assert tuning.step_products("logits", 8000, 4096, 128256, "NVIDIA H100 80GB HBM3")[0] == ("xla", "xla")
 
 
 def test_bench_step_products_check_row():
