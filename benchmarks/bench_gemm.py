@@ -31,8 +31,9 @@ small correctness check of each ping-pong variant (in a child process), writes a
 faster schedule per role and shape, and stops starting work once BUDGET_S (default 200 s) is spent. PINGPONG=1 adds
 the ``pingpong`` schedule (each warpgroup its own ring; slower everywhere in earlier rounds).
 Env: SHAPES (comma list of ``benchmarks/shapes.py``'s ``HEADS``: the four heads by default, also llama3-8b-32k and
-gemma2-2b-32k, whose 32768-row products get tuning rows of their own), BUDGET_S (stop starting new work after this
-many seconds).
+gemma2-2b-32k, whose 32768-row products get tuning rows of their own), PRODUCTS (comma list of fwd, dx, dw: the
+products timed, all three by default; a sweep of the backward rows alone is ``PRODUCTS=dx,dw``), BUDGET_S (stop
+starting new work after this many seconds).
 """
 
 from __future__ import annotations
@@ -219,6 +220,9 @@ def main():
   args = ap.parse_args()
   budget = float(os.environ.get("BUDGET_S", "200" if args.schedules else "1e9"))
   shape_names = os.environ.get("SHAPES", DEFAULT_SHAPES).split(",")
+  prods = os.environ.get("PRODUCTS", "fwd,dx,dw").split(",")
+  if not set(prods) <= {"fwd", "dx", "dw"}:
+    raise SystemExit(f"PRODUCTS={','.join(prods)}: expected a comma list of fwd, dx, dw")
   os.makedirs(args.out, exist_ok=True)
   dev = jax.devices()[0]
   kind = dev.device_kind
@@ -250,7 +254,7 @@ def main():
     flops = 2 * b * h * v
     if args.final:
       labels = jax.random.randint(k[3], (b,), 0, v, jnp.int32)
-      for prod in ("fwd", "dx", "dw"):
+      for prod in prods:
         if budget_left(budget) < 40:
           emit(kind="stop", shape=shape, product=prod, why="past BUDGET_S")
           break
@@ -260,7 +264,7 @@ def main():
       continue
     ours, xla = products(x, w, dz)
     best_bare, top = {}, {}
-    for prod in ("fwd", "dx", "dw"):
+    for prod in prods:
       if budget_left(budget) < 30:
         emit(kind="stop", shape=shape, product=prod, why="past BUDGET_S")
         break

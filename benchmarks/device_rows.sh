@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# A device's own tuning rows for the fast design's backward products, measured on that device (one GPU):
+#
+#   bash benchmarks/device_rows.sh OUT [STAGES]          STAGES: any of "sweep steps check" (default: all three)
+#
+#   sweep   bench_gemm.py --sweep of dx and dw at the heads (PRODUCTS=dx,dw, bare products, no example matmul):
+#           the table's row for this device first, then the grid; the fastest of each goes to
+#           OUT/sweep/gemm_tuning.json and is merged into this tree's table
+#   steps   bench_step_products.py: the fast step with each pair of backward products (ours or XLA's) against the
+#           plain head, on the table as merged; OUT/steps/steps.json merged too
+#   check   bench_step_products.py --check: the plain head against auto as the merged table picks it
+#
+# OUT/gemm_tuning.json is the table as merged: to land the rows, merge the two files of OUT into the package's table
+# here (python3 -m benchmarks.tuning_table OUT/sweep/gemm_tuning.json OUT/steps/steps.json) and run gpu_check.sh.
+# Env: SHAPES (default the four LLM heads), SWEEP_BUDGET_S (300: the sweep stops starting products after it),
+# ROUNDS (3: alternated rounds of steps and check), PYTHON (python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: device_rows.sh OUT [STAGES]}
+STAGES=${2:-sweep steps check}
+PY=${PYTHON:-python3}
+SHAPES=${SHAPES:-llama3-8b,qwen3-8b,gemma2-2b,gpt2-small}
+ROUNDS=${ROUNDS:-3}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$OUT"
+TABLE=lce_flax/_impl/pallas_mosaic/gemm_tuning.json
+status=0
+for stage in $STAGES; do
+  echo "== $stage ($(date -u +%T))"
+  case $stage in
+    sweep)
+      SHAPES=$SHAPES PRODUCTS=dx,dw BUDGET_S=${SWEEP_BUDGET_S:-300} \
+        $PY -m benchmarks.bench_gemm --sweep --no-example --no-fused --out "$OUT/sweep" >"$OUT/sweep.jsonl" || status=1
+      grep '"summary"' "$OUT/sweep.jsonl"
+      [ -f "$OUT/sweep/gemm_tuning.json" ] && $PY -m benchmarks.tuning_table "$OUT/sweep/gemm_tuning.json" ;;
+    steps)
+      $PY -m benchmarks.bench_step_products --shapes "$SHAPES" --rounds "$ROUNDS" --out "$OUT/steps" || status=1
+      [ -f "$OUT/steps/steps.json" ] && $PY -m benchmarks.tuning_table "$OUT/steps/steps.json" ;;
+    check)
+      $PY -m benchmarks.bench_step_products --check --shapes "$SHAPES" --rounds "$ROUNDS" --out "$OUT/check" \
+        || status=1 ;;
+    *) echo "unknown stage $stage (expected sweep, steps, check)"; exit 2 ;;
+  esac
+done
+cp "$TABLE" "$OUT/gemm_tuning.json"
+echo "== done ($(date -u +%T)), status $status"
+exit $status
