@@ -782,16 +782,19 @@ def test_gpu_fast_memory_within_its_bound(design):
 @pytest.mark.gpu(min_cc=(9, 0))
 @pytest.mark.parametrize("b,h,v", [(16384, 768, 50304), (8192, 4096, 128256), (4096, 4096, 151936),
                                    (8192, 2304, 256000)], ids=["gpt2-small", "llama3-8b", "qwen3-8b", "gemma2-2b"])
-@pytest.mark.parametrize("gemms", ["autotuned", "cublas"])
+@pytest.mark.parametrize("gemms", ["autotuned", "cublas", "triton"])
 def test_gpu_lean_memory_at_llm_shapes(b, h, v, gemms):
   """Lean mode's compiled forward + backward holds at most B·H·4 + 64 MB of temporaries at the LLM heads (its
   float32 dx, one chunk's dz and [H, chunk] buffers, the cuBLAS workspace, O(B) vectors), whichever GEMMs XLA's
-  autotuner picks for each chunk's products: as it picks them, and with cuBLAS for all (XLA's Triton GEMMs off,
-  the pick that once held a float32 [H, chunk] product apart from its convert)."""
+  autotuner picks for each chunk's products: as it picks them, with cuBLAS for all (XLA's Triton GEMMs off, the
+  pick that once held a float32 [H, chunk] product apart from its convert), and with Triton for all (no cuBLAS
+  fallback: the chunk's ``dx + dz·w_cᵀ`` must still add into the carried float32 dx in place, as cuBLAS's
+  beta = 1 does, not into a second B×H float32 buffer)."""
   sds = jax.ShapeDtypeStruct
   args = (sds((b, h), jnp.bfloat16), sds((h, v), jnp.bfloat16), sds((b,), jnp.int32))
   f = lambda x, w, y: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", reduction="sum")
-  options = {"xla_gpu_enable_triton_gemm": False} if gemms == "cublas" else None
+  options = {"autotuned": None, "cublas": {"xla_gpu_enable_triton_gemm": False},
+             "triton": {"xla_gpu_cublas_fallback": False, "xla_gpu_triton_gemm_any": True}}[gemms]
   temp = jax.jit(jax.grad(f, (0, 1))).lower(*args).compile(options).memory_analysis().temp_size_in_bytes
   assert temp <= b * h * 4 + 64 * 10**6, (temp, b * h * 4 + 64 * 10**6)
 
