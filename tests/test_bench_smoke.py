@@ -1013,13 +1013,30 @@ def test_config_changes_are_typed_by_the_config_fields():
 
 
 def test_gemm_sweep_times_the_tables_row_first():
-  """bench_gemm --sweep: the table's config for the device and shape first (the H200 runs the H100's), then the
-  grid's others, none twice; a device with no rows starts from the default."""
+  """bench_gemm --sweep: the table's config for the device and shape first (the H200's own row where it has one,
+  else the H100's), then the grid's others, none twice; a device with no rows starts from the default."""
   from benchmarks.bench_gemm import sweep_candidates, sweep_configs
   from lce_flax._impl.pallas_mosaic import tuning
 
   mnk = (8192, 4096, 128256)
   got = sweep_candidates("dx", mnk, "NVIDIA H200")
-  assert got[0] == tuning.select_config("dx", *mnk, "NVIDIA H100 80GB HBM3")
+  assert got[0] == tuning.select_config("dx", *mnk, "NVIDIA H200")
   assert len(set(got)) == len(got) and set(got) >= set(sweep_configs("dx"))
+  h100 = tuning.select_config("fwd", 8192, 128256, 4096, "NVIDIA H100 80GB HBM3")
+  assert "nvidia h200/fwd" not in tuning.select_row("fwd", 8192, 128256, 4096, "NVIDIA H200")[1]
+  assert sweep_candidates("fwd", (8192, 128256, 4096), "NVIDIA H200")[0] == h100
   assert sweep_candidates("dx", mnk, "no such device")[0] == tuning.select_config("dx", *mnk, "no such device")
+
+
+def test_gemm_sweep_finalists():
+  """bench_gemm --sweep times again, in alternation, the three fastest configs of its one-after-another pass and
+  the table's own row if it is not among them (never one that failed to build)."""
+  from benchmarks.bench_gemm import finalists
+  from lce_flax._impl.pallas_mosaic import tuning
+
+  a, b, c, d, e = (tuning.GemmConfig(order_width=w) for w in (1, 2, 4, 8, 16))
+  results = [(3.0, a), (1.0, b), (2.0, c), (4.0, d), (5.0, e)]
+  assert finalists(results, e) == [b, c, a, e]
+  assert finalists(results, b) == [b, c, a]
+  assert finalists(results, tuning.GemmConfig(order_width=32)) == [b, c, a]
+  assert finalists(results[:2], a, n=1) == [b, a]
