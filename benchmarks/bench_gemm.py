@@ -189,8 +189,8 @@ def sweep_candidates(role, mnk, kind):
 
 
 def finalists(results, table_cfg, n: int = 3):
-  """The configs ``--sweep`` times again in alternation, from its one-after-another ``results`` ((ms, config),
-  fastest first): the ``n`` fastest, and the table's own row (``table_cfg``) if it is not among them. One 10-run
+  """The configs ``--sweep`` times again in alternation, from its one-after-another ``results`` ((ms, config) as
+  timed): the ``n`` fastest, and the table's own row (``table_cfg``) if it is not among them. One 10-run
   median per config is not enough to rank them: at the power limit, the same config timed in the sweep and in
   alternation with XLA's GEMM differed by up to 8% on an H200 (``benchmarks/results/rows-h200-2026-11-28/``), more
   than most of the grid lies from its fastest; so the row the sweep writes is the fastest in alternation, and it
