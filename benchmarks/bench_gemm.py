@@ -457,7 +457,8 @@ def final_product(shape, prod, x, w, dz, labels, kind, rounds):
 
 def fused(shape, x, w, dz, flops, best_bare, top, table_rows):
   """The products with their loss work (each with its bare product's two best configs of this run, made to fit
-  the hooks), against the best bare product of this run (ours, XLA's or the example's)."""
+  the hooks), against the best bare product of this run (ours, XLA's or the example's); a variant whose bare
+  product this run did not time (``PRODUCTS``) is left out, so that no row is written for it."""
   b, h = x.shape
   v = w.shape[1]
   k = jax.random.split(jax.random.key(1), 4)
@@ -479,8 +480,11 @@ def fused(shape, x, w, dz, flops, best_bare, top, table_rows):
           lambda x, dz, c: G.gemm(x, dz, transpose_a=True, epilogue=G.AddTo(c), config=cfg)), (x, dz, c)),
   }
   for name, (base, mnk, make, args) in variants.items():
+    if base not in top:  # (PRODUCTS left its bare product out: no config of this run to start from, no row)
+      emit(kind="fused_skip", shape=shape, variant=name, why=f"{base} not timed in this run")
+      continue
     best = None
-    for cfg0 in top.get(base, [tuning.DEFAULT]):
+    for cfg0 in top[base]:
       cfg = tuning.fit_role(name, cfg0)
       try:
         f = make(cfg)

@@ -1028,6 +1028,23 @@ def test_gemm_sweep_times_the_tables_row_first():
   assert sweep_candidates("dx", mnk, "no such device")[0] == tuning.select_config("dx", *mnk, "no such device")
 
 
+def test_gemm_fused_variants_need_their_bare_product(monkeypatch):
+  """bench_gemm's products with their loss work start from the configs this run timed for their bare product; one
+  left out by PRODUCTS (here all three) gives a ``fused_skip`` row and no table row, never a row of the default
+  config that would then be this device's own."""
+  import jax.numpy as jnp
+
+  from benchmarks import bench_gemm
+
+  monkeypatch.setattr(bench_gemm, "ROWS", [])
+  x, w, dz = jnp.ones((256, 128), jnp.bfloat16), jnp.ones((128, 512), jnp.bfloat16), jnp.ones((256, 512), jnp.bfloat16)
+  table_rows = {}
+  bench_gemm.fused("tiny", x, w, dz, 2 * 256 * 128 * 512, {}, {}, table_rows)
+  assert table_rows == {}
+  assert [(r["kind"], r["variant"]) for r in bench_gemm.ROWS] == [
+      ("fused_skip", v) for v in ("fwd_stats", "fwd_store", "dx_prologue", "dw_acc")]
+
+
 def test_gemm_sweep_finalists():
   """bench_gemm --sweep times again, in alternation, the three fastest configs of its one-after-another pass and
   the table's own row if it is not among them (never one that failed to build)."""
