@@ -346,7 +346,7 @@ def main():
       del ref, fns, ex
 
     if not args.no_fused and budget_left(budget) > 40:
-      fused(shape, x, w, dz, flops, best_bare, top, table_rows)
+      fused(shape, x, w, dz, flops, best_bare, top, table_rows, kind)
     save()
     del x, w, dz
   save()
@@ -455,10 +455,23 @@ def final_product(shape, prod, x, w, dz, labels, kind, rounds):
   emit(**row)
 
 
-def fused(shape, x, w, dz, flops, best_bare, top, table_rows):
-  """The products with their loss work (each with its bare product's two best configs of this run, made to fit
-  the hooks), against the best bare product of this run (ours, XLA's or the example's); a variant whose bare
-  product this run did not time (``PRODUCTS``) is left out, so that no row is written for it."""
+def fused_candidates(name, base, mnk, top, kind):
+  """The configs the loss-work variant ``name`` (a table role: ``fwd_stats``, ``fwd_store``, ``dx_prologue``,
+  ``dw_acc``) of the bare product ``base`` is timed with: the table's row for it on this device first, so that a
+  row the run writes was timed beside the one it would replace (the forward rows were tuned with their loss work,
+  not from the bare product), then the bare product's two best configs of this run (``top``) made to fit the
+  hooks; none where this run did not time the bare product (``PRODUCTS``)."""
+  if base not in top:
+    return []
+  out = [tuning.select_config(name, *mnk, kind)]
+  return out + [c for c in dict.fromkeys(tuning.fit_role(name, c0) for c0 in top[base]) if c not in out]
+
+
+def fused(shape, x, w, dz, flops, best_bare, top, table_rows, kind):
+  """The products with their loss work (:func:`fused_candidates`: the table's row, then the bare product's two
+  best configs of this run made to fit the hooks, the fastest of them in alternation), against the best bare
+  product of this run (ours, XLA's or the example's); a variant whose bare product this run did not time
+  (``PRODUCTS``) is left out, so that no row is written for it."""
   b, h = x.shape
   v = w.shape[1]
   k = jax.random.split(jax.random.key(1), 4)
@@ -480,24 +493,25 @@ def fused(shape, x, w, dz, flops, best_bare, top, table_rows):
           lambda x, dz, c: G.gemm(x, dz, transpose_a=True, epilogue=G.AddTo(c), config=cfg)), (x, dz, c)),
   }
   for name, (base, mnk, make, args) in variants.items():
-    if base not in top:  # (PRODUCTS left its bare product out: no config of this run to start from, no row)
+    cands = fused_candidates(name, base, mnk, top, kind)
+    if not cands:  # (PRODUCTS left its bare product out: no row for it from this run)
       emit(kind="fused_skip", shape=shape, variant=name, why=f"{base} not timed in this run")
       continue
-    best = None
-    for cfg0 in top[base]:
-      cfg = tuning.fit_role(name, cfg0)
+    built = []
+    for i, cfg in enumerate(cands):
       try:
         f = make(cfg)
         ms = timeit(f, args)
       except Exception as e:  # noqa: BLE001
         emit(kind="fused_error", shape=shape, variant=name, cfg=cfg.short(), error=f"{type(e).__name__}: {e}"[:300])
         continue
-      emit(kind="fused_try", shape=shape, variant=name, cfg=cfg.short(), ms=round(ms, 3))
-      if best is None or ms < best[0]:
-        best = (ms, cfg, f)
-    if best is None:
+      emit(kind="fused_try", shape=shape, variant=name, cfg=cfg.short(), ms=round(ms, 3), table_row=i == 0)
+      built.append((cfg, f))
+    if not built:
       continue
-    ms, cfg, f = best
+    t = interleaved({i: (f, args) for i, (_, f) in enumerate(built)}) if len(built) > 1 else {0: ms}
+    best = min(t, key=t.get)
+    (cfg, f), ms = built[best], t[best]
     table_rows.setdefault(name, []).append(
         {"bucket": list(tuning.bucket(*mnk)), "shape": [*mnk], "config": dataclasses.asdict(cfg), "ms": round(ms, 3)})
     extra = {}

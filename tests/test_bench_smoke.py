@@ -1039,10 +1039,29 @@ def test_gemm_fused_variants_need_their_bare_product(monkeypatch):
   monkeypatch.setattr(bench_gemm, "ROWS", [])
   x, w, dz = jnp.ones((256, 128), jnp.bfloat16), jnp.ones((128, 512), jnp.bfloat16), jnp.ones((256, 512), jnp.bfloat16)
   table_rows = {}
-  bench_gemm.fused("tiny", x, w, dz, 2 * 256 * 128 * 512, {}, {}, table_rows)
+  bench_gemm.fused("tiny", x, w, dz, 2 * 256 * 128 * 512, {}, {}, table_rows, "NVIDIA H200")
   assert table_rows == {}
   assert [(r["kind"], r["variant"]) for r in bench_gemm.ROWS] == [
       ("fused_skip", v) for v in ("fwd_stats", "fwd_store", "dx_prologue", "dw_acc")]
+
+
+def test_gemm_fused_candidates_start_from_the_tables_row():
+  """bench_gemm's loss-work variants are timed with the table's row for their own role first (the H200 runs the
+  H100's forward rows, tuned with the loss work), then the bare product's best configs of the run made to fit the
+  hooks, none twice; nothing where the bare product was not timed."""
+  from benchmarks.bench_gemm import fused_candidates
+  from lce_flax._impl.pallas_mosaic import tuning
+
+  mnk = (8192, 128256, 4096)
+  table = tuning.select_config("fwd_store", *mnk, "NVIDIA H200")
+  assert table == tuning.select_config("fwd_store", *mnk, "NVIDIA H100 80GB HBM3")
+  a, b = tuning.GemmConfig(order_width=8), tuning.GemmConfig(order_width=16)
+  got = fused_candidates("fwd_store", "fwd", mnk, {"fwd": [a, b]}, "NVIDIA H200")
+  assert got == [table, tuning.fit_role("fwd_store", a), tuning.fit_role("fwd_store", b)]
+  assert got[1].epi_n == 32
+  assert tuning.fit_role("fwd_store", table) == table  # (the row fits its hooks already: timed once)
+  assert fused_candidates("fwd_store", "fwd", mnk, {"fwd": [table, table]}, "NVIDIA H200") == [table]
+  assert fused_candidates("dw_acc", "dw", (4096, 128256, 8192), {"fwd": [a]}, "NVIDIA H200") == []
 
 
 def test_gemm_sweep_finalists():
