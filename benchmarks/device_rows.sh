@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # A device's own tuning rows for the fast design's backward products, measured on that device (one GPU):
 #
-#   bash benchmarks/device_rows.sh OUT [STAGES]          STAGES: any of "sweep steps check" (default: all three)
+#   bash benchmarks/device_rows.sh OUT [STAGES]          STAGES: any of "forward sweep steps check"
+#                                                         (default: "sweep steps check")
 #
+#   forward the forward's rows: bench_gemm.py --sweep of the bare x·w (PRODUCTS=fwd), then its loss-work roles
+#           (fwd_stats, the lean forward; fwd_store, the fast one), each from the table's row for that role and
+#           the bare product's two best configs, the fastest in alternation; OUT/forward/gemm_tuning.json, merged
 #   sweep   bench_gemm.py --sweep of dx and dw at the heads (PRODUCTS=dx,dw, bare products, no example matmul):
 #           the table's row for this device first, then the grid; the fastest of each goes to
 #           OUT/sweep/gemm_tuning.json and is merged into this tree's table
@@ -10,8 +14,10 @@
 #           plain head, on the table as merged; OUT/steps/steps.json merged too
 #   check   bench_step_products.py --check: the plain head against auto as the merged table picks it
 #
-# OUT/gemm_tuning.json is the table as merged: to land the rows, merge the two files of OUT into the package's table
-# here (python3 -m benchmarks.tuning_table OUT/sweep/gemm_tuning.json OUT/steps/steps.json) and run gpu_check.sh.
+# OUT/gemm_tuning.json is the table as merged: to land the rows, merge the stages' files of OUT into the package's
+# table here (python3 -m benchmarks.tuning_table OUT/sweep/gemm_tuning.json OUT/steps/steps.json) and run
+# gpu_check.sh. Each stage writes its own folder of OUT (forward/ and sweep/ with their .jsonl, steps/, check/), so
+# stages can run in separate jobs, the earlier stages' files merged into the table before the later ones run.
 # Env: SHAPES (default the four LLM heads), SWEEP_BUDGET_S (300: the sweep stops starting products after it),
 # ROUNDS (3: alternated rounds of steps and check), PYTHON (python3).
 set -uo pipefail
@@ -28,6 +34,11 @@ status=0
 for stage in $STAGES; do
   echo "== $stage ($(date -u +%T))"
   case $stage in
+    forward)
+      SHAPES=$SHAPES PRODUCTS=fwd BUDGET_S=${SWEEP_BUDGET_S:-300} \
+        $PY -m benchmarks.bench_gemm --sweep --no-example --out "$OUT/forward" >"$OUT/forward.jsonl" || status=1
+      grep '"summary"\|"fused"' "$OUT/forward.jsonl"
+      [ -f "$OUT/forward/gemm_tuning.json" ] && $PY -m benchmarks.tuning_table "$OUT/forward/gemm_tuning.json" ;;
     sweep)
       SHAPES=$SHAPES PRODUCTS=dx,dw BUDGET_S=${SWEEP_BUDGET_S:-300} \
         $PY -m benchmarks.bench_gemm --sweep --no-example --no-fused --out "$OUT/sweep" >"$OUT/sweep.jsonl" || status=1
@@ -39,7 +50,7 @@ for stage in $STAGES; do
     check)
       $PY -m benchmarks.bench_step_products --check --shapes "$SHAPES" --rounds "$ROUNDS" --out "$OUT/check" \
         || status=1 ;;
-    *) echo "unknown stage $stage (expected sweep, steps, check)"; exit 2 ;;
+    *) echo "unknown stage $stage (expected forward, sweep, steps, check)"; exit 2 ;;
   esac
 done
 cp "$TABLE" "$OUT/gemm_tuning.json"
