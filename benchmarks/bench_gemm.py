@@ -506,12 +506,12 @@ def fused(shape, x, w, dz, flops, best_bare, top, table_rows, kind):
         emit(kind="fused_error", shape=shape, variant=name, cfg=cfg.short(), error=f"{type(e).__name__}: {e}"[:300])
         continue
       emit(kind="fused_try", shape=shape, variant=name, cfg=cfg.short(), ms=round(ms, 3), table_row=i == 0)
-      built.append((cfg, f))
+      built.append((cfg, f, ms))
     if not built:
       continue
-    t = interleaved({i: (f, args) for i, (_, f) in enumerate(built)}) if len(built) > 1 else {0: ms}
+    t = interleaved({i: (f, args) for i, (_, f, _) in enumerate(built)}) if len(built) > 1 else {0: built[0][2]}
     best = min(t, key=t.get)
-    (cfg, f), ms = built[best], t[best]
+    (cfg, f, _), ms = built[best], t[best]
     table_rows.setdefault(name, []).append(
         {"bucket": list(tuning.bucket(*mnk)), "shape": [*mnk], "config": dataclasses.asdict(cfg), "ms": round(ms, 3)})
     extra = {}

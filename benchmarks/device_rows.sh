@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A device's own tuning rows for the fast design's backward products, measured on that device (one GPU):
+# A device's own tuning rows for the op's GEMMs, measured on that device (one GPU):
 #
 #   bash benchmarks/device_rows.sh OUT [STAGES]          STAGES: any of "forward sweep steps check"
 #                                                         (default: "sweep steps check")
@@ -31,19 +31,21 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 TABLE=lce_flax/_impl/pallas_mosaic/gemm_tuning.json
 status=0
+
+gemm_rows() {  # gemm_rows NAME PRODUCTS [bench_gemm args]: the products swept into OUT/NAME, their rows merged
+  local name=$1 products=$2
+  shift 2
+  SHAPES=$SHAPES PRODUCTS=$products BUDGET_S=${SWEEP_BUDGET_S:-300} \
+    $PY -m benchmarks.bench_gemm --sweep --no-example "$@" --out "$OUT/$name" >"$OUT/$name.jsonl" || status=1
+  grep '"summary"\|"fused"' "$OUT/$name.jsonl"
+  [ -f "$OUT/$name/gemm_tuning.json" ] && $PY -m benchmarks.tuning_table "$OUT/$name/gemm_tuning.json"
+}
+
 for stage in $STAGES; do
   echo "== $stage ($(date -u +%T))"
   case $stage in
-    forward)
-      SHAPES=$SHAPES PRODUCTS=fwd BUDGET_S=${SWEEP_BUDGET_S:-300} \
-        $PY -m benchmarks.bench_gemm --sweep --no-example --out "$OUT/forward" >"$OUT/forward.jsonl" || status=1
-      grep '"summary"\|"fused"' "$OUT/forward.jsonl"
-      [ -f "$OUT/forward/gemm_tuning.json" ] && $PY -m benchmarks.tuning_table "$OUT/forward/gemm_tuning.json" ;;
-    sweep)
-      SHAPES=$SHAPES PRODUCTS=dx,dw BUDGET_S=${SWEEP_BUDGET_S:-300} \
-        $PY -m benchmarks.bench_gemm --sweep --no-example --no-fused --out "$OUT/sweep" >"$OUT/sweep.jsonl" || status=1
-      grep '"summary"' "$OUT/sweep.jsonl"
-      [ -f "$OUT/sweep/gemm_tuning.json" ] && $PY -m benchmarks.tuning_table "$OUT/sweep/gemm_tuning.json" ;;
+    forward) gemm_rows forward fwd ;;
+    sweep) gemm_rows sweep dx,dw --no-fused ;;
     steps)
       $PY -m benchmarks.bench_step_products --shapes "$SHAPES" --rounds "$ROUNDS" --out "$OUT/steps" || status=1
       [ -f "$OUT/steps/steps.json" ] && $PY -m benchmarks.tuning_table "$OUT/steps/steps.json" ;;
