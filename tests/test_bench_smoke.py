@@ -1029,9 +1029,9 @@ def test_gemm_sweep_times_the_tables_row_first():
 
 
 def test_gemm_fused_variants_need_their_bare_product(monkeypatch):
-  """bench_gemm's products with their loss work start from the configs this run timed for their bare product; one
-  left out by PRODUCTS (here all three) gives a ``fused_skip`` row and no table row, never a row of the default
-  config that would then be this device's own."""
+  """bench_gemm's products with their loss work run only where this run timed their bare product; one left out by
+  PRODUCTS (here all three) gives a ``fused_skip`` row and no table row, never a row of the default config that
+  would then be this device's own."""
   import jax.numpy as jnp
 
   from benchmarks import bench_gemm
