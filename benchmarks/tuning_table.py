@@ -30,7 +30,7 @@ from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 def kind_key(section: dict, kind: str) -> str:
   """The key of ``section`` (the table's "devices" or "steps") for the device kind ``kind``: the one already there
   that the package reads as the same kind (case and spacing aside), else ``kind``."""
-  return next((k for k in section if tuning._norm_kind(k) == tuning._norm_kind(kind)), kind)
+  return next((k for k in section if tuning.norm_kind(k) == tuning.norm_kind(kind)), kind)
 
 
 def merge(path: str, table_path: str = tuning.TABLE_PATH) -> dict:

@@ -129,7 +129,9 @@ def bucket(m: int, n: int, k: int) -> tuple[int, int, int]:
   return tuple(1 << max(0, round(math.log2(max(d, 1)))) for d in (m, n, k))
 
 
-def _norm_kind(kind: str) -> str:
+def norm_kind(kind: str) -> str:
+  """A device kind as the table's keys are read (case and spacing aside): ``"NVIDIA  H200"`` -> ``"nvidia h200"``.
+  ``benchmarks/tuning_table.py`` matches a GPU run's kind to the table's key with it."""
   return " ".join(kind.lower().split())
 
 
@@ -143,7 +145,7 @@ def _read() -> dict:
 @functools.lru_cache(maxsize=1)
 def load_table() -> dict:
   """``{device kind (lower case): {role: [{"bucket": [m, n, k], "config": {...}, ...}, ...]}}``."""
-  return {_norm_kind(kind): roles for kind, roles in _read().get("devices", {}).items()}
+  return {norm_kind(kind): roles for kind, roles in _read().get("devices", {}).items()}
 
 
 @functools.lru_cache(maxsize=1)
@@ -153,7 +155,7 @@ def load_steps() -> dict:
   (``benchmarks/bench_step_products.py``). A row: ``"design"``, ``"bucket"`` (tokens, hidden, vocab rounded to
   powers of two), ``"shape"``, ``"products"`` (the fastest pair), ``"ms"`` (each pair's time, "dx,dw": ms, and the
   plain head's), ``"source"``."""
-  return {_norm_kind(kind): rows for kind, rows in _read().get("steps", {}).items()}
+  return {norm_kind(kind): rows for kind, rows in _read().get("steps", {}).items()}
 
 
 # Device kinds that are one chip: the H100 and H200 are both GH100 (SM90, 227 KB of shared memory per block), the
@@ -165,7 +167,7 @@ CHIPS = (("h100", "h200", "gh200"),)
 def _kinds(table: dict, device_kind: str) -> list[str]:
   """The kinds of ``table`` whose rows ``device_kind`` may run: its own first, then those of the same chip
   (:data:`CHIPS`)."""
-  kind = _norm_kind(device_kind)
+  kind = norm_kind(device_kind)
   out = [kind] if kind in table else []
   for marks in CHIPS:
     if any(mk in kind for mk in marks):
@@ -199,7 +201,7 @@ def step_products(design: str, tokens: int, hidden: int, vocab: int, device_kind
       rest = ", ".join(("the plain head" if k == "plain" else f"({k.replace(',', ', ')})") + f" {v:.2f}"
                        for k, v in ms.items() if k != ",".join(pair))
       b = "x".join(str(x) for x in row["bucket"])
-      same = "" if measured_on == _norm_kind(device_kind) else f", the same chip as {device_kind}"
+      same = "" if measured_on == norm_kind(device_kind) else f", the same chip as {device_kind}"
       return pair, (f"the whole step measured fastest with (dx, dw) on ({', '.join(pair)}): "
                     f"{ms[','.join(pair)]:.2f} ms against {rest} (table: {measured_on}/steps/{design}/{b}{same})")
   return None
@@ -207,7 +209,7 @@ def step_products(design: str, tokens: int, hidden: int, vocab: int, device_kind
 
 def _source(device_kind: str, measured_on: str, role: str, row) -> str:
   b = "x".join(str(x) for x in row["bucket"])
-  same = "" if measured_on == _norm_kind(device_kind) else f", the same chip as {device_kind}"
+  same = "" if measured_on == norm_kind(device_kind) else f", the same chip as {device_kind}"
   return f"table: {measured_on}/{role}/{b}{same}"
 
 
