@@ -29,6 +29,9 @@ starts, so only a process of its own can change them; the schedules compiled in 
 carry their variant (``default``: none) and its trainer arguments, and weak scaling compares a row with k = 1 of
 its own head and variant.
 
+``--per-chip`` runs each head's one-device step on every visible GPU, alone in turns and then all at once
+(:func:`per_chip`): the weak scaling a data-parallel step could reach with nothing communicated.
+
 ``--schedule`` compiles each head's step on one device and on the largest data-parallel mesh in this process, once
 per variant (of a ``--pgle=N`` one, the step a short run compiled with its profile, read from XLA's dump; the HLOs
 kept in ``DIR/hlo.tar`` as ``step_data{k}_{head}_{variant}.hlo.txt.gz``, with XLA's live ranges beside them as
@@ -96,21 +99,78 @@ def split_env(argv: list[str]) -> tuple[list[str], dict[str, str]]:
   return [a for a in argv if not a.startswith(ENV_ARG)], env
 
 
-def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> dict:
-  """One trainer process; its train_lm.json (or the error it ended with, or that it ran past ``timeout_s``)."""
+def _trainer_cmd(argv: list[str], out: str, env: dict[str, str] | None = None) -> tuple[list[str], dict]:
+  """The command and environment of one trainer process (``argv`` with its variant's ``--env=`` items split off)."""
   argv, extra = split_env(argv)
   cmd = [sys.executable, SCRIPT, *argv, "--out", out, "--quiet"]
   path = os.environ.get("PYTHONPATH")  # (kept: optional wheels installed with --target are found through it)
-  env = {**os.environ, **extra, "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
+  return cmd, {**os.environ, **extra, **(env or {}), "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
+
+
+def _trainer_result(cmd: list[str], returncode: int, stdout: str, stderr: str, out: str) -> dict:
+  if returncode:
+    return {"error": (stderr or stdout).strip().splitlines()[-1:], "cmd": " ".join(cmd[1:])}
+  with open(os.path.join(out, "train_lm.json")) as f:
+    return json.load(f)
+
+
+def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> dict:
+  """One trainer process; its train_lm.json (or the error it ended with, or that it ran past ``timeout_s``)."""
+  cmd, env = _trainer_cmd(argv, out)
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                           timeout=timeout_s)
   except subprocess.TimeoutExpired:
     return {"error": [f"ran past {timeout_s} s"], "cmd": " ".join(cmd[1:])}
-  if proc.returncode:
-    return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:], "cmd": " ".join(cmd[1:])}
-  with open(os.path.join(out, "train_lm.json")) as f:
-    return json.load(f)
+  return _trainer_result(cmd, proc.returncode, proc.stdout, proc.stderr, out)
+
+
+def run_together(jobs: list[tuple[list[str], str, dict[str, str]]], timeout_s: float | None = None) -> list[dict]:
+  """Trainer processes started at once, each ``(argv, out, env)`` with its own environment (its GPU); each one's
+  train_lm.json or error, in order."""
+  procs = []
+  for argv, out, env in jobs:
+    cmd, full = _trainer_cmd(argv, out, env)
+    procs.append((cmd, out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                             env=full)))
+  results = []
+  for cmd, out, proc in procs:
+    try:
+      stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.communicate()
+      results.append({"error": [f"ran past {timeout_s} s"], "cmd": " ".join(cmd[1:])})
+      continue
+    results.append(_trainer_result(cmd, proc.returncode, stdout, stderr, out))
+  return results
+
+
+def per_chip(common: list[str], head: str, n: int, per_device_batch: int, runs: str,
+             timeout_s: float | None = None) -> dict:
+  """``head``'s one-device step on each of the ``n`` visible GPUs (``CUDA_VISIBLE_DEVICES``), first alone (one
+  process at a time) and then all at once (``n`` processes, nothing communicated between them).
+
+  A data-parallel step ends when its slowest device does, so what it can reach without any collective is the
+  one-device step of the first GPU (what ``weak_scaling`` divides by) over the slowest chip's step while all run:
+  ``ceiling``. Below it, the chips themselves (their clocks at the power limit) and what running together costs them
+  (the host, the package's power and heat), not the communication, set the weak scaling."""
+  argv = [*common, "--loss", head, "--only-this-head", "--num-devices", "1", "--mesh", "data=1",
+          "--batch-size", str(per_device_batch)]
+
+  def step(res):
+    return res.get("runs", {}).get(head, {}).get("step_time_s")
+
+  alone = [step(run_trainer([*argv, f"{ENV_ARG}CUDA_VISIBLE_DEVICES={i}"],
+                            os.path.join(runs, f"chip{i}_alone_{head}"), timeout_s)) for i in range(n)]
+  together = [step(r) for r in run_together(
+      [(argv, os.path.join(runs, f"chip{i}_together_{head}"), {"CUDA_VISIBLE_DEVICES": str(i)}) for i in range(n)],
+      timeout_s)]
+  ok = all(alone) and all(together)
+  return {"head": head, "n": n, "per_device_batch": per_device_batch, "alone_step_s": alone,
+          "together_step_s": together,
+          "ceiling": round(alone[0] / max(together), 4) if ok else None,
+          "chip_spread": round(max(alone) / min(alone), 4) if all(alone) else None}
 
 
 def schedule_rows(argv: list[str], k: int, head: str, variant: str, per_device_batch: int,
@@ -300,9 +360,9 @@ def memory_growth(sched: list[dict], head: str = "fused", variant: str = "defaul
           "live_ratio": live[1] / live[0] if all(live) else None}
 
 
-def write(out: str, meta: dict, rows: list, sched: dict | None):
+def write(out: str, meta: dict, rows: list, sched: dict | None, chips: list | None = None):
   with open(os.path.join(out, "trainer_scaling.json"), "w") as f:
-    json.dump({**meta, "rows": rows, "schedule": sched}, f, indent=1)
+    json.dump({**meta, "rows": rows, "schedule": sched, "per_chip": chips}, f, indent=1)
 
 
 def main(argv=None) -> int:
@@ -330,6 +390,8 @@ def main(argv=None) -> int:
                   help="also run every process with these XLA options for the step (KEY=VALUE) and trainer flags "
                   "(--flag) (repeatable)")
   ap.add_argument("--schedule", action="store_true", help="also each head's (and variant's) compiled schedule")
+  ap.add_argument("--per-chip", action="store_true", help="also each head's one-device step on every visible GPU, "
+                  "alone and all at once (the weak scaling a step could reach with no communication)")
   ap.add_argument("--small", action="store_true", help="a tiny model (a CPU check of the driver)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/trainer_scaling"))
   ap.add_argument("--keep-runs", action="store_true", help="keep each trainer process's train_lm.json and plot in "
@@ -379,6 +441,10 @@ def main(argv=None) -> int:
       print(json.dumps(row), flush=True)
       write(a.out, meta, rows, None)  # (so far: a run cut short keeps what it measured)
   rows = weak_scaling(aggregate(rows))
+  chips = [per_chip(common, head, n, a.per_device_batch, runs, a.timeout_s) for head in a.heads.split(",")
+           ] if a.per_chip else None
+  if chips:
+    write(a.out, meta, rows, None, chips)
   sched = None
   if a.schedule and max(ks) > 1:
     # (a --pgle variant's schedule is the one compiled with its run's profile, inside that process: compiled here,
@@ -398,7 +464,7 @@ def main(argv=None) -> int:
     with tarfile.open(os.path.join(a.out, "hlo.tar"), "w") as hlo:
       sched = [schedule_row(head, var, k, hlo) for head in a.heads.split(",") for var in variants
                for k in (1, max(ks))]
-  write(a.out, meta, rows, sched)
+  write(a.out, meta, rows, sched, chips)
   print(f"\n{'k':>3} {'mesh':<18} {'head':<6} {'variant':<10} {'step ms':>9} {'tok/s/dev':>11} {'weak':>6} "
         f"{'peak GB':>8}")
   for r in rows:
@@ -407,6 +473,9 @@ def main(argv=None) -> int:
     ws = f"{r['weak_scaling']:6.3f}" if r["weak_scaling"] else f"{'':>6}"
     pk = f"{r['compiled_peak_bytes'] / 2**30:8.2f}" if r["compiled_peak_bytes"] else f"{'':>8}"
     print(f"{r['k']:>3} {r['mesh']:<18} {r['head']:<6} {r.get('variant', 'default'):<10} {ms} {tps} {ws} {pk}")
+  for c in chips or ():
+    print(f"\n{c['head']}, one device per chip: alone {c['alone_step_s']} s, all {c['n']} at once "
+          f"{c['together_step_s']} s; ceiling {c['ceiling']}, chips' spread alone {c['chip_spread']}")
   for sc in sched or ():
     if sc.get("error"):
       print(f"\nschedule ({sc['mesh']}, {sc['head']}, {sc['variant']}): {sc['note']}: {sc['error']}")

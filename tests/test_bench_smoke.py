@@ -1076,3 +1076,37 @@ def test_gemm_sweep_finalists():
   assert finalists(results, b) == [b, c, a]
   assert finalists(results, tuning.GemmConfig(order_width=32)) == [b, c, a]
   assert finalists(results[:2], a, n=1) == [b, a]
+
+
+def test_trainer_scaling_per_chip_runs_each_gpu_alone_then_together(tmp_path, monkeypatch):
+  """benchmarks/trainer_scaling.py --per-chip: each chip's one-device step alone (CUDA_VISIBLE_DEVICES = that chip)
+  and then all at once in processes started together; the ceiling is the first chip's step alone over the slowest
+  chip's step together, and a failed process leaves it None."""
+  from benchmarks import trainer_scaling
+
+  # a stand-in trainer: its step time is read from its environment, so that which process got which GPU shows
+  fake = tmp_path / "fake_trainer.py"
+  fake.write_text(
+      "import json, os, sys, time\n"
+      "out = sys.argv[sys.argv.index('--out') + 1]\n"
+      "os.makedirs(out, exist_ok=True)\n"
+      "chip = int(os.environ['CUDA_VISIBLE_DEVICES'])\n"
+      "t = float(os.environ['STEP_S_' + str(chip)]) * (1.5 if 'together' in out else 1.0)\n"
+      "time.sleep(0.2)\n"
+      "json.dump({'runs': {'fused': {'step_time_s': t}}}, open(os.path.join(out, 'train_lm.json'), 'w'))\n")
+  monkeypatch.setattr(trainer_scaling, "SCRIPT", str(fake))
+  monkeypatch.setenv("STEP_S_0", "0.050")
+  monkeypatch.setenv("STEP_S_1", "0.052")
+  monkeypatch.setenv("STEP_S_2", "0.049")
+  got = trainer_scaling.per_chip(["--steps", "3"], "fused", 3, 8, str(tmp_path), timeout_s=60)
+  assert got["alone_step_s"] == [0.050, 0.052, 0.049]
+  assert got["together_step_s"] == pytest.approx([0.075, 0.078, 0.0735])
+  assert got["ceiling"] == pytest.approx(0.050 / 0.078, abs=1e-4)
+  assert got["chip_spread"] == pytest.approx(0.052 / 0.049, abs=1e-4)
+
+  monkeypatch.delenv("STEP_S_2")  # chip 2's processes fail: no ceiling, and the error does not stop the others
+  got = trainer_scaling.per_chip(["--steps", "3"], "fused", 3, 8, str(tmp_path), timeout_s=60)
+  assert got["alone_step_s"][:2] == [0.050, 0.052] and got["alone_step_s"][2] is None
+  assert got["ceiling"] is None and got["chip_spread"] is None
+  res = trainer_scaling.run_together([(["--steps", "3"], str(tmp_path / "x"), {"CUDA_VISIBLE_DEVICES": "2"})], 60)
+  assert "KeyError" in res[0]["error"][0]
