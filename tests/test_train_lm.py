@@ -587,3 +587,30 @@ def test_compiler_option_flags():
       lm_main.parse_args(["--compiler-option", bad])
     with pytest.raises(ValueError, match=repr(bad)):
       lm_train.compiler_options([bad])
+
+
+def test_optimizer_clips_the_global_norm_unless_told_not_to():
+  """make_optimizer (the trainer's --clip-norm): a gradient past the clip norm enters AdamW scaled to that norm, one
+  within it as it is; with 0 every gradient enters as it is. (Two steps of different norms: AdamW alone is blind to a
+  constant scale.)"""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  params = {"a": jnp.array([1.0, -2.0]), "b": jnp.array([[0.5]])}
+  g1 = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([[12.0]])}  # global norm 13: clipped to 1
+  g2 = {"a": jnp.array([0.02, -0.01]), "b": jnp.array([[0.05]])}  # within the norm
+  ref = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 0.1, 1, 3, end_value=0.01), b2=0.95, weight_decay=0.1)
+  got = {}
+  for clip, first in ((1.0, jax.tree.map(lambda g: g / 13.0, g1)), (0.0, g1)):
+    tx = lm_train.make_optimizer(0.1, 1, 3, clip_norm=clip)
+    st, st_ref = tx.init(params), ref.init(params)
+    for g, g_ref in ((g1, first), (g2, g2)):
+      up, st = tx.update(g, st, params)
+      up_ref, st_ref = ref.update(g_ref, st_ref, params)
+    for a, b in zip(jax.tree.leaves(up), jax.tree.leaves(up_ref)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, err_msg=f"clip_norm={clip}")
+    got[clip] = np.asarray(up["a"])
+  assert np.abs(got[1.0] - got[0.0]).max() > 1e-3 * np.abs(got[0.0]).max()  # (the two differ: the test can fail)
+  assert lm_main.parse_args(["--clip-norm", "0"]).clip_norm == 0.0
+  assert lm_main.parse_args([]).clip_norm == 1.0

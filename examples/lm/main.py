@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "all-gathered, B·H elements; measured faster on four GPUs) or reduce (each device's [V, H] table "
                  "all-reduced); examples/lm/model.py: lookup")
   p.add_argument("--lr", type=float)
+  p.add_argument("--clip-norm", type=float, default=1.0,
+                 help="clip the gradient's global norm to this before AdamW (0: no clipping)")
   p.add_argument("--warmup", type=int)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--num-devices", type=int, help="use the first N devices (default: all that divide the batch)")

@@ -108,9 +108,12 @@ def build_mesh(batch_size: int, mesh: str | None = None, num_devices: int | None
                        devices=devices[:total])
 
 
-def make_optimizer(lr: float, warmup: int, steps: int) -> optax.GradientTransformation:
+def make_optimizer(lr: float, warmup: int, steps: int, clip_norm: float = 1.0) -> optax.GradientTransformation:
+  """AdamW on a warm-up + cosine schedule, after clipping the gradient's global norm to ``clip_norm`` (0: no
+  clipping; the global norm needs every reduced gradient before any parameter is updated)."""
   sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 1), end_value=lr * 0.1)
-  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.95, weight_decay=0.1))
+  adamw = optax.adamw(sched, b2=0.95, weight_decay=0.1)
+  return optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm else adamw
 
 
 def _unboxed(tree: Any) -> Any:
@@ -164,8 +167,8 @@ def make_trainer(cfg: ModelConfig, head: str, impl: str, batch_size: int, tx: op
 
 def trainer_from_args(args: argparse.Namespace, head: str, batch_size: int | None = None) -> Trainer:
   return make_trainer(model_config(args), head, args.impl, batch_size or args.batch_size,
-                      make_optimizer(args.lr, args.warmup, args.steps), args.seq_len, args.num_devices, args.mesh,
-                      compiler_options(args.compiler_option))
+                      make_optimizer(args.lr, args.warmup, args.steps, args.clip_norm), args.seq_len,
+                      args.num_devices, args.mesh, compiler_options(args.compiler_option))
 
 
 def compiler_options(items: list[str] | None) -> dict:
