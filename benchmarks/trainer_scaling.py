@@ -153,8 +153,8 @@ def per_chip(common: list[str], head: str, n: int, per_device_batch: int, runs: 
 
   A data-parallel step ends when its slowest device does, so what it can reach without any collective is the
   one-device step of the first GPU (what ``weak_scaling`` divides by) over the slowest chip's step while all run:
-  ``ceiling``. Below it, the chips themselves (their clocks at the power limit) and what running together costs them
-  (the host, the package's power and heat), not the communication, set the weak scaling."""
+  ``ceiling``. What keeps it below 1 is the chips themselves (their clocks at the power limit) and what running
+  together costs them (the host, the package's power and heat), not communication."""
   argv = [*common, "--loss", head, "--only-this-head", "--num-devices", "1", "--mesh", "data=1",
           "--batch-size", str(per_device_batch)]
 

@@ -614,3 +614,8 @@ def test_optimizer_clips_the_global_norm_unless_told_not_to():
   assert np.abs(got[1.0] - got[0.0]).max() > 1e-3 * np.abs(got[0.0]).max()  # (the two differ: the test can fail)
   assert lm_main.parse_args(["--clip-norm", "0"]).clip_norm == 0.0
   assert lm_main.parse_args([]).clip_norm == 1.0
+  # a checkpoint's optimizer state fits either setting
+  assert (jax.tree.structure(lm_train.make_optimizer(0.1, 1, 3, clip_norm=0.0).init(params))
+          == jax.tree.structure(lm_train.make_optimizer(0.1, 1, 3).init(params)))
+  with pytest.raises(SystemExit):
+    lm_main.parse_args(["--clip-norm", "-1"])

@@ -137,6 +137,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       p.error(f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1")
   if args.pgle < 0:
     p.error(f"--pgle={args.pgle} must be >= 0")
+  if not args.clip_norm >= 0:
+    p.error(f"--clip-norm={args.clip_norm} must be >= 0 (0: no clipping)")
   if args.pgle and args.num_processes > 1:
     p.error(f"--pgle with --num-processes={args.num_processes}: each process would compile its step with its own "
             "profile (JAX does not share it), and steps whose collectives run in different orders can hang")

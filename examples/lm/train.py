@@ -110,10 +110,11 @@ def build_mesh(batch_size: int, mesh: str | None = None, num_devices: int | None
 
 def make_optimizer(lr: float, warmup: int, steps: int, clip_norm: float = 1.0) -> optax.GradientTransformation:
   """AdamW on a warm-up + cosine schedule, after clipping the gradient's global norm to ``clip_norm`` (0: no
-  clipping; the global norm needs every reduced gradient before any parameter is updated)."""
+  clipping; the global norm needs every reduced gradient before any parameter is updated). The optimizer state has
+  the same structure either way, so a checkpoint resumes under another ``clip_norm``."""
   sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(steps, warmup + 1), end_value=lr * 0.1)
-  adamw = optax.adamw(sched, b2=0.95, weight_decay=0.1)
-  return optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm else adamw
+  clip = optax.clip_by_global_norm(clip_norm) if clip_norm else optax.identity()
+  return optax.chain(clip, optax.adamw(sched, b2=0.95, weight_decay=0.1))
 
 
 def _unboxed(tree: Any) -> Any:
