@@ -1110,3 +1110,37 @@ def test_trainer_scaling_per_chip_runs_each_gpu_alone_then_together(tmp_path, mo
   assert got["ceiling"] is None and got["chip_spread"] is None
   res = trainer_scaling.run_together([(["--steps", "3"], str(tmp_path / "x"), {"CUDA_VISIBLE_DEVICES": "2"})], 60)
   assert "KeyError" in res[0]["error"][0]
+
+
+def test_trainer_scaling_main_writes_the_per_chip_rows(tmp_path, monkeypatch):
+  """benchmarks/trainer_scaling.py --per-chip through its command line: the rows, then each head's per-chip entry
+  in trainer_scaling.json (its processes given their GPU through CUDA_VISIBLE_DEVICES, here stand-ins)."""
+  import json
+
+  from benchmarks import trainer_scaling
+
+  seen = []
+
+  def fake_run(argv, out, timeout_s=None):
+    seen.append([a for a in argv if a.startswith(trainer_scaling.ENV_ARG)])
+    return {"runs": {"fused": {"step_time_s": 0.05, "tokens_per_s": 1000.0, "memory": {}}}}
+
+  def fake_together(jobs, timeout_s=None):
+    seen.append([env for _, _, env in jobs])
+    return [{"runs": {"fused": {"step_time_s": 0.05 + 0.001 * i}}} for i in range(len(jobs))]
+
+  monkeypatch.setattr(trainer_scaling, "run_trainer", fake_run)
+  monkeypatch.setattr(trainer_scaling, "run_together", fake_together)
+  n = trainer_scaling.jax.device_count()
+  assert trainer_scaling.main(["--ks", "1", "--heads", "fused", "--meshes", "data", "--per-chip",
+                               "--out", str(tmp_path)]) in (0, None)
+  got = json.loads((tmp_path / "trainer_scaling.json").read_text())
+  assert [(r["k"], r["head"], r["step_time_s"]) for r in got["rows"]] == [(1, "fused", 0.05)]
+  (chip,) = got["per_chip"]
+  assert chip["alone_step_s"] == [0.05] * n and chip["together_step_s"] == pytest.approx(
+      [0.05 + 0.001 * i for i in range(n)])
+  assert chip["ceiling"] == pytest.approx(0.05 / (0.05 + 0.001 * (n - 1)), abs=1e-4)
+  # the row's process, then each chip alone with its own GPU, then all at once
+  assert seen[0] == [] and seen[1:1 + n] == [[f"{trainer_scaling.ENV_ARG}CUDA_VISIBLE_DEVICES={i}"]
+                                             for i in range(n)]
+  assert seen[1 + n] == [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(n)]
