@@ -61,6 +61,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 
 import jax
 
@@ -108,6 +109,7 @@ def _trainer_cmd(argv: list[str], out: str, env: dict[str, str] | None = None) -
 
 
 def _trainer_result(cmd: list[str], returncode: int, stdout: str, stderr: str, out: str) -> dict:
+  """A finished trainer process's train_lm.json, or the last line of what it printed when it failed."""
   if returncode:
     return {"error": (stderr or stdout).strip().splitlines()[-1:], "cmd": " ".join(cmd[1:])}
   with open(os.path.join(out, "train_lm.json")) as f:
@@ -127,7 +129,8 @@ def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> di
 
 def run_together(jobs: list[tuple[list[str], str, dict[str, str]]], timeout_s: float | None = None) -> list[dict]:
   """Trainer processes started at once, each ``(argv, out, env)`` with its own environment (its GPU); each one's
-  train_lm.json or error, in order."""
+  train_lm.json or error, in order. ``timeout_s`` bounds them all from their start."""
+  deadline = None if timeout_s is None else time.monotonic() + timeout_s
   procs = []
   for argv, out, env in jobs:
     cmd, full = _trainer_cmd(argv, out, env)
@@ -136,7 +139,7 @@ def run_together(jobs: list[tuple[list[str], str, dict[str, str]]], timeout_s: f
   results = []
   for cmd, out, proc in procs:
     try:
-      stdout, stderr = proc.communicate(timeout=timeout_s)
+      stdout, stderr = proc.communicate(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
     except subprocess.TimeoutExpired:
       proc.kill()
       proc.communicate()

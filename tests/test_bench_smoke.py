@@ -1144,3 +1144,26 @@ def test_trainer_scaling_main_writes_the_per_chip_rows(tmp_path, monkeypatch):
   assert seen[0] == [] and seen[1:1 + n] == [[f"{trainer_scaling.ENV_ARG}CUDA_VISIBLE_DEVICES={i}"]
                                              for i in range(n)]
   assert seen[1 + n] == [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(n)]
+
+
+def test_run_together_bounds_all_processes_from_their_start(tmp_path, monkeypatch):
+  """trainer_scaling.run_together: processes that outlast ``timeout_s`` are stopped and reported, the others read;
+  the bound counts from the start, not per process."""
+  import time
+
+  from benchmarks import trainer_scaling
+
+  fake = tmp_path / "slow_trainer.py"
+  fake.write_text(
+      "import json, os, sys, time\n"
+      "out = sys.argv[sys.argv.index('--out') + 1]\n"
+      "os.makedirs(out, exist_ok=True)\n"
+      "time.sleep(float(os.environ['SLEEP_S']))\n"
+      "json.dump({'runs': {}}, open(os.path.join(out, 'train_lm.json'), 'w'))\n")
+  monkeypatch.setattr(trainer_scaling, "SCRIPT", str(fake))
+  t0 = time.monotonic()
+  res = trainer_scaling.run_together([([], str(tmp_path / f"p{i}"), {"SLEEP_S": s})
+                                      for i, s in enumerate(("0", "30", "30", "30", "30"))], timeout_s=2)
+  assert time.monotonic() - t0 < 6  # (one bound for all five: 2 s a process after the first would take 8)
+  assert res[0] == {"runs": {}}
+  assert [r["error"] for r in res[1:]] == [["ran past 2 s"]] * 4
