@@ -108,6 +108,11 @@ def _trainer_cmd(argv: list[str], out: str, env: dict[str, str] | None = None) -
   return cmd, {**os.environ, **extra, **(env or {}), "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
 
 
+def _ran_past(cmd: list[str], timeout_s: float | None) -> dict:
+  """The result of a trainer process stopped at ``timeout_s``."""
+  return {"error": [f"ran past {timeout_s} s"], "cmd": " ".join(cmd[1:])}
+
+
 def _trainer_result(cmd: list[str], returncode: int, stdout: str, stderr: str, out: str) -> dict:
   """A finished trainer process's train_lm.json, or the last line of what it printed when it failed."""
   if returncode:
@@ -123,7 +128,7 @@ def run_trainer(argv: list[str], out: str, timeout_s: float | None = None) -> di
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                           timeout=timeout_s)
   except subprocess.TimeoutExpired:
-    return {"error": [f"ran past {timeout_s} s"], "cmd": " ".join(cmd[1:])}
+    return _ran_past(cmd, timeout_s)
   return _trainer_result(cmd, proc.returncode, proc.stdout, proc.stderr, out)
 
 
@@ -143,7 +148,7 @@ def run_together(jobs: list[tuple[list[str], str, dict[str, str]]], timeout_s: f
     except subprocess.TimeoutExpired:
       proc.kill()
       proc.communicate()
-      results.append({"error": [f"ran past {timeout_s} s"], "cmd": " ".join(cmd[1:])})
+      results.append(_ran_past(cmd, timeout_s))
       continue
     results.append(_trainer_result(cmd, proc.returncode, stdout, stderr, out))
   return results
