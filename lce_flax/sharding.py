@@ -129,7 +129,7 @@ def sharded_linear_cross_entropy(
     mesh: Mesh,
     batch_axes: Sequence[str] | str | None = (DATA, FSDP),
     vocab_axis: str | None = TENSOR,
-    fsdp_axis: str | None = FSDP,
+    fsdp_axis: Sequence[str] | str | None = FSDP,
     bias: jax.Array | None = None,
     where: jax.Array | None = None,
     w_layout: str = "hv",
@@ -149,7 +149,8 @@ def sharded_linear_cross_entropy(
     mesh: the device mesh (e.g. from :func:`make_mesh`).
     batch_axes: mesh axes the tokens are split over (data parallel, FSDP).
     vocab_axis: mesh axis the vocabulary is split over (vocab-parallel head), or None.
-    fsdp_axis: mesh axis ``w``'s H dim is split over (gathered once per call), or None.
+    fsdp_axis: mesh axis (or axes, e.g. ``("data", "fsdp")`` for a head whose parameters are split over every
+      axis that splits the tokens) ``w``'s H dim is split over (gathered once per call), or None.
     bias, where, w_layout, return_aux, options, **overrides: as in :func:`lce_flax.linear_cross_entropy`
       (with a vocab axis, see the module docstring for which design runs).
 
@@ -171,17 +172,18 @@ def sharded_linear_cross_entropy(
   base.check_arguments(x, w, labels, bias, where, w_layout)
   base.check_entropy(opts, return_aux)
   batch = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
-  for a in (*batch, vocab_axis, fsdp_axis):
+  fsdp = (fsdp_axis,) if isinstance(fsdp_axis, str) else tuple(fsdp_axis or ())
+  for a in (*batch, vocab_axis, *fsdp):
     if a is not None and a not in mesh.shape:
       raise ValueError(f"axis {a!r} is not an axis of the mesh {dict(mesh.shape)}")
   if vocab_axis is not None and vocab_axis in batch:
     raise ValueError(f"{vocab_axis=} cannot also be one of {batch_axes=}")
-  if fsdp_axis is not None and fsdp_axis == vocab_axis:
-    raise ValueError(f"{fsdp_axis=} cannot be the vocab axis")
+  if vocab_axis is not None and vocab_axis in fsdp:
+    raise ValueError(f"{fsdp_axis=} cannot be (or hold) the vocab axis")
   batch = tuple(a for a in batch if mesh.shape[a] > 1)
   vaxis = vocab_axis if vocab_axis is not None and mesh.shape[vocab_axis] > 1 else None
-  faxis = fsdp_axis if fsdp_axis is not None and mesh.shape[fsdp_axis] > 1 else None
-  nb, nv, nf = _axes_size(mesh, batch), _axes_size(mesh, vaxis), _axes_size(mesh, faxis)
+  faxes = tuple(a for a in fsdp if mesh.shape[a] > 1)
+  nb, nv, nf = _axes_size(mesh, batch), _axes_size(mesh, vaxis), _axes_size(mesh, faxes)
   vocab = common.vocab_size(w, w_layout)
   hidden = x.shape[-1]
   if x.ndim < 2:
@@ -202,11 +204,12 @@ def sharded_linear_cross_entropy(
   n = math.prod(labels.shape)
   x, w = _partition.narrow(x, w, opts)
   args = (x.reshape(n, hidden), w, bias, labels.reshape(n), None if where is None else where.reshape(n))
-  lay = _partition.Layout(batch, (faxis,) if faxis else (), (vaxis,) if vaxis else ())
+  lay = _partition.Layout(batch, faxes, (vaxis,) if vaxis else ())
   if any(t == AxisType.Explicit for t in mesh.axis_types):
     # an Explicit mesh types every array's sharding, and shard_map then refuses to reshard implicitly
     tok = P(batch or None)
-    w_spec = P(faxis, vaxis) if w_layout == "hv" else P(vaxis, faxis)
+    fspec = faxes or None
+    w_spec = P(fspec, vaxis) if w_layout == "hv" else P(vaxis, fspec)
     specs = (P(batch or None, None), w_spec, P(vaxis), tok, tok)
     args = tuple(None if a is None else jax.sharding.reshard(a, NamedSharding(mesh, sp))
                  for a, sp in zip(args, specs))
@@ -220,7 +223,7 @@ def from_types(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux
   """The op on arrays whose shardings are in their types (mesh axes of ``AxisType.Explicit``).
 
   Reads the layout from the types — tokens over the mesh axes of ``x``'s first dim, V over the axis of ``w``'s
-  vocabulary dim, H over the axis of ``w``'s hidden dim (FSDP) — and runs :func:`sharded_linear_cross_entropy`
+  vocabulary dim, H over the axes of ``w``'s hidden dim (FSDP) — and runs :func:`sharded_linear_cross_entropy`
   with it; :func:`lce_flax.linear_cross_entropy` calls this itself when it sees such inputs.
   """
   def spec_of(a):
@@ -244,9 +247,9 @@ def from_types(x, w, labels, *, bias=None, where=None, w_layout="hv", return_aux
   batch = _partition.entry_axes(xs[0])
   vocab = _partition.entry_axes(ws[v_dim])
   fsdp = _partition.entry_axes(ws[h_dim])
-  if len(vocab) > 1 or len(fsdp) > 1:
-    raise ValueError(f"w.sharding={jax.typeof(w).sharding}: each dim of w may be split over one mesh axis")
+  if len(vocab) > 1:
+    raise ValueError(f"w.sharding={jax.typeof(w).sharding}: w's vocabulary dim may be split over one mesh axis")
   return sharded_linear_cross_entropy(
       x, w, labels, mesh=mesh, batch_axes=batch, vocab_axis=vocab[0] if vocab else None,
-      fsdp_axis=fsdp[0] if fsdp else None, bias=bias, where=where, w_layout=w_layout, return_aux=return_aux,
+      fsdp_axis=fsdp or None, bias=bias, where=where, w_layout=w_layout, return_aux=return_aux,
       options=options)

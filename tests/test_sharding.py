@@ -230,6 +230,10 @@ def test_bad_axis_names_raise():
     sharded_linear_cross_entropy(x, w, y, mesh=mesh, vocab_axis="model")
   with pytest.raises(ValueError, match="cannot also be one of"):
     sharded_linear_cross_entropy(x, w, y, mesh=mesh, vocab_axis="data")
+  with pytest.raises(ValueError, match="'model' is not an axis"):
+    sharded_linear_cross_entropy(x, w, y, mesh=mesh, fsdp_axis=("fsdp", "model"))
+  with pytest.raises(ValueError, match="cannot be \\(or hold\\) the vocab axis"):
+    sharded_linear_cross_entropy(x, w, y, mesh=mesh, fsdp_axis=("data", "tensor"))
 
 
 def test_make_mesh():
@@ -392,6 +396,17 @@ def test_explicit_axes_match_one_device(impl):
   """Explicit axes: the op runs per shard from the types (data/FSDP through the same per-shard body)."""
   _auto_compare((2, 2, 2), ("data", "fsdp"), P("fsdp", None), axis_type=AxisType.Explicit, impl=impl,
                 options=OPTIONS["all"], seed=9)
+
+
+@pytest.mark.parametrize("wspec", [P(("data", "fsdp"), None), P(("data", "fsdp"), "tensor")], ids=str)
+def test_explicit_h_over_two_axes(wspec):
+  """w's H split over both axes the tokens are on (a head whose parameters and optimizer state are split over
+  every data-parallel axis): gathered over the two, its gradient reduce-scattered back over them; with and without
+  the vocabulary split over "tensor"."""
+  lowered = _auto_compare((2, 2, 2), ("data", "fsdp"), wspec, axis_type=AxisType.Explicit, options=OPTIONS["all"],
+                          seed=16, token_chunk=16)
+  hlo = lowered.as_text()
+  assert "all_gather" in hlo and "reduce_scatter" in hlo
 
 
 def test_explicit_axes_vocab_parallel():

@@ -428,11 +428,12 @@ def test_embedding_grads_accumulate_in_float32(embed_grads):
   check(got, 3 if embed_grads == "reduce" else 1)
 
 
-def _tiny_step_losses(loss, mesh, steps=2):
-  """Losses of ``steps`` train steps of the tiny model on fixed random tokens (no corpus needed)."""
+def _tiny_step_losses(loss, mesh, steps=2, **model):
+  """Losses of ``steps`` train steps of the tiny model on fixed random tokens (no corpus needed); ``model``: more
+  fields of its ``ModelConfig``."""
   import jax
 
-  cfg = lm_model.ModelConfig(vocab_size=300, seq_len=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+  cfg = lm_model.ModelConfig(vocab_size=300, seq_len=16, d_model=32, num_layers=1, num_heads=2, d_ff=64, **model)
   tx = lm_train.make_optimizer(1e-2, 1, steps)
   tr = lm_train.make_trainer(cfg, loss, "auto", 8, tx, 16, mesh=mesh, num_devices=None if mesh else 1)
   rng = np.random.default_rng(11)
@@ -459,6 +460,32 @@ def test_trainer_on_meshes_matches_one_device(loss, mesh, one_device_losses):
   got, tr = _tiny_step_losses(loss, mesh)
   assert tr.mesh.size == 8
   np.testing.assert_allclose(got, one_device_losses, rtol=2e-5)
+
+
+@pytest.mark.parametrize("loss", ["fused", "plain"])
+@pytest.mark.parametrize("mesh,n", [("data=4", 4), ("data=2,fsdp=2", 4), ("data=2,tensor=2", 2)])
+def test_split_head_over_data(loss, mesh, n, one_device_losses):
+  """``split_head``: the head's kernel and both of its AdamW moments are split on H over every axis that splits
+  the tokens (data as well as fsdp; V stays over tensor), the rest of the model is placed as without it, and two
+  steps and a held-out batch give the one-device plain head's numbers."""
+  import jax
+
+  got, tr = _tiny_step_losses(loss, mesh, split_head=True)
+  np.testing.assert_allclose(got, one_device_losses, rtol=2e-5)
+  _, plain = _tiny_step_losses(loss, mesh, steps=0)
+  with jax.set_mesh(tr.mesh):
+    split, before = tr.init(0), plain.init(0)
+  kernel = split.params["head"]["kernel"]
+  h, v = kernel.shape
+  tensor = tr.mesh.shape["tensor"]
+  moments = [a for a in jax.tree.leaves(split.opt_state) if a.shape == (h, v)]
+  assert len(moments) == 2  # AdamW's mu and nu
+  for a in [kernel, *moments]:
+    assert a.sharding.shard_shape(a.shape) == (h // n, v // tensor), (mesh, a.sharding)
+  old = before.params["head"]["kernel"]
+  assert old.sharding.shard_shape(old.shape) == (h // tr.mesh.shape["fsdp"], v // tensor)
+  others = lambda st: [(p, a.sharding.spec) for p, a in jax.tree.leaves_with_path(st.params) if "head" not in str(p)]
+  assert others(split) == others(before)
 
 
 def test_data_parallel_step_keeps_one_devices_memory():

@@ -24,6 +24,8 @@ HEADS = ("fused", "plain")
 EMBED_GRADS = ("reduce", "gather")
 HEAD_INIT = nn.initializers.normal(0.02)
 HEAD_AXES = ("embed", "vocab")  # logical names of the head's kernel [H, V]: H over "fsdp", V over "tensor"
+# with ``split_head``: H under a name of its own, which the trainer maps to every axis that splits the tokens
+SPLIT_HEAD_AXES = ("head_embed", "vocab")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,15 @@ class ModelConfig:
   # elements instead of the table's V·H on the wire; measured faster on four GPUs); either scatter-adds in float32
   # (see :func:`lookup`)
   embed_grads: str = "gather"
+  # the head's kernel (and so its optimizer state) split on H over the axes that split the tokens ("data" as well
+  # as "fsdp"), its logical names ``SPLIT_HEAD_AXES``: each device holds 1/n of it, gathers it in the compute dtype
+  # for the step and reduce-scatters its gradient (half an all-reduce's bytes), and updates 1/n of it; False: H over
+  # "fsdp" only, as the rest of the model
+  split_head: bool = False
+
+  @property
+  def head_axes(self) -> tuple[str, str]:
+    return SPLIT_HEAD_AXES if self.split_head else HEAD_AXES
 
 
 class Block(nn.Module):
@@ -229,11 +240,11 @@ class TransformerLM(nn.Module):
     block = nn.remat(Block) if cfg.remat else Block  # remat: keep only block inputs, so the head dominates memory
     self.blocks = [block(cfg, name=f"block{i}") for i in range(cfg.num_layers)]
     self.ln_f = nn.LayerNorm(dtype=dtype, name="ln_f")
-    kernel_init = nn.with_logical_partitioning(HEAD_INIT, HEAD_AXES)
+    kernel_init = nn.with_logical_partitioning(HEAD_INIT, cfg.head_axes)
     if self.head == "fused":
       # the swap: LMHead holds nn.Dense's kernel and returns the loss; impl="auto" picks the implementation
-      self.lm_head = LMHead(cfg.vocab_size, use_bias=False, dtype=dtype, kernel_init=HEAD_INIT, kernel_axes=HEAD_AXES,
-                            options=LossOptions(impl=self.impl), name="head")
+      self.lm_head = LMHead(cfg.vocab_size, use_bias=False, dtype=dtype, kernel_init=HEAD_INIT,
+                            kernel_axes=cfg.head_axes, options=LossOptions(impl=self.impl), name="head")
     elif self.head == "plain":
       self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, kernel_init=kernel_init,
                               dot_general=fsdp_dot_general, name="head")
