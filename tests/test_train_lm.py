@@ -488,6 +488,15 @@ def test_split_head_over_data(loss, mesh, n, one_device_losses):
   assert others(split) == others(before)
 
 
+def test_split_head_is_the_trainers_default():
+  """The trainer's command line splits the head over data unless told ``--no-split-head``; the model's own config
+  does not (a model built by hand keeps the head's kernel as its logical names alone place it)."""
+  cfg = lambda argv: lm_train.model_config(lm_main.parse_args(argv))
+  assert cfg([]).split_head and not cfg(["--no-split-head"]).split_head
+  assert cfg([]).head_axes == lm_model.SPLIT_HEAD_AXES and cfg(["--no-split-head"]).head_axes == lm_model.HEAD_AXES
+  assert not lm_model.ModelConfig(300, 16, 32, 1, 2, 64).split_head
+
+
 def test_data_parallel_step_keeps_one_devices_memory():
   """On a data-parallel mesh the fused step's compiled temporaries per device are one device's at the same
   per-device batch (4 sequences of 64 tokens, V = 4096): nothing in the sharded step (metrics, the loss's sharded
