@@ -398,15 +398,17 @@ def test_explicit_axes_match_one_device(impl):
                 options=OPTIONS["all"], seed=9)
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
 @pytest.mark.parametrize("wspec", [P(("data", "fsdp"), None), P(("data", "fsdp"), "tensor")], ids=str)
-def test_explicit_h_over_two_axes(wspec):
+def test_h_over_two_axes(wspec, axis_type):
   """w's H split over both axes the tokens are on (a head whose parameters and optimizer state are split over
   every data-parallel axis): gathered over the two, its gradient reduce-scattered back over them; with and without
-  the vocabulary split over "tensor"."""
-  lowered = _auto_compare((2, 2, 2), ("data", "fsdp"), wspec, axis_type=AxisType.Explicit, options=OPTIONS["all"],
+  the vocabulary split over "tensor", on Explicit axes (the layout read from the types) and Auto ones (the
+  partitioning rule)."""
+  lowered = _auto_compare((2, 2, 2), ("data", "fsdp"), wspec, axis_type=axis_type, options=OPTIONS["all"],
                           seed=16, token_chunk=16)
-  hlo = lowered.as_text()
-  assert "all_gather" in hlo and "reduce_scatter" in hlo
+  hlo = lowered.compile().as_text()
+  assert "all-gather" in hlo and "reduce-scatter" in hlo
 
 
 def test_explicit_axes_vocab_parallel():
