@@ -30,9 +30,13 @@ from flax.typing import Dtype, Initializer
 
 from lce_flax import adapters, api
 from lce_flax.options import LossOptions, for_head, resolve
+from lce_flax.sharding import HEAD_EMBED
 
-# Logical axis names of the head's parameters, as used by MaxText-style sharding rules.
+# Logical axis names of the head's parameters, as used by MaxText-style sharding rules. ``SPLIT_KERNEL_AXES``: the
+# kernel's H over every axis that splits the tokens (``lce_flax.sharding.DEFAULT_RULES``: "head_embed" -> data and
+# fsdp), as FSDP splits the rest of a model: each device holds and updates 1/n of the head under data parallelism.
 KERNEL_AXES = ("embed", "vocab")
+SPLIT_KERNEL_AXES = (HEAD_EMBED, "vocab")
 BIAS_AXES = ("vocab",)
 
 def check_input(x: jax.Array, hidden: int | None, what: str) -> None:
@@ -226,4 +230,4 @@ class TiedLMHead(_HeadOptions):
     return jnp.dot(x, table.T)
 
 
-__all__ = ["LMHead", "TiedLMHead", "tied_linear_cross_entropy", "KERNEL_AXES", "BIAS_AXES"]
+__all__ = ["LMHead", "TiedLMHead", "tied_linear_cross_entropy", "KERNEL_AXES", "SPLIT_KERNEL_AXES", "BIAS_AXES"]

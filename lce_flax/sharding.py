@@ -67,11 +67,16 @@ MESH_AXES = (DATA, FSDP, TENSOR)
 # Logical axis name -> mesh axes, for flax's ``nn.logical_to_mesh_*``. Tokens are split over both data axes;
 # parameters are split over "fsdp" on their embedding dim (FSDP) and over "tensor" on vocab / MLP / heads.
 # A mesh axis already used by an earlier dim of the same array is skipped by flax, so activations
-# ("batch", "length", "embed") get P(("data", "fsdp"), None, None). Override by passing your own rules.
+# ("batch", "length", "embed") get P(("data", "fsdp"), None, None). "head_embed" (``HEAD_EMBED``) is the H dim of a
+# head split over every axis that splits the tokens (``lce_flax.linen.SPLIT_KERNEL_AXES``): its kernel and optimizer
+# state 1/n per device, gathered once per call, its gradient reduce-scattered (docs/multi_gpu.md). Override by
+# passing your own rules.
+HEAD_EMBED = "head_embed"
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", (DATA, FSDP)),
     ("length", None),
     ("embed", FSDP),
+    (HEAD_EMBED, (DATA, FSDP)),
     ("vocab", TENSOR),
     ("mlp", TENSOR),
     ("heads", TENSOR),

@@ -254,6 +254,8 @@ def test_default_rules_map_an_lm():
   assert nn.logical_to_mesh_axes(("embed", "vocab"), DEFAULT_RULES) == P("fsdp", "tensor")
   assert nn.logical_to_mesh_axes(("vocab", "embed"), DEFAULT_RULES) == P("tensor", "fsdp")
   assert nn.logical_to_mesh_axes(("batch", "length", "embed"), DEFAULT_RULES) == P(("data", "fsdp"), None, None)
+  from lce_flax.linen import SPLIT_KERNEL_AXES
+  assert nn.logical_to_mesh_axes(SPLIT_KERNEL_AXES, DEFAULT_RULES) == P(("data", "fsdp"), "tensor")
   custom = (("batch", "data"), ("embed", None), ("vocab", "tensor"))
   assert nn.logical_to_mesh_axes(("embed", "vocab"), custom) == P(None, "tensor")
 

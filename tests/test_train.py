@@ -224,6 +224,15 @@ def _explicit_mesh():
   return jax.make_mesh((2, 1, 4), ("data", "fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 3)
 
 
+def _kernel_spec(kernel_axes):
+  """Where DEFAULT_RULES put the head's kernel on the data × fsdp × tensor = 2 × 1 × 4 mesh: H over "fsdp" (the
+  logical "embed" or the mesh's name), or over "data" and "fsdp" (``SPLIT_KERNEL_AXES``: split on the mesh's
+  2 data devices too)."""
+  if kernel_axes == lce_flax.linen.SPLIT_KERNEL_AXES:
+    return P(("data", "fsdp"), "tensor")
+  return P("fsdp", "tensor")
+
+
 def _head_problem(seed):
   rng = np.random.default_rng(seed)
   x = rng.normal(size=(B, T, H)).astype(np.float32)
@@ -241,7 +250,8 @@ def _check_head(loss, grads, kernel, bias, x, labels, grad_x):
   assert rel_err(grad_x, ref["dx"]) <= 1e-5
 
 
-@pytest.mark.parametrize("kernel_axes", [("embed", "vocab"), ("fsdp", "tensor")], ids=["logical", "mesh-names"])
+@pytest.mark.parametrize("kernel_axes", [("embed", "vocab"), ("fsdp", "tensor"), lce_flax.linen.SPLIT_KERNEL_AXES],
+                         ids=["logical", "mesh-names", "split"])
 def test_linen_lmhead_on_explicit_mesh_matches_one_device(kernel_axes):
   """linen.LMHead under jit on a 2×4 Explicit mesh, parameters placed by their names through DEFAULT_RULES:
   the float64 NumPy loss and gradients, with the kernel's gradient left sharded like the kernel."""
@@ -252,7 +262,8 @@ def test_linen_lmhead_on_explicit_mesh_matches_one_device(kernel_axes):
   boxed = head.init(jax.random.key(0), x, labels)["params"]
   shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, DEFAULT_RULES)
   params = jax.device_put(nn.unbox(boxed), shardings)
-  assert params["kernel"].sharding.spec == P("fsdp", "tensor")
+  spec = _kernel_spec(kernel_axes)
+  assert params["kernel"].sharding.spec == spec
   assert params["bias"].sharding.spec == P("tensor")
   xs = jax.device_put(x, batch_sharding(mesh))
   ys = jax.device_put(labels, batch_sharding(mesh))
@@ -262,12 +273,13 @@ def test_linen_lmhead_on_explicit_mesh_matches_one_device(kernel_axes):
 
   with jax.set_mesh(mesh):
     loss, (grads, gx) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(params, xs)
-  assert jax.typeof(grads["kernel"]).sharding.spec == P("fsdp", "tensor")
+  assert jax.typeof(grads["kernel"]).sharding.spec == spec
   un = nn.unbox(boxed)
   _check_head(loss, grads, un["kernel"], un["bias"], x, labels, gx)
 
 
-@pytest.mark.parametrize("kernel_axes", [("embed", "vocab"), ("fsdp", "tensor")], ids=["logical", "mesh-names"])
+@pytest.mark.parametrize("kernel_axes", [("embed", "vocab"), ("fsdp", "tensor"), lce_flax.linen.SPLIT_KERNEL_AXES],
+                         ids=["logical", "mesh-names", "split"])
 def test_nnx_lmhead_on_explicit_mesh_matches_one_device(kernel_axes):
   """nnx.LMHead the same way: split, place the state by its names, merge inside jit."""
   mesh = _explicit_mesh()
@@ -278,7 +290,8 @@ def test_nnx_lmhead_on_explicit_mesh_matches_one_device(kernel_axes):
   kernel, bias = np.asarray(head.kernel[...]), np.asarray(head.bias[...])
   shardings = nn.logical_to_mesh_sharding(nnx.get_partition_spec(state), mesh, DEFAULT_RULES)
   state = jax.device_put(state, shardings)
-  assert state["kernel"].get_value().sharding.spec == P("fsdp", "tensor")
+  spec = _kernel_spec(kernel_axes)
+  assert state["kernel"].get_value().sharding.spec == spec
   xs = jax.device_put(x, batch_sharding(mesh))
   ys = jax.device_put(labels, batch_sharding(mesh))
 
@@ -287,7 +300,7 @@ def test_nnx_lmhead_on_explicit_mesh_matches_one_device(kernel_axes):
 
   with jax.set_mesh(mesh):
     loss, (grads, gx) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(state, xs)
-  assert jax.typeof(grads["kernel"].get_value()).sharding.spec == P("fsdp", "tensor")
+  assert jax.typeof(grads["kernel"].get_value()).sharding.spec == spec
   grads = {k: np.asarray(grads[k].get_value()) for k in ("kernel", "bias")}
   _check_head(loss, grads, kernel, bias, x, labels, gx)
 

@@ -18,14 +18,14 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from lce_flax import LossOptions
-from lce_flax.linen import LMHead
+from lce_flax.linen import SPLIT_KERNEL_AXES, LMHead
 
 HEADS = ("fused", "plain")
 EMBED_GRADS = ("reduce", "gather")
 HEAD_INIT = nn.initializers.normal(0.02)
 HEAD_AXES = ("embed", "vocab")  # logical names of the head's kernel [H, V]: H over "fsdp", V over "tensor"
-# with ``split_head``: H under a name of its own, which the trainer maps to every axis that splits the tokens
-SPLIT_HEAD_AXES = ("head_embed", "vocab")
+# with ``split_head``: H under the name that lce_flax.sharding.DEFAULT_RULES maps to every axis that splits the tokens
+SPLIT_HEAD_AXES = SPLIT_KERNEL_AXES
 
 
 @dataclasses.dataclass(frozen=True)

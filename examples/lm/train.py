@@ -24,14 +24,11 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lce_flax.sharding import DATA, DEFAULT_RULES, FSDP, MESH_AXES
+from lce_flax.sharding import MESH_AXES
 from lce_flax.train import TrainState, batch_sharding, make_train_step, process_rows, state_shardings
 
 from .data import EOT, Data, eval_batches, train_batch
-from .model import SPLIT_HEAD_AXES, ModelConfig, TransformerLM
-
-# the trainer's logical axis rules: the package's, and the split head's H over every axis that splits the tokens
-RULES = (*DEFAULT_RULES, (SPLIT_HEAD_AXES[0], (DATA, FSDP)))
+from .model import ModelConfig, TransformerLM
 
 
 @dataclasses.dataclass
@@ -138,10 +135,10 @@ def make_trainer(cfg: ModelConfig, head: str, impl: str, batch_size: int, tx: op
     params = model.init(jax.random.key(seed), dummy, dummy)["params"]  # boxed with the logical names
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-  # Placement from the logical names (``RULES``: "vocab" -> "tensor", "embed" -> "fsdp", the split head's H ->
-  # "data" and "fsdp"); parameters without names (the blocks) are replicated. The state itself is a plain tree (no
-  # boxes), so both heads give the same tree and the checkpoints are plain arrays.
-  shardings = _unboxed(state_shardings(jax.eval_shape(functools.partial(boxed_state, 0)), mesh_, RULES))
+  # Placement from the logical names (lce_flax.sharding.DEFAULT_RULES: "vocab" -> "tensor", "embed" -> "fsdp",
+  # the split head's "head_embed" -> "data" and "fsdp"); parameters without names (the blocks) are replicated. The
+  # state itself is a plain tree (no boxes), so both heads give the same tree and the checkpoints are plain arrays.
+  shardings = _unboxed(state_shardings(jax.eval_shape(functools.partial(boxed_state, 0)), mesh_))
 
   def init_fn(seed):
     return _unboxed(boxed_state(seed))
