@@ -82,6 +82,17 @@ def meshes(k: int) -> dict[str, str]:
   return out
 
 
+def planned(ks: list[int], kinds: list[str], heads: list[str], variants, done=frozenset()) -> list[tuple]:
+  """The processes to run, (k, mesh kind, --mesh, head, variant), those in ``done`` left out: each mesh of ``kinds``
+  at each k, and the one-device step (data=1) whenever 1 is among ``ks``, whatever ``kinds`` names: it is every
+  kind's baseline (what ``weak_scaling`` divides by). An unknown kind is refused, naming it."""
+  unknown = sorted(set(kinds) - set(meshes(2)))
+  if unknown:
+    raise SystemExit(f"--meshes {','.join(kinds)}: unknown mesh kind(s) {unknown}; expected {sorted(meshes(2))}")
+  return [(k, name, mesh, head, var) for k in ks for name, mesh in meshes(k).items() for head in heads
+          for var in variants if (name in kinds or k == 1) and (k, mesh, head, var) not in done]
+
+
 def job_meta(n: int, preset: str, per_device_batch: int) -> dict:
   """What a trainer measurement's JSON says of its job: device, device count, versions, date, commit, command."""
   dev = jax.devices()[0]
@@ -422,9 +433,7 @@ def main(argv=None) -> int:
   runs = a.out if a.keep_runs else tempfile.mkdtemp(prefix="trainer_scaling_")
   variants = parse_variants(a.variant)
   done = {(r["k"], r["mesh"], r["head"], r.get("variant", "default")) for r in rows}
-  todo = [(k, mesh_name, mesh, head, var) for k in ks for mesh_name, mesh in meshes(k).items()
-          for head in a.heads.split(",") for var in variants
-          if mesh_name in kinds and (k, mesh, head, var) not in done]
+  todo = planned(ks, kinds, a.heads.split(","), variants, done)
   for rep in range(a.repeats):  # (each repeat runs every process once: drift over the job spreads over all rows)
     for k, mesh_name, mesh, head, var in todo:
       sub = os.path.join(runs, f"{k}dev_{mesh_name}_{head}" + (f"_{var}" if len(variants) > 1 else "")

@@ -436,9 +436,8 @@ def test_hlo_schedule_head_reduction_held_with_the_slot_free():
 def test_trainer_scaling_variants():
   """benchmarks/trainer_scaling.py --variant: NAME:KEY=VALUE,... as the trainer's --compiler-option arguments,
   --flag items as they are and env:KEY=VALUE items as the process's environment (``default`` first), malformed ones
-  refused; weak scaling within a variant; the mesh
-  kinds of k devices."""
-  from benchmarks.trainer_scaling import meshes, parse_variants, split_env, weak_scaling
+  refused; weak scaling within a variant; the mesh kinds of k devices, and the processes planned for them."""
+  from benchmarks.trainer_scaling import meshes, parse_variants, planned, split_env, weak_scaling
 
   assert parse_variants(["lhs:xla_gpu_enable_latency_hiding_scheduler=true,xla_x=2"]) == {
       "default": [], "lhs": ["--compiler-option", "xla_gpu_enable_latency_hiding_scheduler=true",
@@ -457,6 +456,13 @@ def test_trainer_scaling_variants():
   got = weak_scaling([row(1, "default", 0.10), row(1, "lhs", 0.08), row(2, "default", 0.125), row(2, "lhs", 0.1)])
   assert [r["weak_scaling"] for r in got] == [1.0, 1.0, 0.8, 0.8]
   assert meshes(1) == {"data": "data=1"}
+  # the one-device row is every kind's baseline: it runs whatever --meshes names (else no weak scaling)
+  got = planned([1, 4], ["fsdp", "tensor"], ["fused"], ["default"])
+  assert [(k, mesh) for k, _, mesh, _, _ in got] == [(1, "data=1"), (4, "fsdp=4"), (4, "data=2,tensor=2")]
+  assert planned([1, 4], ["fsdp"], ["fused"], ["default"], done={(1, "data=1", "fused", "default")}) == [
+      (4, "fsdp", "fsdp=4", "fused", "default")]
+  with pytest.raises(SystemExit, match="unknown mesh kind.*'fdsp'"):
+    planned([1, 2], ["data", "fdsp"], ["fused"], ["default"])
   assert meshes(4) == {"data": "data=4", "fsdp": "fsdp=4", "tensor": "data=2,tensor=2"}
 
 
