@@ -493,7 +493,7 @@ def test_split_head_is_the_trainers_default():
   does not (a model built by hand keeps the head's kernel as its logical names alone place it)."""
   cfg = lambda argv: lm_train.model_config(lm_main.parse_args(argv))
   assert cfg([]).split_head and not cfg(["--no-split-head"]).split_head
-  assert cfg([]).head_axes == lm_model.SPLIT_HEAD_AXES and cfg(["--no-split-head"]).head_axes == lm_model.HEAD_AXES
+  assert cfg([]).head_axes == ("head_embed", "vocab") and cfg(["--no-split-head"]).head_axes == ("embed", "vocab")
   assert not lm_model.ModelConfig(300, 16, 32, 1, 2, 64).split_head
 
 

@@ -18,14 +18,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from lce_flax import LossOptions
-from lce_flax.linen import SPLIT_KERNEL_AXES, LMHead
+from lce_flax.linen import KERNEL_AXES, SPLIT_KERNEL_AXES, LMHead
 
 HEADS = ("fused", "plain")
 EMBED_GRADS = ("reduce", "gather")
 HEAD_INIT = nn.initializers.normal(0.02)
-HEAD_AXES = ("embed", "vocab")  # logical names of the head's kernel [H, V]: H over "fsdp", V over "tensor"
-# with ``split_head``: H under the name that lce_flax.sharding.DEFAULT_RULES maps to every axis that splits the tokens
-SPLIT_HEAD_AXES = SPLIT_KERNEL_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,15 +46,16 @@ class ModelConfig:
   # elements instead of the table's V·H on the wire; measured faster on four GPUs); either scatter-adds in float32
   # (see :func:`lookup`)
   embed_grads: str = "gather"
-  # the head's kernel (and so its optimizer state) split on H over the axes that split the tokens ("data" as well
-  # as "fsdp"), its logical names ``SPLIT_HEAD_AXES``: each device holds 1/n of it, gathers it in the compute dtype
-  # for the step and reduce-scatters its gradient (half an all-reduce's bytes), and updates 1/n of it; False: H over
-  # "fsdp" only, as the rest of the model
+  # the head's kernel (and so its optimizer state) split on H over the axes that split the tokens, "data" as well
+  # as "fsdp" (lce_flax.linen.SPLIT_KERNEL_AXES): each device holds and updates 1/n of it, gathers it in the compute
+  # dtype for the step and reduce-scatters its gradient (half an all-reduce's bytes); False: its H over "fsdp" only,
+  # as the rest of the model (KERNEL_AXES), V over "tensor" either way
   split_head: bool = False
 
   @property
   def head_axes(self) -> tuple[str, str]:
-    return SPLIT_HEAD_AXES if self.split_head else HEAD_AXES
+    """Logical names of the head's kernel [H, V]."""
+    return SPLIT_KERNEL_AXES if self.split_head else KERNEL_AXES
 
 
 class Block(nn.Module):
