@@ -41,7 +41,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # (the example trainer's package, examples.lm)
 
-from benchmarks.trainer_scaling import SMALL, compiler_option_args, job_meta, meshes  # noqa: E402
+from benchmarks.trainer_scaling import SMALL, compiler_option_args, job_meta, mesh_kinds, meshes  # noqa: E402
 
 COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|collective", re.I)
 
@@ -232,10 +232,7 @@ def main(argv=None) -> int:
   common = ["--preset", a.preset, *(SMALL if a.small else []), *compiler_option_args(a.compiler_option)]
   traces = os.path.join(a.out, "traces") if a.keep_traces else tempfile.mkdtemp(prefix="trainer_profile_")
   meta = {**job_meta(jax.device_count(), a.preset, a.per_device_batch), "steps": a.steps}
-  kinds = a.meshes.split(",")
-  for kind in kinds:
-    if kind not in meshes(2):
-      raise SystemExit(f"--meshes {a.meshes}: {kind!r} is not one of {sorted(meshes(2))}")
+  kinds = mesh_kinds(a.meshes)
   runs = []
   for head in a.heads.split(","):
     for k in ks:

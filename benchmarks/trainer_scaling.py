@@ -82,13 +82,19 @@ def meshes(k: int) -> dict[str, str]:
   return out
 
 
-def planned(ks: list[int], kinds: list[str], heads: list[str], variants, done=frozenset()) -> list[tuple]:
-  """The processes to run, (k, mesh kind, --mesh, head, variant), those in ``done`` left out: each mesh of ``kinds``
-  at each k, and the one-device step (data=1) whenever 1 is among ``ks``, whatever ``kinds`` names: it is every
-  kind's baseline (what ``weak_scaling`` divides by). An unknown kind is refused, naming it."""
+def mesh_kinds(text: str) -> list[str]:
+  """``--meshes``' comma-separated kinds (those of :func:`meshes`); an unknown kind is refused, naming it."""
+  kinds = text.split(",")
   unknown = sorted(set(kinds) - set(meshes(2)))
   if unknown:
-    raise SystemExit(f"--meshes {','.join(kinds)}: unknown mesh kind(s) {unknown}; expected {sorted(meshes(2))}")
+    raise SystemExit(f"--meshes {text}: unknown mesh kind(s) {unknown}; expected {sorted(meshes(2))}")
+  return kinds
+
+
+def planned(ks: list[int], kinds: list[str], heads: list[str], variants, done=frozenset()) -> list[tuple]:
+  """The processes to run, (k, mesh kind, --mesh, head, variant), those in ``done`` left out: each mesh of ``kinds``
+  (:func:`mesh_kinds`) at each k, and the one-device step (data=1) whenever 1 is among ``ks``, whatever ``kinds``
+  names: it is every kind's baseline (what ``weak_scaling`` divides by)."""
   return [(k, name, mesh, head, var) for k in ks for name, mesh in meshes(k).items() for head in heads
           for var in variants if (name in kinds or k == 1) and (k, mesh, head, var) not in done]
 
@@ -424,7 +430,7 @@ def main(argv=None) -> int:
     if any(k > n for k in want):
       raise SystemExit(f"--ks {a.ks}: this process sees {n} device(s)")
     ks = want
-  kinds = a.meshes.split(",")
+  kinds = mesh_kinds(a.meshes)
   common = ["--preset", a.preset, "--steps", str(a.steps), "--eval-every", "0", "--eval-batches", "1",
             "--sample-tokens", "0", "--bench-steps", "3", *(SMALL if a.small else []),
             *(["--jax-cache-dir", a.jax_cache_dir] if a.jax_cache_dir else [])]

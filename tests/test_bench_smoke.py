@@ -437,7 +437,7 @@ def test_trainer_scaling_variants():
   """benchmarks/trainer_scaling.py --variant: NAME:KEY=VALUE,... as the trainer's --compiler-option arguments,
   --flag items as they are and env:KEY=VALUE items as the process's environment (``default`` first), malformed ones
   refused; weak scaling within a variant; the mesh kinds of k devices, and the processes planned for them."""
-  from benchmarks.trainer_scaling import meshes, parse_variants, planned, split_env, weak_scaling
+  from benchmarks.trainer_scaling import mesh_kinds, meshes, parse_variants, planned, split_env, weak_scaling
 
   assert parse_variants(["lhs:xla_gpu_enable_latency_hiding_scheduler=true,xla_x=2"]) == {
       "default": [], "lhs": ["--compiler-option", "xla_gpu_enable_latency_hiding_scheduler=true",
@@ -461,8 +461,9 @@ def test_trainer_scaling_variants():
   assert [(k, mesh) for k, _, mesh, _, _ in got] == [(1, "data=1"), (4, "fsdp=4"), (4, "data=2,tensor=2")]
   assert planned([1, 4], ["fsdp"], ["fused"], ["default"], done={(1, "data=1", "fused", "default")}) == [
       (4, "fsdp", "fsdp=4", "fused", "default")]
+  assert mesh_kinds("data,tensor") == ["data", "tensor"]
   with pytest.raises(SystemExit, match="unknown mesh kind.*'fdsp'"):
-    planned([1, 2], ["data", "fdsp"], ["fused"], ["default"])
+    mesh_kinds("data,fdsp")
   assert meshes(4) == {"data": "data=4", "fsdp": "fsdp=4", "tensor": "data=2,tensor=2"}
 
 
