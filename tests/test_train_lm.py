@@ -428,14 +428,19 @@ def test_embedding_grads_accumulate_in_float32(embed_grads):
   check(got, 3 if embed_grads == "reduce" else 1)
 
 
-def _tiny_step_losses(loss, mesh, steps=2, **model):
-  """Losses of ``steps`` train steps of the tiny model on fixed random tokens (no corpus needed); ``model``: more
-  fields of its ``ModelConfig``."""
-  import jax
-
+def _tiny_trainer(loss, mesh, steps=2, **model):
+  """The tiny model's trainer (8 sequences of 16 tokens); ``model``: more fields of its ``ModelConfig``."""
   cfg = lm_model.ModelConfig(vocab_size=300, seq_len=16, d_model=32, num_layers=1, num_heads=2, d_ff=64, **model)
   tx = lm_train.make_optimizer(1e-2, 1, steps)
-  tr = lm_train.make_trainer(cfg, loss, "auto", 8, tx, 16, mesh=mesh, num_devices=None if mesh else 1)
+  return lm_train.make_trainer(cfg, loss, "auto", 8, tx, 16, mesh=mesh, num_devices=None if mesh else 1)
+
+
+def _tiny_step_losses(loss, mesh, steps=2, **model):
+  """Losses of ``steps`` train steps of :func:`_tiny_trainer` on fixed random tokens (no corpus needed), then of a
+  held-out batch."""
+  import jax
+
+  tr = _tiny_trainer(loss, mesh, steps, **model)
   rng = np.random.default_rng(11)
   ids = rng.integers(0, 300, 10_000).astype(np.int32)
   out = []
@@ -472,9 +477,9 @@ def test_split_head_over_data(loss, mesh, n, one_device_losses):
 
   got, tr = _tiny_step_losses(loss, mesh, split_head=True)
   np.testing.assert_allclose(got, one_device_losses, rtol=2e-5)
-  _, plain = _tiny_step_losses(loss, mesh, steps=0)
+  unsplit = _tiny_trainer(loss, mesh)
   with jax.set_mesh(tr.mesh):
-    split, before = tr.init(0), plain.init(0)
+    split, before = tr.init(0), unsplit.init(0)
   kernel = split.params["head"]["kernel"]
   h, v = kernel.shape
   tensor = tr.mesh.shape["tensor"]
