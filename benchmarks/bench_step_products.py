@@ -1,5 +1,5 @@
-"""The fast design's whole step with each pair of backward products, beside the plain head (one GPU): the tuning
-table's ``steps`` rows.
+"""The op's whole step with each pair of backward products, beside the plain head (one GPU): the tuning table's
+``steps`` rows.
 
 The backward products dx = dz·wᵀ and dw = xᵀ·dz run on the package's GEMM or on XLA's (cuBLAS). Timed alone, in
 alternation, ours measured faster at most LLM heads; inside the op's step, whose GEMMs run back to back at the
@@ -11,9 +11,11 @@ GPU's power limit, the order can differ (``benchmarks/probe_clocks.py``). So per
               ``gemm,gemm``, ``gemm,xla``, ``xla,gemm``, ``xla,xla`` (the design the op picks at that shape)
 
 and writes a row of the table's ``"steps"`` (:func:`lce_flax._impl.pallas_mosaic.tuning.load_steps`): the design,
-the bucket, the fastest pair and every time.
+the bucket, the fastest pair and every time. With ``--mode lean`` the same for lean mode (design "recompute"),
+whose pair is each vocabulary chunk's dx (added into the float32 dx) and dw, with each step's compiled temporaries
+(``temp_gb``: lean mode is held to B·H·4 + 64 MB).
 
-    python3 -m benchmarks.bench_step_products [--shapes llama3-8b,qwen3-8b] [--rounds 7] [--out DIR]
+    python3 -m benchmarks.bench_step_products [--shapes llama3-8b,qwen3-8b] [--rounds 7] [--mode lean] [--out DIR]
     python3 -m benchmarks.bench_step_products --merge DIR/steps.json     # into the package's table (tuning_table)
     python3 -m benchmarks.bench_step_products --check [--shapes ...]     # then: plain against auto, as it now runs
     python3 -m benchmarks.bench_step_products --chunks 4096,8192 --shapes llama3-8b-32k   # the "tokens" design's chunk
@@ -45,36 +47,43 @@ from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 PAIRS = (("gemm", "gemm"), ("gemm", "xla"), ("xla", "gemm"), ("xla", "xla"))
 
 
-def fast_step(y, config: PallasMosaicConfig, interpret: bool):
-  """The jitted ``value_and_grad`` of x and w (summed loss) of ``impl="pallas_mosaic", mode="fast"`` with
+def fast_step(y, config: PallasMosaicConfig, interpret: bool, mode: str = "fast"):
+  """The jitted ``value_and_grad`` of x and w (summed loss) of ``impl="pallas_mosaic"`` in ``mode`` with
   ``config``, and the keywords it calls the op with."""
-  kw = dict(reduction="sum", impl="pallas_mosaic", mode="fast", config=config, interpret=interpret)
+  kw = dict(reduction="sum", impl="pallas_mosaic", mode=mode, config=config, interpret=interpret)
   return jax.jit(jax.value_and_grad(lambda x, w: linear_cross_entropy(x, w, y, **kw), (0, 1))), kw
 
 
-def pair_step(y, pair, interpret: bool):
+def pair_step(y, pair, interpret: bool, mode: str = "fast"):
   """:func:`fast_step` with the backward products ``pair`` (``PallasMosaicConfig.products``)."""
-  return fast_step(y, PallasMosaicConfig(products=pair), interpret)
+  return fast_step(y, PallasMosaicConfig(products=pair), interpret, mode)
 
 
-def step_row(name: str, rounds: int, interpret: bool) -> dict:
-  """One shape's times and its ``steps`` row."""
+def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast") -> dict:
+  """One shape's times and its ``steps`` row (lean mode's with each pair's temporaries)."""
   x, w, y = bench.make_inputs(SHAPES[name])
   b, h = x.shape
   v = w.shape[1]
   calls = {"plain": (head_steps(y, False, interpret)["plain"], (x, w))}
   design = block_t = None
+  mem = {}
   for pair in PAIRS:
-    f, kw = pair_step(y, pair, interpret)
+    f, kw = pair_step(y, pair, interpret, mode)
     d = explain(x, w, y, **kw)
-    design, block_t = d.config.fast_design, d.config.block_t
+    design, block_t = d.config.fast_design or d.name, d.config.block_t
     calls[",".join(pair)] = (f, (x, w))
+    if mode == "lean":
+      mem[",".join(pair)] = round(temp_bytes(f, (x, w)) / 1e9, 4)
   t = interleaved(calls, rounds=rounds)
   best = min((k for k in t if k != "plain"), key=t.get)
   rows = -(-b // block_t) * block_t  # (the op's rows: tokens padded to its row tile, as its lookup takes them)
-  return {"design": design, "bucket": list(tuning.bucket(rows, h, v)), "shape": [b, h, v], "name": name,
-          "products": best.split(","), "ms": {k: round(s, 3) for k, s in t.items()},
-          "source": f"benchmarks/bench_step_products.py, {rounds} alternated rounds"}
+  row = {"design": design, "bucket": list(tuning.bucket(rows, h, v)), "shape": [b, h, v], "name": name,
+         "products": best.split(","), "ms": {k: round(s, 3) for k, s in t.items()},
+         "source": f"benchmarks/bench_step_products.py, {rounds} alternated rounds"}
+  if mem:
+    row.update(temp_gb=mem, temp_bound_gb=round((b * h * 4 + 64 * 10**6) / 1e9, 4),
+               vs_plain={k: round(s / t["plain"], 3) for k, s in t.items() if k != "plain"})
+  return row
 
 
 def queued_ms(f, args, calls: int = 10) -> float:
@@ -147,8 +156,12 @@ def main(argv=None) -> int:
                   "(rows into DIR/results.json)")
   ap.add_argument("--chunks", metavar="C1,C2", help="only the \"tokens\" design at these chunks of tokens against "
                   "the plain head, with each step's extra memory (rows into DIR/results.json)")
+  ap.add_argument("--mode", choices=("fast", "lean"), default="fast", help="the op's mode whose steps rows to "
+                  "time (lean: design \"recompute\", each chunk's products)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_step_products"))
   a = ap.parse_args(argv)
+  if a.mode == "lean" and (a.check or a.chunks):
+    raise SystemExit("--mode lean times the steps rows only (not --check or --chunks)")
   if a.merge:
     print(tuning_table.merge(a.merge))
     return 0
@@ -158,7 +171,7 @@ def main(argv=None) -> int:
     if a.chunks:
       r = chunk_row(name, [int(c) for c in a.chunks.split(",")], a.rounds, a.interpret)
     else:
-      r = (check_row if a.check else step_row)(name, a.rounds, a.interpret)
+      r = check_row(name, a.rounds, a.interpret) if a.check else step_row(name, a.rounds, a.interpret, a.mode)
     rows.append(r)
     print(json.dumps(r), flush=True)
     save_probe(a.out, rows, a.rounds)

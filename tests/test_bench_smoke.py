@@ -936,6 +936,26 @@ def test_bench_step_products_check_row():
   assert all(v > 0 for v in (*r["ms"].values(), *r["ms_queued"].values()))
 
 
+def test_bench_step_products_lean_row(monkeypatch):
+  """bench_step_products --mode lean on the CPU: lean mode's step with each pair of chunk products beside the plain
+  head, a steps row of the design "recompute" that the package reads back (tuning.step_products), and each pair's
+  compiled temporaries against lean mode's bound."""
+  from benchmarks import bench_step_products
+  from lce_flax._impl.pallas_mosaic import tuning
+
+  r = bench_step_products.step_row("tiny", 1, True, "lean")
+  pairs = {",".join(p) for p in bench_step_products.PAIRS}
+  assert r["design"] == "recompute" and r["shape"] == [256, 64, 960] and r["bucket"] == [256, 64, 1024]
+  assert set(r["ms"]) == pairs | {"plain"} and set(r["temp_gb"]) == set(r["vs_plain"]) == pairs
+  assert ",".join(r["products"]) == min(pairs, key=r["ms"].get)
+  assert r["temp_bound_gb"] == round((256 * 64 * 4 + 64 * 10**6) / 1e9, 4)
+  assert all(0 < t <= r["temp_bound_gb"] for t in r["temp_gb"].values()), r["temp_gb"]
+  kind = "NVIDIA H100 80GB HBM3"
+  monkeypatch.setattr(tuning, "load_steps", lambda: {tuning.norm_kind(kind): [r]})
+  assert tuning.step_products("recompute", 256, 64, 960, kind)[0] == tuple(r["products"])
+  assert tuning.step_products("logits", 256, 64, 960, kind) is None
+
+
 def test_bench_step_products_chunk_row():
   """bench_step_products --chunks on the CPU: the "tokens" design at a chunk beside the plain head, each step's
   extra memory from its compiled step, the ratio taken from the same medians."""

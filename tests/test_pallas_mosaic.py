@@ -81,22 +81,61 @@ def test_configs(config, h, v):
 LEAN_GEMM = Config(block_t=64, vocab_chunk=256)
 
 
-@pytest.mark.parametrize("opt,w_layout,bias,reduction", [("all", "hv", True, "mean"), ("plain", "vh", False, "none"),
-                                                          ("smoothing", "hv", False, "sum")])
-def test_lean_on_the_gemm(opt, w_layout, bias, reduction):
+@pytest.mark.parametrize("opt,w_layout,bias,reduction,products", [
+    ("all", "hv", True, "mean", "gemm"), ("plain", "vh", False, "none", ("gemm", "xla")),
+    ("smoothing", "hv", False, "sum", None), ("plain", "hv", False, "mean", ("xla", "gemm")),
+    ("softcap", "vh", True, "sum", "gemm")])
+def test_lean_on_the_gemm(opt, w_layout, bias, reduction, products):
   """Lean mode on the GEMM of gemm.py (V a multiple of its 128-column tile, H of 64): the forward's statistics
-  epilogue, and per vocabulary chunk the logit gradient recomputed by the LogitGrad epilogue, against the float64
-  oracle (per-token cotangents with ``reduction="none"``); explain() names both kernels."""
+  epilogue, per vocabulary chunk the logit gradient recomputed by the LogitGrad epilogue, and each chunk's products
+  on the GEMM or XLA's as ``products`` asks (dx added into the float32 dx by TMA reduce-adds, dw written into dw),
+  against the float64 oracle (per-token cotangents with ``reduction="none"``); explain() names every kernel."""
   from lce_flax import explain
 
-  check(config=LEAN_GEMM, h=192, v=640, batch_shape=(3, 67), options=OPTIONS[opt], w_layout=w_layout, bias=bias,
+  cfg = dataclasses.replace(LEAN_GEMM, products=products)
+  check(config=cfg, h=192, v=640, batch_shape=(3, 67), options=OPTIONS[opt], w_layout=w_layout, bias=bias,
         reduction=reduction, where=True, seed=60 + len(opt))
   sds = jax.ShapeDtypeStruct
   d = explain(sds((201, 192), jnp.bfloat16), sds((192, 640), jnp.bfloat16), sds((201,), jnp.int32),
-              impl="pallas_mosaic", mode="lean", interpret=True, config=LEAN_GEMM)
+              impl="pallas_mosaic", mode="lean", interpret=True, config=cfg)
   assert d.config.gemm is not None and d.config.vocab_chunk == 256
-  assert any("lean kernels on the persistent GEMM" in n and "gemm[fwd_stats]" in n and "gemm[lean_dz]" in n
-             for n in d.notes), d.notes
+  pair = op.products_pair(products) or ("xla", "xla")
+  assert d.config.products == pair
+  note = next(n for n in d.notes if "lean kernels on the persistent GEMM" in n)
+  assert "gemm[fwd_stats]" in note and "gemm[lean_dz]" in note, note
+  assert ("gemm[dx_acc] 256x192x256" in note) == (pair[0] == "gemm"), note
+  assert ("gemm[dw] 192x256x256" in note) == (pair[1] == "gemm"), note
+  assert ("dx by XLA" in note) == (pair[0] == "xla") and ("dw by XLA" in note) == (pair[1] == "xla"), note
+
+
+def test_lean_products_follow_the_measured_step(monkeypatch):
+  """Lean mode's chunk products run on the pair its whole step measured fastest with at the head's bucket (a
+  ``steps`` row of the design "recompute"), and explain() says so; without one, XLA's for both; a fast design's
+  row of the same bucket is not lean mode's."""
+  from lce_flax import explain
+  from lce_flax._impl.pallas_mosaic import gemm, tuning
+
+  kind = tuning.norm_kind(gemm._device_kind())
+  b, h, v = 1024, 512, 2048
+  step = lambda design, pair: {"design": design, "bucket": list(tuning.bucket(b, h, v)), "shape": [1000, h, v],
+                               "products": list(pair), "source": "test",
+                               "ms": {"gemm,gemm": 50.1, "gemm,xla": 51.0, "xla,gemm": 50.8, "xla,xla": 52.0,
+                                      "plain": 40.0}}
+  sds = jax.ShapeDtypeStruct
+  args = lambda n: (sds((n, h), jnp.bfloat16), sds((h, v), jnp.bfloat16), sds((n,), jnp.int32))
+  monkeypatch.setattr(tuning, "load_steps", lambda: {kind: [step("logits", ("gemm", "gemm"))]})
+  d = explain(*args(1000), impl="pallas_mosaic", mode="lean", interpret=True)
+  assert d.config.products == ("xla", "xla") and not any("whole step" in n for n in d.notes), d.notes
+  monkeypatch.setattr(tuning, "load_steps", lambda: {kind: [step("recompute", ("gemm", "gemm"))]})
+  d = explain(*args(1000), impl="pallas_mosaic", mode="lean", interpret=True)
+  assert d.config.products == ("gemm", "gemm"), d.config
+  note = next(n for n in d.notes if "lean kernels on the persistent GEMM" in n)
+  assert "(dx, dw) on (gemm, gemm): 50.10 ms against" in note and f"{kind}/steps/recompute/1024x512x2048" in note
+  assert explain(*args(4000), impl="pallas_mosaic", mode="lean", interpret=True).config.products == ("xla", "xla")
+  d = explain(*args(1000), impl="pallas_mosaic", mode="lean", interpret=True, config=Config(products="xla"))
+  assert d.config.products == ("xla", "xla") and not any("whole step" in n for n in d.notes)
+  with pytest.raises(ValueError, match="products=.*must be one of"):
+    explain(*args(1000), impl="pallas_mosaic", mode="lean", interpret=True, config=Config(products="cublas"))
 
 
 def test_lean_on_the_gemm_for_a_vocabulary_shard():
@@ -857,6 +896,41 @@ def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
   bad = lambda x, w, bias, y: base.lean(x, w, bias, y, spec, pallas_mosaic, plan8).loss.sum()
   with pytest.raises(ValueError, match="shared memory"):
     jax.jit(bad).trace(*big).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("w_layout,bias,products", [("hv", False, "gemm"), ("vh", True, "gemm"),
+                                                     ("hv", True, ("gemm", "xla")), ("vh", False, ("xla", "gemm"))])
+def test_lean_products_on_the_gemm_lower_for_cuda(w_layout, bias, products):
+  """Lean mode with its chunk products on the GEMM, lowered for CUDA on CPU: the forward's statistics, then in the
+  one loop over the vocabulary chunks the LogitGrad recompute, dx = dz·w_cᵀ added into the carried float32 dx by a
+  Mosaic GPU call whose one output is that operand (TMA reduce-adds in place: no second B×H float32 buffer), and
+  dw_c = xᵀ·dz in w's dtype; what ``products`` leaves to XLA is a dot of the same shape."""
+  b, h, v = 1000, 512, 2048
+  opts = _math.LossSpec(vocab_size=v, logit_softcap=30.0)
+  spec = common.Spec(opts, w_layout, interpret=False)
+  plan = pallas_mosaic.design(b, h, spec, jnp.bfloat16, "lean", Config(products=products)).config
+  assert plan.gemm is not None and plan.stats_gemm, plan
+  on_dx, on_dw = plan.products
+  sds = jax.ShapeDtypeStruct
+  args = (sds((b, h), jnp.bfloat16), sds((v, h) if w_layout == "vh" else (h, v), jnp.bfloat16),
+          sds((v,), jnp.float32) if bias else None, sds((b,), jnp.int32))
+
+  def f(x, w, bias, y):
+    return jnp.sum(base.lean(x, w, bias, y, spec, pallas_mosaic, plan).loss)
+
+  text = jax.jit(jax.grad(f, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  rows, cw = -(-b // plan.block_t) * plan.block_t, plan.vocab_chunk
+  dx_type = f"tensor<{rows}x{h}xf32>"
+  dw_type = f"tensor<{h}x{cw}xbf16>" if w_layout == "hv" else f"tensor<{cw}x{h}xbf16>"
+  dx_calls = [line for line in calls if line.rstrip().endswith(f"-> {dx_type}")]
+  dw_calls = [line for line in calls if line.rstrip().endswith(f"-> {dw_type}")]
+  assert len(calls) == 2 + (on_dx == "gemm") + (on_dw == "gemm"), calls  # + the forward and the recompute
+  assert len(dx_calls) == (on_dx == "gemm") and all("output_operand_alias" in line for line in dx_calls), dx_calls
+  assert len(dw_calls) == (on_dw == "gemm"), dw_calls
+  dots = re.findall(r"stablehlo\.dot_general[^\n]*-> (tensor<[^>]*>)", text)
+  assert (dx_type in dots) == (on_dx == "xla") and (dw_type in dots) == (on_dw == "xla"), dots
+  assert text.count("stablehlo.while") == 1
 
 
 @pytest.mark.parametrize("cap", [None, 30.0])

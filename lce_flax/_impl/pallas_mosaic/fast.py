@@ -225,17 +225,17 @@ def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Sp
   fused = p.products[0] == "gemm"
   ordered = want_dx and want_dw and dw_acc is None
   if want_dx and not fused:
-    dx = _grad_x(e, wp, layout, p, spec.interpret, scale=sigma, out_dtype=xp.dtype)
+    dx = op.product_dx(e, wp, layout, p.products[0], spec.interpret, scale=sigma, out_dtype=xp.dtype)
     if ordered:
       e, dx = lax.optimization_barrier((e, dx))
   if want_dw:
     xs = (xp.astype(F32) * sigma[:, None]).astype(xp.dtype)
-    dw = _grad_w(xs, e, layout, p, spec.interpret, dw_dtype, acc=dw_acc)
+    dw = op.product_dw(xs, e, layout, p.products[1], spec.interpret, dw_dtype, acc=dw_acc)
     if ordered and fused:
       e, dw = lax.optimization_barrier((e, dw))
   db = None if bp is None else jnp.einsum("b,bv->v", sigma.astype(e.dtype), e, preferred_element_type=F32)
   if want_dx and fused:
-    dx = _grad_x(e, wp, layout, p, spec.interpret, scale=sigma, out_dtype=xp.dtype)
+    dx = op.product_dx(e, wp, layout, p.products[0], spec.interpret, scale=sigma, out_dtype=xp.dtype)
   return dx, dw, db
 
 
@@ -259,30 +259,6 @@ def _stored_dz(xp, wp, bp, yp, wts, d: kernels.Dims, p: op.Plan, opts):
   out = _math.finalize(stats, yp, opts)
   dz, db = _dz(zb, mt, out.lse, yp, wts, jnp.zeros_like(wts), d, p, opts)
   return out, dz, db
-
-
-def _grad_x(dz, wp, layout: str, p: op.Plan, interpret: bool, scale=None, out_dtype=F32):
-  """``dz · wᵀ`` ([B, H]) in ``out_dtype``, each row times ``scale`` (float32 [B]) when given: the GEMM of
-  :mod:`.gemm` (the factors applied in its epilogue, before the one rounding) or XLA's (``Plan.products[0]``)."""
-  if p.products[0] == "gemm":
-    return gemm.gemm(dz, wp, transpose_b=layout == "hv", epilogue=gemm.Store(out_dtype, row_scale=scale), role="dx",
-                     interpret=interpret)
-  dx = common.grad_x(dz, wp, layout)
-  return (dx if scale is None else dx * scale[:, None]).astype(out_dtype)
-
-
-def _grad_w(x, dz, layout: str, p: op.Plan, interpret: bool, out_dtype, acc=None):
-  """``xᵀ · dz`` ([H, V]; ``dzᵀ · x`` [V, H] for a [V, H] w) in ``out_dtype``, or ``acc + xᵀ · dz`` in float32
-  given ``acc`` (float32, w's shape: the "tokens" design's dw, updated in place either way): the GEMM of
-  :mod:`.gemm` (:class:`.gemm.AddTo`'s TMA reduce-adds into ``acc``) or XLA's (cuBLAS, accumulating into ``acc``:
-  its ``beta = 1``)."""
-  if p.products[1] == "gemm":
-    a, b = (x, dz) if layout == "hv" else (dz, x)
-    part, role = (gemm.Store(out_dtype), "dw") if acc is None else (gemm.AddTo(acc), "dw_acc")
-    return gemm.gemm(a, b, transpose_a=True, epilogue=part, role=role, interpret=interpret)
-  if acc is None:
-    return common.grad_w(x, dz, layout, out_dtype=out_dtype)
-  return acc + common.grad_w(x, dz, layout)
 
 
 def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
@@ -329,8 +305,8 @@ def _fast_forward(x, w, bias, labels, weights, spec: common.Spec, p: op.Plan):
         dxc, dw, dbc = _grads_from_probs(st, xc, wp, bp, yc, wc, jnp.zeros_like(wc), spec, p, F32, dw_acc=dw)
       else:
         out, dz, dbc = _stored_dz(xc, wp, bp, yc, wc, dc, p, opts)
-        dw = _grad_w(xc, dz, spec.w_layout, p, spec.interpret, F32, acc=dw)
-        dxc = _grad_x(dz, wp, spec.w_layout, p, spec.interpret)
+        dw = op.product_dw(xc, dz, spec.w_layout, p.products[1], spec.interpret, F32, acc=dw)
+        dxc = op.product_dx(dz, wp, spec.w_layout, p.products[0], spec.interpret)
       db = dbc if db is None else db + dbc
       return out, dw, db, lax.dynamic_update_index_in_dim(dx, dxc.astype(xp.dtype), i, 0)
 
@@ -385,8 +361,8 @@ def fast_backward(residuals, g_total, spec: common.Spec, p: op.Plan, primals, g_
       d = kernels.Dims(yp.shape[0], hp, v, zb.shape[1], spec.w_layout, bias_dtype is not None, spec.interpret, True)
       d, pr = _read_as(d, p, zb.shape[1])
       dz, db = _dz(zb, mt, lse, yp, g_loss, g_lse, d, pr, spec.opts)
-      dw = _grad_w(xp, dz, spec.w_layout, p, spec.interpret, wp.dtype)
-      dx = _grad_x(dz, wp, spec.w_layout, p, spec.interpret)
+      dw = op.product_dw(xp, dz, spec.w_layout, p.products[1], spec.interpret, wp.dtype)
+      dx = op.product_dx(dz, wp, spec.w_layout, p.products[0], spec.interpret)
     dx = dx.astype(xp.dtype)
     dbias = None if db is None else db.astype(bias_dtype)
   else:  # "tokens": formed in the forward (x and w share the kernels' dtype)

@@ -110,10 +110,11 @@ class Config:
       recompute (:class:`.gemm.LogitGrad`: the logit gradient formed and stored in the epilogue); None: yes where
       it applies (V a multiple of the GEMM's 128-column tile and at least one CTA tile, H of 64: w read in
       place), else no.
-    products: who forms the fast designs' backward products dx = dz·wᵀ and, in the "logits" design, dw = xᵀ·dz:
-      ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``: cuBLAS), both, or a (dx, dw)
-      tuple of them; None: the pair the whole step measured fastest with at this head's bucket where the tuning
-      table has it (:func:`.tuning.step_products`); else in the
+    products: who forms the backward products dx = dz·wᵀ and dw = xᵀ·dz (the fast designs', and each vocabulary
+      chunk's in the lean design): ``"gemm"`` (the GEMM of :mod:`.gemm`) or ``"xla"`` (``lax.dot_general``:
+      cuBLAS), both, or a (dx, dw) tuple of them; None: the pair the whole step measured fastest with at this
+      head's bucket where the tuning table has it (:func:`.tuning.step_products`); else in the lean design XLA's
+      for both; else in the
       "logits" design with the forward on the GEMM, each product on the GEMM unless the tuning table measured
       XLA's faster at its shape (:func:`.tuning.xla_faster`), else ``"xla"``; in the "tokens" design dx on
       XLA and each chunk's dw added into the float32 dw on the GEMM (TMA reduce-adds into the carried buffer, in
@@ -160,7 +161,7 @@ class Plan:
   fast_design: str | None = None  # None: the lean design
   gemm: GemmConfig | None = None  # the kernels on the GEMM of .gemm with this tiling (None: kernels_ws / kernels)
   stats_gemm: bool = False  # lean: the forward's statistics on the GEMM too (see lean_stats_on_gemm)
-  products: tuple[str, str] | None = None  # fast designs: (dx, dw) each on "gemm" or "xla" (None: the lean design)
+  products: tuple[str, str] | None = None  # (dx, dw) each on "gemm" or "xla"
   stored: str | None = None  # fast designs: Config.stored as asked (None: where it applies; see stores_probs)
   products_step: str | None = None  # the table's line on the whole step whose fastest pair ``products`` is (or None)
 
@@ -285,7 +286,8 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
     chunk = min(chunk, (max(vp, 2 * bv) // (2 * bv)) * 2 * bv)
   p = dataclasses.replace(tiles, vocab_chunk=chunk,
                           gemm=_gemm_config(c, "fwd_stats", tokens, hidden, vocab, interpret, ws))
-  return dataclasses.replace(p, stats_gemm=lean_stats_on_gemm(p, tokens, hidden, vocab))
+  p = dataclasses.replace(p, stats_gemm=lean_stats_on_gemm(p, tokens, hidden, vocab))
+  return _products(p, c, tokens, hidden, vocab)
 
 
 def _gemm_stats_bytes(cfg: GemmConfig, rows: int, vocab: int) -> int:
@@ -377,7 +379,9 @@ def products_pair(products) -> tuple[str, str] | None:
 
 
 def _products(p: Plan, c: Config, num_tokens: int, hidden: int, vocab: int) -> Plan:
-  """``products`` resolved, (dx, dw): both as asked; else XLA's where the forward is not on the GEMM. In the
+  """``products`` resolved, (dx, dw): both as asked; else XLA's where the forward is not on the GEMM; in the lean
+  design (each vocabulary chunk's dx added into the float32 dx, its dw written into dw) XLA's where the tuning
+  table has no whole step of it at this head's bucket. In the
   "tokens" design: dx on XLA (its chunk-sized dx ran faster on XLA's GEMM on an H100 at gpt2-small, 4096-token
   chunks: 6.97 vs 7.15 ms for the whole step, ``benchmarks/results/h100-2026-11-24-r4-fallback/``; equal at
   llama3-8b with 32768 tokens) and each chunk's dw added into the carried float32 dw by the GEMM's
@@ -391,9 +395,11 @@ def _products(p: Plan, c: Config, num_tokens: int, hidden: int, vocab: int) -> P
   if p.gemm is None:
     return dataclasses.replace(p, products=("xla", "xla"))
   kind, rows = gemm_lib._device_kind(), cdiv(num_tokens, p.block_t) * p.block_t
-  step = tuning.step_products(p.fast_design, rows, hidden, vocab, kind)
+  step = tuning.step_products(p.fast_design or "recompute", rows, hidden, vocab, kind)
   if step is not None:
     return dataclasses.replace(p, products=step[0], products_step=step[1])
+  if p.fast_design is None:
+    return dataclasses.replace(p, products=("xla", "xla"))
   if p.fast_design == "tokens":
     return dataclasses.replace(p, products=("xla", "gemm"))
   on = lambda role, mnk: "xla" if tuning.xla_faster(role, *mnk, kind) else "gemm"
@@ -553,15 +559,27 @@ def _lean_note(p: Plan, num_tokens: int, hidden: int, vocab: int) -> str:
   if p.gemm is None:
     cfg = tuning.DEFAULT
     why = gemm_refusal(cfg, hidden, vocab, _lean_min_vocab(cfg, p.warp_specialized)) or "gemm=False"
-    return (f"lean kernels: the forward and dz kernels of kernels_ws.py / kernels.py ({why}); dx and dw of each "
-            "chunk by XLA (cuBLAS)")
+    return (f"lean kernels: the forward and dz kernels of kernels_ws.py / kernels.py ({why}); "
+            f"{_lean_products_note(p, num_tokens, hidden, vocab)}")
   kind, rows = gemm_lib._device_kind(), cdiv(max(num_tokens, 1), p.block_t) * p.block_t
   fwd = (f"the forward with the statistics epilogue, {tuning.describe('fwd_stats', rows, vocab, hidden, kind)}"
          if p.stats_gemm else "the forward on the kernel of kernels_ws.py (the GEMM's statistics, 4 float32 per row "
          "and 128-column tile, would exceed lean mode's memory here)")
   return (f"lean kernels on the persistent GEMM (lce_flax/_impl/pallas_mosaic/gemm.py): {fwd}; each chunk's logit "
           f"gradient recomputed with the LogitGrad epilogue, "
-          f"{tuning.describe('lean_dz', rows, p.vocab_chunk, hidden, kind)}; dx and dw of each chunk by XLA (cuBLAS)")
+          f"{tuning.describe('lean_dz', rows, p.vocab_chunk, hidden, kind)}; "
+          f"{_lean_products_note(p, num_tokens, hidden, vocab)}")
+
+
+def _lean_products_note(p: Plan, num_tokens: int, hidden: int, vocab: int) -> str:
+  """explain()'s words on who forms each lean chunk's two products."""
+  kind, rows = gemm_lib._device_kind(), cdiv(max(num_tokens, 1), p.block_t) * p.block_t
+  cw = p.vocab_chunk
+  dx = (f"on the GEMM's TMA reduce-adds into the float32 dx, {tuning.describe('dx_acc', rows, hidden, cw, kind)}"
+        if p.products[0] == "gemm" else "by XLA (cuBLAS, added into the float32 dx)")
+  dw = f"on the GEMM, {tuning.describe('dw', hidden, cw, rows, kind)}" if p.products[1] == "gemm" else "by XLA (cuBLAS)"
+  out = f"each chunk's dx {dx}; its dw {dw}"
+  return out + (f" ({p.products_step})" if p.products_step else "")
 
 
 def _chunk_note(chunk: int, num_tokens: int, hidden: int, vocab: int, itemsize: int) -> list[str]:
@@ -623,6 +641,37 @@ def padded_w(p: Plan, hidden: int, vocab: int, w_layout: str) -> tuple[int, int]
 def run_forward(xp, wp, bp, yp, d: kernels.Dims, p: Plan, opts):
   """The forward kernel of ``p`` (warp-specialised or one warpgroup): (RowStats, stored tiles or None)."""
   return (kernels_ws.forward_ws if p.warp_specialized else kernels.forward)(xp, wp, bp, yp, d, p, opts)
+
+
+def product_dx(dz, wp, layout: str, on: str, interpret: bool, *, scale=None, out_dtype=F32, acc=None):
+  """``dz · wᵀ`` ([B, H]; ``dz · w`` for a [V, H] w) accumulated in float32, by the GEMM of :mod:`.gemm`
+  (``on="gemm"``) or XLA's (``"xla"``: cuBLAS): in ``out_dtype``, each row times ``scale`` (float32 [B]) when given
+  (on the GEMM in its epilogue, before the one rounding); or, given ``acc`` (float32 [B, H]), ``acc + dz · wᵀ`` in
+  float32, updated in place either way (the GEMM's TMA reduce-adds, :class:`.gemm.AddTo`; cuBLAS's ``beta = 1``):
+  the lean design's dx over its vocabulary chunks."""
+  if on == "gemm":
+    part = gemm_lib.Store(out_dtype, row_scale=scale) if acc is None else gemm_lib.AddTo(acc)
+    return gemm_lib.gemm(dz, wp, transpose_b=layout == "hv", epilogue=part, role="dx" if acc is None else "dx_acc",
+                         interpret=interpret)
+  dx = common.grad_x(dz, wp, layout)
+  if acc is not None:
+    return acc + dx
+  return (dx if scale is None else dx * scale[:, None]).astype(out_dtype)
+
+
+def product_dw(x, dz, layout: str, on: str, interpret: bool, out_dtype, acc=None):
+  """``xᵀ · dz`` ([H, V]; ``dzᵀ · x`` [V, H] for a [V, H] w) accumulated in float32, by the GEMM of :mod:`.gemm`
+  (``on="gemm"``) or XLA's (``"xla"``): in ``out_dtype``, or given ``acc`` (float32, w's shape: the "tokens"
+  design's dw) ``acc + xᵀ · dz`` in float32, updated in place either way (:class:`.gemm.AddTo`'s TMA reduce-adds;
+  cuBLAS's ``beta = 1``). XLA's product is formed in ``out_dtype`` by the dot itself: a float32 product and a
+  convert would leave its float32 buffer to whichever GEMM XLA's autotuner picks."""
+  if on == "gemm":
+    a, b = (x, dz) if layout == "hv" else (dz, x)
+    part, role = (gemm_lib.Store(out_dtype), "dw") if acc is None else (gemm_lib.AddTo(acc), "dw_acc")
+    return gemm_lib.gemm(a, b, transpose_a=True, epilogue=part, role=role, interpret=interpret)
+  if acc is None:
+    return common.grad_w(x, dz, layout, out_dtype=out_dtype)
+  return acc + common.grad_w(x, dz, layout)
 
 
 def prepare(x, w, bias, labels, spec: common.Spec, p: Plan, store: bool = False):
@@ -718,7 +767,7 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   v = common.vocab_size(w, spec.w_layout)
   xp, wp, bp, d, dz_of = _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p)
   vaxis = spec.vocab_axis
-
+  on_dx, on_dw = p.products or ("xla", "xla")
   cw = p.vocab_chunk
 
   def step(k, carry):
@@ -728,14 +777,12 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
     # hold zeros in the chunk's other columns, so adding the chunk's products completes them exactly.
     dz, w_c = dz_of(start, lo)
     dw_c = common.slice_vocab(dw, start, cw, spec.w_layout)
-    # (the product in dw's dtype from the dot itself, accumulated in float32 all the same: a float32 product and a
-    # convert would leave its [H, chunk] float32 buffer to whichever GEMM XLA's autotuner picks)
-    dw = lax.dynamic_update_slice_in_dim(dw, dw_c + common.grad_w(xp, dz, spec.w_layout, out_dtype=dw.dtype), start,
-                                         vaxis)
+    dw_c = dw_c + product_dw(xp, dz, spec.w_layout, on_dw, d.interpret, dw.dtype)
+    dw = lax.dynamic_update_slice_in_dim(dw, dw_c, start, vaxis)
     if db is not None:
       db_c = lax.dynamic_slice_in_dim(db, start, cw)
       db = lax.dynamic_update_slice_in_dim(db, db_c + jnp.sum(dz.astype(F32), axis=0), start, 0)
-    return dx + common.grad_x(dz, w_c, spec.w_layout), dw, db  # (cuBLAS adds into the carried dx in place)
+    return product_dx(dz, w_c, spec.w_layout, on_dx, d.interpret, acc=dx), dw, db  # (dx updated in place)
 
   carry = (jnp.zeros(xp.shape, F32), jnp.zeros_like(wp), None if bp is None else jnp.zeros(bp.shape, F32))
   dx, dw, db = lax.fori_loop(0, cdiv(d.vp, cw), step, carry)

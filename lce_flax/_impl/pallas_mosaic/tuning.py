@@ -7,7 +7,8 @@ GPU and read once. :func:`select_config` picks the row at trace time; :func:`des
 
 Roles: the bare products ``fwd`` (x·w), ``dx`` (dz·wᵀ), ``dw`` (xᵀ·dz, bf16 out), and with their loss work
 ``fwd_stats`` (statistics epilogue), ``fwd_store`` (statistics + stored logits), ``dx_prologue`` (dz formed in the
-prologue), ``dw_acc`` (xᵀ·dz + C in float32), ``lean_dz`` (lean mode's recompute of a vocabulary chunk, its
+prologue), ``dw_acc`` (xᵀ·dz + C in float32), ``dx_acc`` (dz·wᵀ + C in float32: lean mode's dx over its vocabulary
+chunks), ``lean_dz`` (lean mode's recompute of a vocabulary chunk, its
 logit gradient formed and stored in the epilogue); ``plain`` for anything else. Shape bucket: ``(M, N, K)`` rounded
 to powers of two; the row nearest in log-distance serves a shape. A role with loss work and no row of its own
 takes its bare product's row (:func:`fit_role` makes it fit the hooks' SMEM), then (``plain`` too) the nearest row
@@ -221,7 +222,8 @@ def _pick(rows, m: int, n: int, k: int):
 
 
 # roles with loss work run on their bare product's row, adjusted to fit their extra shared memory
-BASE_ROLE = {"fwd_stats": "fwd", "fwd_store": "fwd", "lean_dz": "fwd", "dx_prologue": "dx", "dw_acc": "dw"}
+BASE_ROLE = {"fwd_stats": "fwd", "fwd_store": "fwd", "lean_dz": "fwd", "dx_prologue": "dx", "dw_acc": "dw",
+             "dx_acc": "dx"}
 
 
 def fit_role(role: str, cfg: GemmConfig) -> GemmConfig:
@@ -230,7 +232,7 @@ def fit_role(role: str, cfg: GemmConfig) -> GemmConfig:
   stage fewer (and, under the ping-pong schedules, whose operand rings already take 192 KB, half-width sub-tiles)."""
   if role in ("fwd_store", "lean_dz", "dx_prologue"):
     return dataclasses.replace(cfg, epi_n=min(cfg.epi_n, 32))
-  if role == "dw_acc":
+  if role in ("dw_acc", "dx_acc"):
     if cfg.schedule == "cooperative":
       return dataclasses.replace(cfg, stages=min(cfg.stages, 3))
     # ping-pong: 2 x 3 slots of its own per warpgroup, or one shared ring of 5
