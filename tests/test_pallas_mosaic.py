@@ -794,6 +794,15 @@ def test_gpu_fast_designs_compiled(design):
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
+@pytest.mark.parametrize("products,w_layout", [("gemm", "hv"), (("gemm", "xla"), "vh"), (("xla", "gemm"), "hv")])
+def test_gpu_lean_products_compiled(products, w_layout):
+  """Lean mode with its chunk products on the GEMM, compiled: every option, a bias, ragged rows, several chunks (the
+  last clamped), against the float64 oracle."""
+  check(config=Config(products=products, vocab_chunk=1536), mode="lean", h=512, v=5120, batch_shape=(1000,),
+        options=OPTIONS["all"], bias=True, w_layout=w_layout, interpret=False)
+
+
+@pytest.mark.gpu(min_cc=(9, 0))
 @pytest.mark.parametrize("design", ["logits", "tokens", "lean"])
 def test_gpu_fast_memory_within_its_bound(design):
   """The compiled step's temporaries stay near the design's :func:`.op.memory_bytes` (which explain() reports; an
@@ -821,18 +830,20 @@ def test_gpu_fast_memory_within_its_bound(design):
 @pytest.mark.gpu(min_cc=(9, 0))
 @pytest.mark.parametrize("b,h,v", [(16384, 768, 50304), (8192, 4096, 128256), (4096, 4096, 151936),
                                    (8192, 2304, 256000)], ids=["gpt2-small", "llama3-8b", "qwen3-8b", "gemma2-2b"])
-@pytest.mark.parametrize("gemms", ["autotuned", "cublas", "triton"])
+@pytest.mark.parametrize("gemms", ["autotuned", "cublas", "triton", "ours"])
 def test_gpu_lean_memory_at_llm_shapes(b, h, v, gemms):
   """Lean mode's compiled forward + backward holds at most B·H·4 + 64 MB of temporaries at the LLM heads (its
   float32 dx, one chunk's dz and [H, chunk] buffers, the cuBLAS workspace, O(B) vectors), whichever GEMMs XLA's
   autotuner picks for each chunk's products: as it picks them, with cuBLAS for all (XLA's Triton GEMMs off, the
   pick that once held a float32 [H, chunk] product apart from its convert), and with Triton for all (no cuBLAS
   fallback: the chunk's ``dx + dz·w_cᵀ`` must still add into the carried float32 dx in place, as cuBLAS's
-  beta = 1 does, not into a second B×H float32 buffer)."""
+  beta = 1 does, not into a second B×H float32 buffer); and with both products on the project's GEMM (dx added by
+  TMA reduce-adds into the same float32 dx)."""
   sds = jax.ShapeDtypeStruct
   args = (sds((b, h), jnp.bfloat16), sds((h, v), jnp.bfloat16), sds((b,), jnp.int32))
-  f = lambda x, w, y: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", reduction="sum")
-  options = {"autotuned": None, "cublas": {"xla_gpu_enable_triton_gemm": False},
+  cfg = Config(products="gemm") if gemms == "ours" else None
+  f = lambda x, w, y: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", reduction="sum", config=cfg)
+  options = {"autotuned": None, "ours": None, "cublas": {"xla_gpu_enable_triton_gemm": False},
              "triton": {"xla_gpu_cublas_fallback": False, "xla_gpu_triton_gemm_any": True}}[gemms]
   temp = jax.jit(jax.grad(f, (0, 1))).lower(*args).compile(options).memory_analysis().temp_size_in_bytes
   assert temp <= b * h * 4 + 64 * 10**6, (temp, b * h * 4 + 64 * 10**6)
