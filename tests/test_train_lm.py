@@ -7,6 +7,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -437,7 +438,12 @@ def _tiny_trainer(loss, mesh, steps=2, **model):
 
 def _tiny_step_losses(loss, mesh, steps=2, **model):
   """Losses of ``steps`` train steps of :func:`_tiny_trainer` on fixed random tokens (no corpus needed), then of a
-  held-out batch."""
+  held-out batch; and the trainer."""
+  return _tiny_run(loss, mesh, steps, **model)[:2]
+
+
+def _tiny_run(loss, mesh, steps=2, **model):
+  """:func:`_tiny_step_losses`, and the state after the steps."""
   import jax
 
   tr = _tiny_trainer(loss, mesh, steps, **model)
@@ -450,7 +456,7 @@ def _tiny_step_losses(loss, mesh, steps=2, **model):
       state, m = tr.step(state, tr.put_batch(lm_data.train_batch(ids, i, 8, 16, seed=0, rows=tr.rows)))
       out.append(float(m["loss"]))
     ev = float(tr.eval_loss(state.params, tr.put_batch(lm_data.train_batch(ids, 99, 8, 16, seed=0))))
-  return out + [ev], tr
+  return out + [ev], tr, state
 
 
 @pytest.fixture(scope="module")
@@ -500,6 +506,146 @@ def test_split_head_is_the_trainers_default():
   assert cfg([]).split_head and not cfg(["--no-split-head"]).split_head
   assert cfg([]).head_axes == ("head_embed", "vocab") and cfg(["--no-split-head"]).head_axes == ("embed", "vocab")
   assert not lm_model.ModelConfig(300, 16, 32, 1, 2, 64).split_head
+
+
+@pytest.mark.parametrize("loss", ["fused", "plain"])
+@pytest.mark.parametrize("mesh,n,model", [("data=4", 4, {}), ("data=2,fsdp=2", 4, {"split_head": True})],
+                         ids=["data=4", "data=2,fsdp=2,split_head"])
+def test_split_embed_over_data(loss, mesh, n, model, one_device_losses):
+  """``split_embed``: the embedding table [V, H] and both of its AdamW moments are split on V over every axis that
+  splits the tokens (data as well as fsdp; H whole; read after the steps), the rest of the state is placed as
+  without it, and two steps and a held-out batch give the one-device plain head's numbers (with the split head too
+  on data x fsdp)."""
+  import jax
+
+  got, tr, state = _tiny_run(loss, mesh, split_embed=True, **model)
+  np.testing.assert_allclose(got, one_device_losses, rtol=2e-5)
+  table = state.params["embed"]["embedding"]
+  v, h = table.shape
+  moments = [a for a in jax.tree.leaves(state.opt_state) if a.shape == (v, h)]
+  assert len(moments) == 2  # AdamW's mu and nu
+  for a in [table, *moments]:
+    assert a.sharding.shard_shape(a.shape) == (v // n, h), (mesh, a.sharding)
+  unsplit = _tiny_trainer(loss, mesh, **model).shardings
+  specs = lambda sh: [(p, s.spec) for p, s in jax.tree.leaves_with_path(sh) if "embed" not in str(p)]  # noqa: E731
+  assert specs(tr.shardings) == specs(unsplit)
+  assert not any(unsplit.params["embed"]["embedding"].spec)  # (without the option: replicated)
+
+
+def test_split_embed_gradients():
+  """The vocabulary-parallel lookup (``split_lookup``) changes no number: on a data=4 mesh (``embed_grads``
+  "gather") and a data=2 x fsdp=2 mesh ("reduce") the loss and every parameter's gradient, the table's included,
+  equal those of the unsplit model on one device (float32, ragged 13-token sequences, one token in every device's
+  rows; the parameters replicated, which the lookup splits itself). (The trainer's steps alone would miss a table
+  gradient off by a constant factor: AdamW's first update does not see it.)"""
+  import dataclasses
+
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  cfg = lm_model.ModelConfig(vocab_size=96, seq_len=13, d_model=32, num_layers=1, num_heads=2, d_ff=48)
+  rng = np.random.default_rng(9)
+  tokens, labels = (jnp.asarray(rng.integers(0, 96, (4, 13)), jnp.int32) for _ in range(2))
+  tokens = tokens.at[:, 0].set(5)  # one id in every row: its gradient sums rows of all devices
+  explicit = lambda *shape: jax.make_mesh(shape, ("data", "fsdp")[:len(shape)],  # noqa: E731
+                                          axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))
+  params = jax.jit(lm_model.TransformerLM(cfg, head="plain").init)(jax.random.key(2), tokens, labels)
+  got = {}
+  cases = (("unsplit", None, "gather"), ("data=4", explicit(4), "gather"),
+           ("data=2 x fsdp=2", explicit(2, 2), "reduce"))
+  for name, mesh, embed_grads in cases:
+    model = lm_model.TransformerLM(dataclasses.replace(cfg, split_embed=mesh is not None, embed_grads=embed_grads),
+                                   head="plain")
+    fn = jax.jit(jax.value_and_grad(lambda p, t, m=model: m.apply(p, t, labels)))
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+      split = tokens if mesh is None else jax.sharding.reshard(tokens, jax.sharding.PartitionSpec(mesh.axis_names))
+      loss, grads = fn(params, split)
+    got[name] = (loss, nn.meta.unbox(grads))
+  _assert_same_loss_and_grads(got, [(name, "unsplit") for name in got if name != "unsplit"])
+
+
+def _step_collectives(text, op):
+  """(dtype, dims) of each array that an ``op`` (e.g. "all-gather") of the compiled HLO ``text`` returns (its
+  result type, the part of the instruction's line before the op's name)."""
+  out = []
+  for line in text.splitlines():
+    m = re.search(rf" {op}(-start)?\(", line)
+    if m:
+      out += [(dt, tuple(map(int, dims.split(",")))) for dt, dims in re.findall(r"(\w+)\[([\d,]+)\]", line[:m.start()])]
+  return out
+
+
+def test_split_embed_step_reduce_scatters_the_rows(monkeypatch):
+  """The trainer's bf16 step compiled for data=4 with ``split_embed`` (V = 1024, H = 48; 8 sequences of 16 tokens,
+  32 a device) looks up the rows without gathering the table. Read from the compiled HLO by the shapes the
+  collectives return, whatever their dtype (the CPU backend may widen bf16 ones): the token ids are all-gathered
+  (s32[128]), the looked-up rows reduce-scattered ([32, 48]: a device's tokens x H), and no all-gather or all-reduce
+  returns a [V, H] array (the table, its bf16 copy, its gradient). With ``embed_grads="reduce"`` the table's
+  gradient is reduce-scattered ([V/4, H]), not all-reduced. The checks can fail: a lookup that gathers the split
+  table (and, with ``reduce``, all-reduces its gradient) shows a [V, H] all-gather and all-reduce and no
+  reduce-scatter of rows."""
+  import dataclasses
+
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  v, h, rows = 1024, 48, (32, 48)
+  cfg = lm_model.ModelConfig(vocab_size=v, seq_len=16, d_model=h, num_layers=1, num_heads=2, d_ff=64,
+                             dtype="bfloat16")
+
+  def collectives(**model):
+    tr = lm_train.make_trainer(dataclasses.replace(cfg, **model), "fused", "auto", 8,
+                               lm_train.make_optimizer(1e-3, 1, 2), 16, mesh="data=4")
+    text = lm_train.compile_step(tr, tr.abstract_state(0), 16).as_text()
+    return {op: [dims for _, dims in _step_collectives(text, op)]
+            for op in ("all-gather", "all-reduce", "reduce-scatter")}
+
+  for embed_grads in ("gather", "reduce"):
+    got = collectives(split_embed=True, embed_grads=embed_grads)
+    assert (8 * 16,) in got["all-gather"] and rows in got["reduce-scatter"], (embed_grads, got)
+    assert (v, h) not in got["all-gather"] + got["all-reduce"], (embed_grads, got)
+    assert ((v // 4, h) in got["reduce-scatter"]) == (embed_grads == "reduce"), (embed_grads, got)
+
+  def gathering_lookup(vocab, grads, table, tokens):  # the split table gathered, then looked up as unsplit
+    if lm_model._token_spec(tokens) is not None:
+      table = jax.sharding.reshard(table, P())
+    return lm_model.lookup(vocab, grads, table, tokens)
+
+  monkeypatch.setattr(lm_model, "split_lookup", gathering_lookup)
+  got = collectives(split_embed=True, embed_grads="reduce")  # ("reduce": the table's gradient all-reduced)
+  assert (v, h) in got["all-gather"] and (v, h) in got["all-reduce"] and rows not in got["reduce-scatter"], got
+
+
+def test_split_embed_on_one_device_and_its_errors():
+  """On one device ``split_embed`` is the unsplit trainer: the same placement and the same step and evaluation
+  programs (their lowered text equal). It is off unless asked (``--split-embed``). A vocabulary that the devices
+  splitting the tokens do not divide is refused by the trainer and by the lookup, naming the sizes."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  def programs(**model):
+    tr = _tiny_trainer("plain", None, **model)
+    assert tr.mesh.size == 1
+    state, batch = tr.abstract_state(0), tr.abstract_batch(16)
+    placed = [(x.shape, x.sharding.is_equivalent_to(tr.shardings.params["head"]["kernel"], x.ndim))
+              for x in jax.tree.leaves(state)]  # (every array where the head's kernel is: whole, on one device)
+    with jax.set_mesh(tr.mesh):
+      return placed, tr.step.lower(state, batch).as_text(), tr.eval_loss.lower(state.params, batch).as_text()
+
+  split, unsplit = programs(split_embed=True), programs()
+  assert split[0] == unsplit[0] and all(ok for _, ok in split[0])
+  assert split[1] == unsplit[1] and split[2] == unsplit[2]
+  cfg = lambda argv: lm_train.model_config(lm_main.parse_args(argv))  # noqa: E731
+  assert not cfg([]).split_embed and cfg(["--split-embed"]).split_embed
+  assert not lm_model.ModelConfig(300, 16, 32, 1, 2, 64).split_embed
+  with pytest.raises(ValueError, match=r"--split-embed: --vocab-size=300 must be divisible by the 8 devices"):
+    _tiny_trainer("fused", "data=8", split_embed=True)
+  _tiny_trainer("fused", "data=2,tensor=4", split_embed=True)  # (tensor does not split the tokens: 300 / 2)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"split_embed: vocab_size=300 must be divisible by the 8"):
+    lm_model.split_lookup(300, "gather", jnp.zeros((300, 4)), jax.device_put(jnp.zeros((8, 2), jnp.int32), P("data")))
 
 
 def test_data_parallel_step_keeps_one_devices_memory():

@@ -90,6 +90,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "head): each device holds and updates 1/n of them, gathers the kernel in the compute dtype for the "
                  "step and reduce-scatters its gradient instead of all-reducing it (measured faster and smaller on "
                  "four GPUs, both heads; examples/lm/model.py: split_head); --no-split-head: replicated over data")
+  p.add_argument("--split-embed", action=argparse.BooleanOptionalAction, default=False,
+                 help="the embedding table and its AdamW moments split on V over the data axes (data and fsdp): each "
+                 "device holds and updates V/n rows, and the lookup runs vocabulary-parallel (the token ids "
+                 "all-gathered, each device's rows of them reduce-scattered; backward: the rows' gradients "
+                 "all-gathered, each device scatter-adds those of its rows; with --embed-grads reduce the devices' "
+                 "[V, H] tables reduce-scattered), so the table is never gathered nor its gradient all-reduced; V "
+                 "must be divisible by n (examples/lm/model.py: split_lookup). Off by default: not yet measured on "
+                 "GPUs")
   p.add_argument("--lr", type=float)
   p.add_argument("--clip-norm", type=float, default=1.0,
                  help="clip the gradient's global norm to this before AdamW (0: no clipping)")

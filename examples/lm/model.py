@@ -19,10 +19,17 @@ from jax.sharding import PartitionSpec as P
 
 from lce_flax import LossOptions
 from lce_flax.linen import KERNEL_AXES, SPLIT_KERNEL_AXES, LMHead
+from lce_flax.sharding import DATA, DEFAULT_RULES, FSDP
 
 HEADS = ("fused", "plain")
 EMBED_GRADS = ("reduce", "gather")
 HEAD_INIT = nn.initializers.normal(0.02)
+EMBED_INIT = nn.initializers.normal(0.02)
+# Logical name of the embedding table's V dim under ``split_embed``, and the trainer's axis rules: the package's
+# (lce_flax.sharding.DEFAULT_RULES) and this name over the axes that split the tokens. Under rules without it
+# (DEFAULT_RULES alone) the table is replicated, and the lookup splits it itself (:func:`split_lookup`).
+EMBED_ROWS = "embed_rows"
+RULES = (*DEFAULT_RULES, (EMBED_ROWS, (DATA, FSDP)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +51,20 @@ class ModelConfig:
   # scatter-adds its rows' gradients into a [V, H] table, then the tables are all-reduced) or "gather" (the rows'
   # gradients and their token ids are all-gathered, and each device scatter-adds all of them: the tokens' B·H
   # elements instead of the table's V·H on the wire; measured faster on four GPUs); either scatter-adds in float32
-  # (see :func:`lookup`)
+  # (see :func:`lookup`; with ``split_embed``, :func:`split_lookup`)
   embed_grads: str = "gather"
   # the head's kernel (and so its optimizer state) split on H over the axes that split the tokens, "data" as well
   # as "fsdp" (lce_flax.linen.SPLIT_KERNEL_AXES): each device holds and updates 1/n of it, gathers it in the compute
   # dtype for the step and reduce-scatters its gradient (half an all-reduce's bytes); False: its H over "fsdp" only,
   # as the rest of the model (KERNEL_AXES), V over "tensor" either way
   split_head: bool = False
+  # the embedding table (and so its AdamW moments) split on V over the axes that split the tokens ("data" and
+  # "fsdp", logical name EMBED_ROWS): each device holds and updates V/n rows, and the lookup runs vocabulary-parallel
+  # over those axes (:func:`split_lookup`: the token ids are all-gathered, each device looks up the ids of its rows
+  # and a reduce-scatter of the [all tokens, H] rows gives each device its own; the backward all-gathers the rows'
+  # gradients and each device scatter-adds those of its ids), so the table is never gathered. Needs V divisible by
+  # the number of devices that split the tokens. False: replicated. Not yet measured on GPUs
+  split_embed: bool = False
 
   @property
   def head_axes(self) -> tuple[str, str]:
@@ -97,6 +111,11 @@ def _token_spec(tokens: jax.Array) -> P | None:
   return P(*(tuple(sharding.spec) + (None,) * tokens.ndim)[:tokens.ndim])
 
 
+def _axes_of(spec: P | None) -> tuple[str, ...]:
+  """The mesh axes a PartitionSpec names, in order."""
+  return tuple(a for s in spec or () for a in ((s,) if isinstance(s, str) else s or ()))
+
+
 def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
   """``nn.Embed``'s lookup (``table[tokens]``); on an Explicit mesh the rows come out split like ``tokens`` (a gather
   from a replicated table with split indices needs its output sharding spelled out there)."""
@@ -136,7 +155,7 @@ def _lookup_bwd(vocab_size, grads, tokens, rows_t):
     return table_t.at[tokens].add(rows_t.astype(jnp.float32)).astype(rows_t.dtype)
 
   spec = _token_spec(tokens)
-  split = tuple(a for s in spec or () for a in ((s,) if isinstance(s, str) else s or ()))
+  split = _axes_of(spec)
   if not split:
     return scatter(rows_t, tokens), None
   if grads == "gather":  # every device gets every row and id
@@ -147,6 +166,100 @@ def _lookup_bwd(vocab_size, grads, tokens, rows_t):
 
 
 lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def split_lookup(vocab_size: int, grads: str, table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """:func:`lookup` from a table whose rows (V) are split over the mesh axes that split ``tokens``, without
+  gathering the table (``ModelConfig.split_embed``). Where nothing splits the tokens (one device, no mesh, a mesh of
+  Auto axes, whose types name no split) it is :func:`lookup` itself. A table placed otherwise (replicated, say) is
+  first resharded to that split.
+
+  Vocabulary-parallel over the n devices that split the tokens (each holds rows [i·V/n, (i+1)·V/n) of the table):
+
+  - forward: the token ids are all-gathered (int32); each device looks up the ids of its rows and leaves zeros for
+    the others, and a reduce-scatter (psum_scatter) of those [all tokens, H] rows gives each device the rows of its
+    own tokens. Each device sends (n - 1)·B_d·H elements in the compute dtype (B_d: its tokens), where gathering
+    the table would bring it (n - 1)/n·V·H; the sums add zeros to one row, so the rows are exact;
+  - backward, ``grads="gather"``: the rows' gradients are all-gathered with their ids, as :func:`lookup`'s
+    "gather" does, and each device scatter-adds in float32 those whose ids are its rows into its [V/n, H]
+    gradient; ``grads="reduce"``: each device scatter-adds its own rows' gradients into a float32 [V, H] table
+    and the tables (cast to the table's dtype) are reduce-scattered over V. Neither all-reduces the table's
+    gradient.
+
+  V must be divisible by n (the error says so)."""
+  spec = _token_spec(tokens)
+  split = _axes_of(spec)
+  if not split:
+    return lookup(vocab_size, grads, table, tokens)
+  mesh = jax.typeof(tokens).sharding.mesh
+  n = 1
+  for a in split:
+    n *= mesh.shape[a]
+  if vocab_size % n:
+    raise ValueError(f"split_embed: vocab_size={vocab_size} must be divisible by the {n} devices that split the "
+                     f"tokens (mesh axes {split}), whose rows of the embedding table each holds")
+  if tuple(getattr(jax.typeof(table).sharding, "spec", ())) != tuple(_rows_spec(split)):
+    table = jax.sharding.reshard(table, _rows_spec(split))
+  return _split_lookup(vocab_size, grads, split, table, tokens)
+
+
+def _rows_spec(split: tuple[str, ...]) -> P:
+  """The PartitionSpec of a table [V, H] whose rows are split over the mesh axes ``split``."""
+  return P(split[0] if len(split) == 1 else split, None)
+
+
+def _split_rows(split, table, tokens):
+  """The rows of ``tokens`` from ``table`` [V, H] split as :func:`_rows_spec` says (the forward of
+  :func:`split_lookup`)."""
+  spec = _token_spec(tokens)
+
+  def body(table, tokens):
+    ids = lax.all_gather(tokens.reshape(-1), split, tiled=True)  # every device's ids, in the devices' order
+    local = ids - lax.axis_index(split) * table.shape[0]  # this device holds rows [i·V/n, (i+1)·V/n)
+    mine = (local >= 0) & (local < table.shape[0])
+    rows = jnp.take(table, jnp.where(mine, local, 0), axis=0)
+    rows = jnp.where(mine[:, None], rows, jnp.zeros((), table.dtype))  # zeros for the ids of the other devices
+    rows = lax.psum_scatter(rows, split, scatter_dimension=0, tiled=True)  # each device's own tokens' rows
+    return rows.reshape(*tokens.shape, table.shape[-1])
+
+  return jax.shard_map(body, mesh=jax.typeof(tokens).sharding.mesh, in_specs=(_rows_spec(split), spec),
+                       out_specs=P(*spec, None))(table, tokens)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _split_lookup(vocab_size, grads, split, table, tokens):
+  del vocab_size, grads
+  return _split_rows(split, table, tokens)
+
+
+def _split_lookup_fwd(vocab_size, grads, split, table, tokens):
+  return _split_rows(split, table, tokens), tokens  # (the ids are gathered again in the backward: int32, tiny)
+
+
+def _split_lookup_bwd(vocab_size, grads, split, tokens, rows_t):
+  spec = _token_spec(tokens)
+
+  def gather(rows_t, tokens):  # every device's rows' gradients and ids; each keeps those of its rows
+    ids = lax.all_gather(tokens.reshape(-1), split, tiled=True)
+    rows_t = lax.all_gather(rows_t.reshape(-1, rows_t.shape[-1]), split, tiled=True)
+    shard = vocab_size // lax.axis_size(split)
+    local = ids - lax.axis_index(split) * shard
+    local = jnp.where((local >= 0) & (local < shard), local, shard)  # another device's id: past the end, dropped
+    table_t = jnp.zeros((shard, rows_t.shape[-1]), jnp.float32)
+    return table_t.at[local].add(rows_t.astype(jnp.float32), mode="drop").astype(rows_t.dtype)
+
+  def reduce(rows_t, tokens):  # each device's [V, H] table of its own rows, reduce-scattered over V
+    table_t = jnp.zeros((vocab_size, rows_t.shape[-1]), jnp.float32)
+    table_t = table_t.at[tokens.reshape(-1)].add(rows_t.reshape(-1, rows_t.shape[-1]).astype(jnp.float32))
+    return lax.psum_scatter(table_t.astype(rows_t.dtype), split, scatter_dimension=0, tiled=True)
+
+  rows_t = jax.sharding.reshard(rows_t, P(*spec, None))
+  table_t = jax.shard_map(gather if grads == "gather" else reduce, mesh=jax.typeof(tokens).sharding.mesh,
+                          in_specs=(P(*spec, None), spec), out_specs=_rows_spec(split))(rows_t, tokens)
+  return table_t, None
+
+
+_split_lookup.defvjp(_split_lookup_fwd, _split_lookup_bwd)
 
 
 def _call(mdl, x):
@@ -229,7 +342,8 @@ class TransformerLM(nn.Module):
 
   def setup(self):
     cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-    self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(0.02), name="embed")
+    embed_init = nn.with_logical_partitioning(EMBED_INIT, (EMBED_ROWS, None)) if cfg.split_embed else EMBED_INIT
+    self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=embed_init, name="embed")
     self.pos = self.param("pos", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model), jnp.float32)
     if cfg.embed_grads not in EMBED_GRADS:
       raise ValueError(f"embed_grads={cfg.embed_grads!r} is not one of {EMBED_GRADS}")
@@ -263,7 +377,7 @@ class TransformerLM(nn.Module):
     # optimizer updates).
     dtype = jnp.dtype(self.cfg.dtype)
     table = self.embed.embedding.astype(dtype)
-    rows = lookup(self.cfg.vocab_size, self.cfg.embed_grads, table, tokens)
+    rows = (split_lookup if self.cfg.split_embed else lookup)(self.cfg.vocab_size, self.cfg.embed_grads, table, tokens)
     x = (rows + self.pos[:t]).astype(dtype)
     token, hold_at = None, self.cfg.num_layers - self.cfg.head_grads_within
     for i, blk in enumerate(self.blocks):

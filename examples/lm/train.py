@@ -28,7 +28,7 @@ from lce_flax.sharding import MESH_AXES
 from lce_flax.train import TrainState, batch_sharding, make_train_step, process_rows, state_shardings
 
 from .data import EOT, Data, eval_batches, train_batch
-from .model import ModelConfig, TransformerLM
+from .model import RULES, ModelConfig, TransformerLM
 
 
 @dataclasses.dataclass
@@ -127,6 +127,11 @@ def make_trainer(cfg: ModelConfig, head: str, impl: str, batch_size: int, tx: op
                  seq_len: int, num_devices: int | None = None, mesh: str | None = None,
                  compiler_options: dict | None = None) -> Trainer:
   mesh_ = build_mesh(batch_size, mesh, num_devices)
+  token_devices = mesh_.shape["data"] * mesh_.shape["fsdp"]
+  if cfg.split_embed and cfg.vocab_size % token_devices:
+    raise ValueError(f"--split-embed: --vocab-size={cfg.vocab_size} must be divisible by the {token_devices} devices "
+                     f"that split the tokens (data x fsdp of the mesh {dict(mesh_.shape)}), which each hold V/"
+                     f"{token_devices} rows of the embedding table")
   model = TransformerLM(cfg, head=head, impl=impl)
   repl = NamedSharding(mesh_, P())
 
@@ -135,10 +140,12 @@ def make_trainer(cfg: ModelConfig, head: str, impl: str, batch_size: int, tx: op
     params = model.init(jax.random.key(seed), dummy, dummy)["params"]  # boxed with the logical names
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-  # Placement from the logical names (lce_flax.sharding.DEFAULT_RULES: "vocab" -> "tensor", "embed" -> "fsdp",
-  # the split head's "head_embed" -> "data" and "fsdp"); parameters without names (the blocks) are replicated. The
+  # Placement from the logical names (examples/lm/model.py: RULES, lce_flax.sharding.DEFAULT_RULES and one more:
+  # "vocab" -> "tensor", "embed" -> "fsdp", the split head's "head_embed" and the split embedding table's
+  # "embed_rows" -> "data" and "fsdp"); parameters without names (the blocks) are replicated. The AdamW moments carry
+  # their parameters' names (the optimizer is initialised on the boxed parameters), so they are placed alike. The
   # state itself is a plain tree (no boxes), so both heads give the same tree and the checkpoints are plain arrays.
-  shardings = _unboxed(state_shardings(jax.eval_shape(functools.partial(boxed_state, 0)), mesh_))
+  shardings = _unboxed(state_shardings(jax.eval_shape(functools.partial(boxed_state, 0)), mesh_, RULES))
 
   def init_fn(seed):
     return _unboxed(boxed_state(seed))
@@ -195,7 +202,7 @@ def compiler_options(items: list[str] | None) -> dict:
 def model_config(args: argparse.Namespace) -> ModelConfig:
   return ModelConfig(args.vocab_size, args.seq_len, args.d_model, args.num_layers, args.num_heads, args.d_ff,
                      args.dtype, bool(args.remat), args.layer_grads_in_order,
-                     args.head_grads_within, args.embed_grads, args.split_head)
+                     args.head_grads_within, args.embed_grads, args.split_head, args.split_embed)
 
 
 # --------------------------------------------------------------------------------------------------- memory
