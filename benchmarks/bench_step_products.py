@@ -59,15 +59,15 @@ def pair_step(y, pair, interpret: bool, mode: str = "fast"):
   return fast_step(y, PallasMosaicConfig(products=pair), interpret, mode)
 
 
-def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast") -> dict:
-  """One shape's times and its ``steps`` row (lean mode's with each pair's temporaries)."""
+def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=PAIRS) -> dict:
+  """One shape's times and its ``steps`` row (lean mode's with each pair's temporaries), of the ``pairs`` timed."""
   x, w, y = bench.make_inputs(SHAPES[name])
   b, h = x.shape
   v = w.shape[1]
   calls = {"plain": (head_steps(y, False, interpret)["plain"], (x, w))}
   design = block_t = None
   mem = {}
-  for pair in PAIRS:
+  for pair in pairs:
     f, kw = pair_step(y, pair, interpret, mode)
     d = explain(x, w, y, **kw)
     design, block_t = d.config.fast_design or d.name, d.config.block_t
