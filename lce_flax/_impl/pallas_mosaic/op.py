@@ -556,24 +556,22 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
 
 def _lean_note(p: Plan, num_tokens: int, hidden: int, vocab: int) -> str:
   """explain()'s line on lean mode's kernels."""
+  kind, rows = gemm_lib._device_kind(), cdiv(max(num_tokens, 1), p.block_t) * p.block_t
+  products = _lean_products_note(p, rows, hidden, kind)
   if p.gemm is None:
     cfg = tuning.DEFAULT
     why = gemm_refusal(cfg, hidden, vocab, _lean_min_vocab(cfg, p.warp_specialized)) or "gemm=False"
-    return (f"lean kernels: the forward and dz kernels of kernels_ws.py / kernels.py ({why}); "
-            f"{_lean_products_note(p, num_tokens, hidden, vocab)}")
-  kind, rows = gemm_lib._device_kind(), cdiv(max(num_tokens, 1), p.block_t) * p.block_t
+    return f"lean kernels: the forward and dz kernels of kernels_ws.py / kernels.py ({why}); {products}"
   fwd = (f"the forward with the statistics epilogue, {tuning.describe('fwd_stats', rows, vocab, hidden, kind)}"
          if p.stats_gemm else "the forward on the kernel of kernels_ws.py (the GEMM's statistics, 4 float32 per row "
          "and 128-column tile, would exceed lean mode's memory here)")
   return (f"lean kernels on the persistent GEMM (lce_flax/_impl/pallas_mosaic/gemm.py): {fwd}; each chunk's logit "
           f"gradient recomputed with the LogitGrad epilogue, "
-          f"{tuning.describe('lean_dz', rows, p.vocab_chunk, hidden, kind)}; "
-          f"{_lean_products_note(p, num_tokens, hidden, vocab)}")
+          f"{tuning.describe('lean_dz', rows, p.vocab_chunk, hidden, kind)}; {products}")
 
 
-def _lean_products_note(p: Plan, num_tokens: int, hidden: int, vocab: int) -> str:
-  """explain()'s words on who forms each lean chunk's two products."""
-  kind, rows = gemm_lib._device_kind(), cdiv(max(num_tokens, 1), p.block_t) * p.block_t
+def _lean_products_note(p: Plan, rows: int, hidden: int, kind: str) -> str:
+  """explain()'s words on who forms each lean chunk's two products (``rows``: the tokens as padded)."""
   cw = p.vocab_chunk
   dx = (f"on the GEMM's TMA reduce-adds into the float32 dx, {tuning.describe('dx_acc', rows, hidden, cw, kind)}"
         if p.products[0] == "gemm" else "by XLA (cuBLAS, added into the float32 dx)")
