@@ -149,11 +149,16 @@ def _lookup_fwd(vocab_size, grads, table, tokens):
   return embed_lookup(table, tokens), tokens  # (not the table: its [V, H] copy in the compute dtype would stay alive)
 
 
-def _lookup_bwd(vocab_size, grads, tokens, rows_t):
-  def scatter(rows_t, tokens):
-    table_t = jnp.zeros((vocab_size, rows_t.shape[-1]), jnp.float32)
-    return table_t.at[tokens].add(rows_t.astype(jnp.float32)).astype(rows_t.dtype)
+def _scatter_rows(num_rows: int, rows_t: jax.Array, ids: jax.Array) -> jax.Array:
+  """A table's gradient [num_rows, H]: the rows' gradients ``rows_t`` [..., H] scatter-added at ``ids`` [...] in
+  float32 (an id past ``num_rows`` dropped), cast to their dtype after (:func:`lookup` says why float32)."""
+  table_t = jnp.zeros((num_rows, rows_t.shape[-1]), jnp.float32)
+  rows_t32 = rows_t.reshape(-1, rows_t.shape[-1]).astype(jnp.float32)
+  return table_t.at[ids.reshape(-1)].add(rows_t32, mode="drop").astype(rows_t.dtype)
 
+
+def _lookup_bwd(vocab_size, grads, tokens, rows_t):
+  scatter = functools.partial(_scatter_rows, vocab_size)
   spec = _token_spec(tokens)
   split = _axes_of(spec)
   if not split:
@@ -245,13 +250,10 @@ def _split_lookup_bwd(vocab_size, grads, split, tokens, rows_t):
     shard = vocab_size // lax.axis_size(split)
     local = ids - lax.axis_index(split) * shard
     local = jnp.where((local >= 0) & (local < shard), local, shard)  # another device's id: past the end, dropped
-    table_t = jnp.zeros((shard, rows_t.shape[-1]), jnp.float32)
-    return table_t.at[local].add(rows_t.astype(jnp.float32), mode="drop").astype(rows_t.dtype)
+    return _scatter_rows(shard, rows_t, local)
 
   def reduce(rows_t, tokens):  # each device's [V, H] table of its own rows, reduce-scattered over V
-    table_t = jnp.zeros((vocab_size, rows_t.shape[-1]), jnp.float32)
-    table_t = table_t.at[tokens.reshape(-1)].add(rows_t.reshape(-1, rows_t.shape[-1]).astype(jnp.float32))
-    return lax.psum_scatter(table_t.astype(rows_t.dtype), split, scatter_dimension=0, tiled=True)
+    return lax.psum_scatter(_scatter_rows(vocab_size, rows_t, tokens), split, scatter_dimension=0, tiled=True)
 
   rows_t = jax.sharding.reshard(rows_t, P(*spec, None))
   table_t = jax.shard_map(gather if grads == "gather" else reduce, mesh=jax.typeof(tokens).sharding.mesh,
