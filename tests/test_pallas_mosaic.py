@@ -221,6 +221,74 @@ def test_epilogue_math_matches_shared_math():
   assert np.isnan(got[labels >= v]).all()
 
 
+def _tanh_points():
+  """float32 points of every regime of :func:`epilogue.tanh`: zero and the smallest normals, the series
+  (|x| < 0.25) and both sides of its edge, the exp form up to where tanh rounds to ±1 and past it, huge, and random
+  ones."""
+  rng = np.random.default_rng(7)
+  edge = epilogue.TANH_SERIES_BELOW
+  pos = np.concatenate([[0.0, 2e-38, 1e-30, 1e-12, 1e-6, 1e-3, 0.1, np.nextafter(np.float32(edge), 0), edge,
+                         np.nextafter(np.float32(edge), 1), 0.3, 0.5, 0.6, 1.0, 2.0, 5.0, 9.0, 9.1, 20.0, 88.0,
+                         1e4, 3e38], np.geomspace(1e-4, 12.0, 4000), np.abs(3 * rng.standard_normal(4000))])
+  return np.concatenate([pos, -pos]).astype(np.float32)
+
+
+def test_epilogue_tanh_against_float64():
+  """The kernels' ``tanh`` (no division, no ``jnp.tanh``: exp2 and rsqrt, which the GPU runs on its approximate
+  units) against float64's, here with XLA's accurate exp2 and rsqrt: ≤ 3e-7 absolute and ≤ 1e-6 relative
+  everywhere, exact sign and zero, ±1 at ±inf, NaN at NaN; the soft cap it forms within ``cap``·3e-7 of
+  ``cap·tanh(z/cap)``."""
+  x = _tanh_points()
+  got = np.asarray(jax.jit(epilogue.tanh)(jnp.asarray(x)), np.float64)
+  want = np.tanh(x.astype(np.float64))
+  err = np.abs(got - want)
+  assert err.max() <= 3e-7, x[err.argmax()]
+  rel = err / np.maximum(np.abs(want), 1e-300)
+  assert rel[want != 0].max() <= 1e-6, x[want != 0][rel[want != 0].argmax()]
+  assert np.array_equal(np.sign(got), np.sign(want)) and (got[x == 0] == 0).all()
+  inf = jnp.asarray([np.inf, -np.inf, np.nan], jnp.float32)
+  np.testing.assert_array_equal(epilogue.tanh(inf), [1.0, -1.0, np.nan])
+  for cap in (30.0, 5.0):
+    z = np.concatenate([x, 50 * x[-4000:]]).astype(np.float32)
+    capped = np.asarray(jax.jit(lambda z, c=cap: epilogue.softcap(z, c))(jnp.asarray(z)), np.float64)
+    np.testing.assert_allclose(capped, cap * np.tanh(z.astype(np.float64) / cap), rtol=1e-6, atol=cap * 3e-7)
+  assert epilogue.softcap(jnp.ones((2,)), None) is not None
+
+
+@pytest.mark.gpu(min_cc=(9, 0))
+def test_gpu_epilogue_tanh_on_the_approximate_units():
+  """:func:`epilogue.tanh` and the soft cap compiled by Mosaic GPU with ``approx_math`` (ex2.approx, rsqrt.approx),
+  as every kernel epilogue runs them: within 1e-6 absolute and 2e-6 relative of float64's tanh (each unit adds
+  ~2⁻²² relative to the float32 formula), exact sign, ±1 at ±inf."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  x = _tanh_points()
+  n = -(-x.size // 4096) * 4096
+  xs = np.pad(x, (0, n - x.size)).reshape(-1, 128)
+  xs[-1, :2] = [np.inf, -np.inf]
+
+  def run(f):
+    def kernel(x_ref, o_ref):
+      o_ref[...] = f(x_ref[...])
+
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((32, 128), jnp.float32),
+                          in_specs=[pl.BlockSpec((32, 128), lambda i: (i, 0))],
+                          out_specs=pl.BlockSpec((32, 128), lambda i: (i, 0)), grid=(1,),
+                          compiler_params=plgpu.CompilerParams(approx_math=True))
+    return np.concatenate([np.asarray(call(jnp.asarray(xs[i:i + 32]))) for i in range(0, len(xs), 32)])
+
+  got = run(epilogue.tanh).astype(np.float64).ravel()
+  want = np.tanh(xs.astype(np.float64)).ravel()
+  err = np.abs(got - want)
+  assert err.max() <= 1e-6, xs.ravel()[err.argmax()]
+  nz = want != 0
+  assert (err[nz] / np.abs(want[nz])).max() <= 2e-6
+  assert np.array_equal(np.sign(got), np.sign(want)) and got[-128] == 1.0 and got[-127] == -1.0
+  capped = run(lambda z: epilogue.softcap(z * 30.0, 30.0)).astype(np.float64).ravel()
+  np.testing.assert_allclose(capped, 30.0 * want, rtol=2e-6, atol=30.0 * 1e-6)
+
+
 # ------------------------------------------------------------------------------------------------ fast mode
 FAST = dataclasses.replace(SMALL, fast_design="logits", vocab_chunk=None)  # no chunk loop
 
@@ -945,10 +1013,10 @@ def test_lean_products_on_the_gemm_lower_for_cuda(w_layout, bias, products):
 
 
 @pytest.mark.parametrize("cap", [None, 30.0])
-def test_kernels_take_the_approximate_exp_without_a_soft_cap(cap):
-  """Every GPU kernel's exp is the hardware's ``ex2.approx`` (``approx_math``) unless a soft cap needs the accurate
-  ``tanh`` (``epilogue.approx_exp``): the lean forward and dz kernels and the fast forward on the GEMM, as lowered
-  for CUDA."""
+def test_kernels_take_the_approximate_units(cap):
+  """Every GPU kernel's exp is the hardware's ``ex2.approx`` (``approx_math``), with a soft cap too: its tanh is
+  ``epilogue.tanh`` (ex2.approx and rsqrt.approx), never Mosaic's ``tanh.approx`` (too coarse for a cap of 30):
+  the lean forward and dz kernels and the fast forward on the GEMM, as lowered for CUDA."""
   b, h, v = 200, 128, 1024
   opts = _math.LossSpec(vocab_size=v, logit_softcap=cap)
   spec = common.Spec(opts, "hv", interpret=False)
@@ -967,7 +1035,8 @@ def test_kernels_take_the_approximate_exp_without_a_soft_cap(cap):
   for f in (jax.grad(lean, (0, 1)), fast_forward):
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1
-    assert ("ex2.approx" in text) == (cap is None), f
+    assert "ex2.approx" in text and "tanh.approx" not in text, f
+    assert ("rsqrt.approx" in text) == (cap is not None), f
 
 
 def test_plan_warp_specialization_follows_interpret():

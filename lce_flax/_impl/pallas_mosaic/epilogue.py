@@ -25,11 +25,39 @@ from lce_flax._impl.common import F32
 LOG2E = math.log2(math.e)
 
 
-def approx_exp(opts) -> bool:
-  """Whether a kernel's epilogue may run on the hardware's approximate units (``approx_math``): its ``exp2`` is then
-  ``ex2.approx`` (relative error ~2⁻²², as Triton's ``exp``), several times cheaper than the accurate library
-  routine. Not with a soft cap: Mosaic's approximate ``tanh`` (~5e-4 relative) is too coarse for it."""
-  return opts.logit_softcap is None
+# Every kernel here runs its epilogue with ``approx_math``: ``exp2`` is the hardware's ``ex2.approx`` (relative error
+# ~2⁻²², as Triton's ``exp``) and ``rsqrt`` its ``rsqrt.approx``, several times cheaper than the accurate library
+# routines. Mosaic's approximate ``tanh`` (~5e-4 relative) would be too coarse for a soft cap of 30, so the kernels
+# never call ``jnp.tanh``: the cap goes through :func:`softcap`, built on those two units.
+APPROX_MATH = True
+
+# tanh(x) = x·(1 + x²·(c3 + x²·(c5 + x²·(c7 + x²·c9)))) + O(x¹¹) (its Taylor series) where |x| < TANH_SERIES_BELOW:
+# the next term is ≤ 1e-8 of tanh there, where 1 - 2/(1 + e^{2|x|}) loses tanh's low bits to the subtraction
+TANH_SERIES_BELOW = 0.25
+TANH_SERIES = (-1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0, 62.0 / 2835.0)
+
+
+def tanh(x):
+  """``tanh`` of a float32 tile for the epilogues: ``(1 - e)/(1 + e)`` with ``e = exp(-2|x|)`` (its ``exp2`` and
+  the reciprocal, ``rsqrt(1 + e)²``, on the approximate units under ``approx_math``), and below
+  :data:`TANH_SERIES_BELOW` its odd Taylor series. Error ≤ ~3e-7 absolute everywhere and ≤ ~1e-6 relative (GPU:
+  each approximate unit adds ~2⁻²² relative); ±1 at ±inf, NaN at NaN. No division: Mosaic GPU lowers a float32
+  division to the IEEE-exact ``div.rn``, a multi-instruction routine per element."""
+  a = jnp.abs(x)
+  e = jnp.exp2(a * (-2.0 * LOG2E))  # in (0, 1]: no overflow at any x
+  r = lax.rsqrt(1.0 + e)
+  far = (1.0 - e) * (r * r)
+  x2 = x * x
+  c3, c5, c7, c9 = TANH_SERIES
+  near = a + a * (x2 * (c3 + x2 * (c5 + x2 * (c7 + x2 * c9))))
+  t = jnp.where(a < TANH_SERIES_BELOW, near, far)
+  return jnp.where(x < 0.0, -t, t)
+
+
+def softcap(z, cap: float | None):
+  """:func:`lce_flax._math.softcap` (``cap·tanh(z/cap)``) for a kernel's register tile: times ``1/cap`` (no
+  division) and :func:`tanh`. Every kernel epilogue caps its logits with this."""
+  return z if cap is None else cap * tanh(z * (1.0 / cap))
 
 
 def exp_shifted(z, shift):
@@ -122,7 +150,7 @@ def row_coefficients(lse, labels, g_loss, g_lse, opts: _math.LossSpec):
 
 def epilogue_dlogits(z, cols, labels, lse, coef, a, c, opts: _math.LossSpec):
   """The logit gradient of a tile from :func:`row_coefficients` (``cols`` [bt, bv] global column ids)."""
-  return dlogits_capped(_math.softcap(z, opts.logit_softcap), cols, labels, lse, coef, a, c, opts)
+  return dlogits_capped(softcap(z, opts.logit_softcap), cols, labels, lse, coef, a, c, opts)
 
 
 def dlogits_capped(zc, cols, labels, lse, coef, a, c, opts: _math.LossSpec):

@@ -91,11 +91,11 @@ def _stored(xp, wp, bp, yp, d: kernels.Dims, p: op.Plan, opts, ref=None):
     stats, (zb, mt) = op.run_forward(xp, wp, bp, yp, d, p, opts)
     return stats, zb, mt, d, p
   # the forward on the GEMM of :mod:`.gemm`, its statistics epilogue storing the tiles (of the GEMM's tile_n); its
-  # exp on the hardware's ex2.approx where epilogue.approx_exp allows (13-28% off this GEMM's time at the LLM shapes
-  # but qwen3-8b's, benchmarks/results/h100-2026-11-24-epilogue/)
+  # exp on the hardware's ex2.approx (13-28% off this GEMM's time at the LLM shapes but qwen3-8b's,
+  # benchmarks/results/h100-2026-11-24-epilogue/), a soft cap through epilogue.softcap
   cfg = p.gemm
   st, zb = gemm.gemm(xp, wp, transpose_b=d.w_layout == "vh", config=cfg, interpret=d.interpret,
-                     approx_math=epilogue.approx_exp(opts),
+                     approx_math=epilogue.APPROX_MATH,
                      epilogue=gemm.RowStats(yp, opts, store=True, bias=bp, ref=ref))
   mt = None if ref is not None else st[0, :zb.shape[1] // cfg.tile_n, :d.b]
   return gemm.merge_row_stats(st, d.b), zb, mt, *_read_as(d, p, zb.shape[1])
@@ -172,7 +172,7 @@ def _repair(e, flags, cfg: gemm.GemmConfig, xp, wp, bp, yp, lse, coef, a, c, lay
     raise ValueError(f"_repair: E {e.shape} must be as wide as w's vocabulary ({v}): the GEMM forward stores it so")
   part = gemm.LogitGrad(lse, coef, a, c, yp, opts, bias=bp, into=e)
   return gemm.gemm(xp, wp, transpose_b=layout == "vh", epilogue=part, config=cfg, interpret=interpret,
-                   approx_math=epilogue.approx_exp(opts), row_mask=flags)
+                   approx_math=epilogue.APPROX_MATH, row_mask=flags)
 
 
 def _grads_from_probs(st: _Probs, xp, wp, bp, yp, g_loss, g_lse, spec: common.Spec, p: op.Plan, dw_dtype,

@@ -396,7 +396,7 @@ class RowStats(Part):
     # per-element mask, and a tile past N (its columns zeros) is dropped below as a whole
     whole = t.prob.n % t.cfg.tile_n == 0
     valid = None if whole else cols < t.prob.n
-    zc = _math.softcap(z, self.opts.logit_softcap)
+    zc = epilogue.softcap(z, self.opts.logit_softcap)
     # the target logit first: then zc is dead once the exponentials are formed (unless a cap's derivative or the
     # shifted store needs it), so one float32 tile, not two, stays live through the statistics' stores
     tgt = epilogue.target_logit(zc, cols, valid, y_smem[t.g]) if self.target else None
@@ -515,7 +515,7 @@ class LogitGrad(Part):
       plgpu.barrier_wait(bars.at[self._copies() * t.g + q])
     if self.bias is not None:
       z = z + epilogue.bcast_cols(smem[3][t.g], z.shape)
-    zc = _math.softcap(z, self.opts.logit_softcap)
+    zc = epilogue.softcap(z, self.opts.logit_softcap)
     cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
     row = lambda q: f_smem[t.g, q]
     dz = epilogue.dlogits_capped(zc, cols, i_smem[t.g, 0], row(0), row(1), row(2), row(3), self.opts)

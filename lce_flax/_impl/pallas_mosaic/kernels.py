@@ -161,7 +161,7 @@ def _fetch(pairs, bars, first: int = 0):
 def _kernel(body, out_type, scratch, grid, names, d: Dims, p, opts):
   params = plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Lane if p.semantics == "lane"
-      else plgpu.LoweringSemantics.Warpgroup, approx_math=epilogue.approx_exp(opts))
+      else plgpu.LoweringSemantics.Warpgroup, approx_math=epilogue.APPROX_MATH)
   return plgpu.kernel(body, out_type=out_type, scratch_types=common.present(*scratch), grid=grid,
                       grid_names=names, compiler_params=params,
                       interpret=plgpu.InterpretGPUParams() if d.interpret else False)
@@ -193,7 +193,7 @@ def _fwd_body(x_ref, w_ref, b_ref, y_ref, st_ref, zb_ref, mt_ref, y_smem, b_smem
       z = z + epilogue.bcast_cols(_load_vec(b_smem, _COL, p, d), shape)
     cols = _iota(shape, 1, p, d) + c0
     valid = (cols >= nominal) & (cols < d.v)
-    zc = _math.softcap(z, opts.logit_softcap)
+    zc = epilogue.softcap(z, opts.logit_softcap)
     new = epilogue.epilogue_stats(zc, cols, valid, labels, opts)
     if d.store:
       store_tile(zc, new.m, o_smem, m_smem, zb_ref, mt_ref, r0, c0, nominal, bt, bv)

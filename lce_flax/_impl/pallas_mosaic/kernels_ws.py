@@ -34,7 +34,7 @@ from lce_flax._impl.pallas_mosaic import kernels as base
 
 def _params(opts):
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-                              approx_math=epilogue.approx_exp(opts))
+                              approx_math=epilogue.APPROX_MATH)
 
 
 def _ws_pipeline(d: base.Dims, p, stages: int):
@@ -117,7 +117,7 @@ def _fwd_ws_body(x_ref, w_ref, b_ref, y_ref, st_ref, zb_ref, mt_ref, *, d: base.
             z = z + epilogue.bcast_cols(b_smem[g], shape)
           cols = lax.broadcasted_iota(jnp.int32, shape, 1) + c0g
           valid = (cols >= nominal) & (cols < d.v)
-          zc = _math.softcap(z, opts.logit_softcap)
+          zc = epilogue.softcap(z, opts.logit_softcap)
           new = epilogue.epilogue_stats(zc, cols, valid, y_smem[g], opts)
           if d.store:
             base.store_tile(zc, new.m, o_smem.at[g], m_smem.at[g], zb_ref, mt_ref, r0, c0g, nominal, bt, bv)

@@ -716,7 +716,7 @@ def _stats(x, w, bias, labels, spec, p) -> _math.RowStats:
     return _math.RowStats(*(a[:b] for a in st))
   _in_place(d, x, w, spec)
   st = gemm_lib.gemm(xp, wp, transpose_b=d.w_layout == "vh", config=p.gemm, interpret=d.interpret,
-                     approx_math=epilogue.approx_exp(spec.opts), epilogue=gemm_lib.RowStats(yp, spec.opts, bias=bp))
+                     approx_math=epilogue.APPROX_MATH, epilogue=gemm_lib.RowStats(yp, spec.opts, bias=bp))
   return gemm_lib.merge_row_stats(st, b)
 
 
@@ -754,7 +754,7 @@ def _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
       return dz_chunk(xp, w_c, b_c, local, first, lse_p, coef, a, c, d, p, opts), w_c
     part = gemm_lib.LogitGrad(lse_p, coef, a, c, local, opts, first=first, bias=b_c)
     return gemm_lib.gemm(xp, w_c, transpose_b=d.w_layout == "vh", epilogue=part, role="lean_dz",
-                         interpret=d.interpret, approx_math=epilogue.approx_exp(opts)), w_c
+                         interpret=d.interpret, approx_math=epilogue.APPROX_MATH), w_c
 
   return xp, wp, bp, d, dz_of
 
