@@ -162,8 +162,9 @@ class Part:
 
 
 def _subtiles(cfg: GemmConfig):
-  for i in range(cfg.tile_m // cfg.epi_m):
-    for j in range(cfg.tile_n // cfg.epi_n):
+  """The ``epi_m × epi_n`` sub-tiles of a warpgroup tile, column slice by column slice (:func:`_store_subtiles`)."""
+  for j in range(cfg.tile_n // cfg.epi_n):
+    for i in range(cfg.tile_m // cfg.epi_m):
       yield slice(i * cfg.epi_m, (i + 1) * cfg.epi_m), slice(j * cfg.epi_n, (j + 1) * cfg.epi_n)
 
 
@@ -223,17 +224,27 @@ def _store_subtiles(z, t: Tile, out, buf, reduction_op=None):
   ``buf`` [nwg, slots, epi_m, epi_n] (in turn) → TMA (clipped at the array's edges). A slot is rewritten once the
   copy that last read it is done: ``wait_smem_to_gmem(k)`` with ``k`` the stores issued since (bulk copies that
   other parts issued in between only add to the count, so they never make the wait too short). ``reduction_op``:
-  TMA's reduction into ``out`` instead of a plain store (``"add"``: :class:`AddTo`)."""
+  TMA's reduction into ``out`` instead of a plain store (``"add"``: :class:`AddTo`).
+
+  ``z`` may also be a function of a column slice giving the tile's ``[tile_m, epi_n]`` columns there: the tile is
+  then formed one slice at a time, right before its stores, so that an epilogue whose output needs a second float32
+  tile (the soft cap's derivative needs the capped logits beside the exponentials) holds one slice of it, not a
+  whole tile of registers more (which spills)."""
+  columns = z if callable(z) else (lambda ns: z[:, ns])
   subs = list(_subtiles(t.cfg))
   slots = buf.shape[1]
+  part = None
   for q, (ms, ns) in enumerate(subs):
+    if ms.start == 0:
+      part = columns(ns)
     slot = q % slots
     plgpu.wait_smem_to_gmem(_copies_since_slot(q, len(subs), slots), wait_read_only=True)
-    buf[t.g, slot] = z[ms, ns].astype(buf.dtype)
+    buf[t.g, slot] = part[ms, :].astype(buf.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(buf.at[t.g, slot], out.at[pl.ds(t.row0 + ms.start, t.cfg.epi_m),
                                                        pl.ds(t.col0 + ns.start, t.cfg.epi_n)],
                             reduction_op=reduction_op)
+  return len(subs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,13 +411,28 @@ class RowStats(Part):
     # the target logit first: then zc is dead once the exponentials are formed (unless a cap's derivative or the
     # shifted store needs it), so one float32 tile, not two, stays live through the statistics' stores
     tgt = epilogue.target_logit(zc, cols, valid, y_smem[t.g]) if self.target else None
+    if self.store and r_smem is not None:
+      return self._store_exps(zc, tgt, valid, whole, t, (st, stored[0]), (st_smem, r_smem, buf))
     m, s, zsum, e = epilogue.capped_stats(zc, valid, self.opts)
-    if whole:
-      past = t.col0 >= t.prob.n
-      m = m + jnp.where(past, -jnp.inf, 0.0)
-      keep = jnp.where(past, 0.0, 1.0)
-      s, zsum = s * keep, zsum * keep
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's statistics have left st_smem
+    m, s, zsum = self._past_n(m, s, zsum, t, whole)
+    self._put_stats(m, s, tgt, zsum, t, st, st_smem, 0)
+    if self.store:
+      _store_subtiles(epilogue.shifted_logits(zc, m), t, stored[0], buf)
+
+  @staticmethod
+  def _past_n(m, s, zsum, t, whole):
+    """The statistics of a tile that lies past N (a cluster's overhang, where N is a multiple of tile_n): none."""
+    if not whole:
+      return m, s, zsum
+    past = t.col0 >= t.prob.n
+    keep = jnp.where(past, 0.0, 1.0)
+    return m + jnp.where(past, -jnp.inf, 0.0), s * keep, zsum * keep
+
+  @staticmethod
+  def _put_stats(m, s, tgt, zsum, t, st, st_smem, since: int):
+    """The tile's four statistics rows → SMEM → TMA. ``since``: the bulk copies issued after the previous tile's
+    statistics (which last read ``st_smem``), left pending by the wait."""
+    plgpu.wait_smem_to_gmem(since, wait_read_only=True)  # the previous tile's statistics have left st_smem
     st_smem[t.g, 0] = m
     st_smem[t.g, 1] = s
     st_smem[t.g, 2] = s * 0.0 if tgt is None else tgt  # (zeros in the rows' layout, as zsum's)
@@ -414,15 +440,30 @@ class RowStats(Part):
     plgpu.commit_smem()
     for q in range(4):
       plgpu.copy_smem_to_gmem(st_smem.at[t.g, q], st.at[q, t.col_tile, t.rows])
-    if not self.store:
-      return
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    if r_smem is None:
-      out = epilogue.shifted_logits(zc, m)
-    else:  # exp(zc - ref) = exp(zc - max)·exp(max - ref): one exp per row
-      out = e * epilogue.bcast_rows(jnp.exp(jnp.minimum(m_safe - r_smem[t.g], EXP_CLAMP)), zc.shape)
-      out = _math.through_softcap(out, zc, self.opts.logit_softcap)
-    _store_subtiles(out, t, stored[0], buf)
+
+  def _store_exps(self, zc, tgt, valid, whole, t, outs, smem):
+    """``store=True`` with ``ref``: ``exp(zc - ref) = exp(zc - max)·exp(max - ref)`` (one exp per element and one
+    per row), times the cap's derivative, formed and stored one column slice at a time (the slices' exponentials
+    summed into the statistics on the way), then the statistics: zc is the one float32 tile held throughout."""
+    (st, out), (st_smem, r_smem, buf) = outs, smem
+    cap = self.opts.logit_softcap
+    masked = zc if valid is None else jnp.where(valid, zc, -jnp.inf)
+    m = masked.max(axis=1)
+    shift = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
+    zsum = (zc if valid is None else jnp.where(valid, zc, 0.0)).sum(axis=1) if self.opts.needs_logit_sum else None
+    to_ref = jnp.exp(jnp.minimum(shift - r_smem[t.g], EXP_CLAMP))  # (a tile past N stores nothing: clipped)
+    sums = []
+
+    def columns(ns):
+      e = epilogue.exp_shifted(masked[:, ns], shift)
+      sums.append(e.sum(axis=1))
+      return _math.through_softcap(e * epilogue.bcast_rows(to_ref, e.shape), zc[:, ns], cap)
+
+    n = _store_subtiles(columns, t, out, buf)
+    s = sum(sums[1:], sums[0])
+    zsum = s * 0.0 if zsum is None else zsum  # (zeros in the rows' layout: see epilogue.capped_stats)
+    m, s, zsum = self._past_n(m, s, zsum, t, whole)
+    self._put_stats(m, s, tgt, zsum, t, st, st_smem, n)
 
 
 def merge_row_stats(stats, m: int) -> _math.RowStats:
@@ -516,11 +557,16 @@ class LogitGrad(Part):
     if self.bias is not None:
       z = z + epilogue.bcast_cols(smem[3][t.g], z.shape)
     zc = epilogue.softcap(z, self.opts.logit_softcap)
-    cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
-    row = lambda q: f_smem[t.g, q]
-    dz = epilogue.dlogits_capped(zc, cols, i_smem[t.g, 0], row(0), row(1), row(2), row(3), self.opts)
-    dz = jnp.where(cols >= epilogue.bcast_rows(i_smem[t.g, 1], z.shape), dz, 0.0)
-    _store_subtiles(dz, t, outs[0] if self.into is None else ins[-1], smem[-1])
+    lse, coef, a, c = (f_smem[t.g, q] for q in range(4))
+    labels, first = i_smem[t.g, 0], i_smem[t.g, 1]
+
+    def columns(ns):  # (a slice at a time: with a cap, zc stays live beside dz, see _store_subtiles)
+      shape = (zc.shape[0], ns.stop - ns.start)
+      cols = lax.broadcasted_iota(jnp.int32, shape, 1) + (t.col0 + ns.start)
+      dz = epilogue.dlogits_capped(zc[:, ns], cols, labels, lse, coef, a, c, self.opts)
+      return jnp.where(cols >= epilogue.bcast_rows(first, shape), dz, 0.0)
+
+    _store_subtiles(columns, t, outs[0] if self.into is None else ins[-1], smem[-1])
 
 
 # ------------------------------------------------------------------------------------------------ prologue
