@@ -264,12 +264,13 @@ def _config_variant(name: str, interpret: bool = False) -> Variant:
   return _lce_variant(impl, "lean" if tag.startswith("lean") else None, interpret, config=config, tag=tag)
 
 
-def _plain_variant(name: str) -> Variant:
+def _plain_variant(name: str, logit_softcap: float | None = None) -> Variant:
   """The head without this package: ``nn.Dense(V, dtype=bfloat16)`` and optax on its [B, V] logits.
 
   ``plain_bf16`` hands optax the bf16 logits as they come out of the Dense (so its per-token losses are bf16);
   ``plain_f32`` upcasts them to float32 first. The per-token losses are summed in float32, so that
-  ``loss_rel_err`` shows the logits' precision, not the rounding of one bf16 scalar."""
+  ``loss_rel_err`` shows the logits' precision, not the rounding of one bf16 scalar. ``logit_softcap``: the logits
+  go through ``cap·tanh(logits/cap)`` first, in their dtype, as Gemma 2's Flax head does."""
   import flax.linen as nn  # noqa: PLC0415
   import optax  # noqa: PLC0415
 
@@ -280,6 +281,8 @@ def _plain_variant(name: str) -> Variant:
     logits = dense.apply({"params": {"kernel": w}}, x)
     if upcast:
       logits = logits.astype(jnp.float32)
+    if logit_softcap is not None:
+      logits = jnp.tanh(logits / logit_softcap) * logit_softcap
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).astype(jnp.float32)
 
   def loss(x, w, labels):

@@ -7,8 +7,10 @@ the forward GEMM of ``lce_flax/_impl/pallas_mosaic/gemm.py`` (the tuning table's
   stats_no_target the row statistics but the target logit (``RowStats(target=False)``)
   stats           ``RowStats``: the lean forward
   store           ``RowStats(store=True)``: the fast forward
-  store_cap       ``store`` with a soft cap of 30 (gemma2's; the op runs it without approx_math)
+  store_cap       ``store`` with a soft cap of 30 (gemma2's)
   exp             ``RowStats(store=True, ref=0)``: the stored exponentials (the op's fast forward)
+  stats_cap, exp_cap  ``stats_fast`` and ``exp_fast`` with a soft cap of 30: the lean and fast forwards of a
+                  Gemma 2 head as the op runs them
   *_fast          the same with the approximate ``exp`` (``approx_math``)
 
 ``--variants`` picks some of them; ``--store-configs "epi_slots=3;stages=3,epi_n=128"`` adds ``exp_fast`` once per
@@ -45,10 +47,10 @@ EPI_SHAPES = {**SHAPES, "gpt2-small-chunk": (4096, 768, 50304), "llama3-8b-chunk
 ROLES = {"bare": "fwd", "stats_fast": "fwd_stats", "exp_fast": "fwd_store"}
 
 
-def gemm_variant(name: str, **where):
+def gemm_variant(name: str, logit_softcap: float | None = None, **where):
   """``bare``, ``stats_fast`` or ``exp_fast`` (the op's fast forward: statistics and stored exponentials) on the GEMM,
   jitted; ``where``: ``role=`` (the table's config at trace time) or ``config=``."""
-  plain = G.StatsOptions()
+  plain = G.StatsOptions(logit_softcap=logit_softcap)
   if name == "bare":
     return jax.jit(lambda x, w, y: G.gemm(x, w, **where))
   ref = name == "exp_fast"
@@ -75,6 +77,8 @@ def variants():
       "store_fast": fwd(G.RowStats, plain, approx=True, store=True),
       "store_cap": fwd(G.RowStats, capped, store=True),
       "exp_fast": gemm_variant("exp_fast", role=ROLES["exp_fast"]),
+      "stats_cap": gemm_variant("stats_fast", 30.0, role=ROLES["stats_fast"]),
+      "exp_cap": gemm_variant("exp_fast", 30.0, role=ROLES["exp_fast"]),
   }
 
 

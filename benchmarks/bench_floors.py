@@ -51,14 +51,15 @@ ROLES = ("fwd", "dx", "dw")
 _DG = jax.lax.dot_general
 
 
-def head_steps(y, lean: bool, interpret: bool) -> dict:
+def head_steps(y, lean: bool, interpret: bool, logit_softcap: float | None = None) -> dict:
   """name -> jitted ``value_and_grad`` of x and w (summed loss) of each head (``auto`` is what the device picks: on
-  a CPU not a Pallas kernel, so ``interpret`` is lean's alone)."""
-  losses = {"plain": bench._plain_variant("plain_bf16").loss,
-            "auto": lambda x, w, y: linear_cross_entropy(x, w, y, reduction="sum")}
+  a CPU not a Pallas kernel, so ``interpret`` is lean's alone); ``logit_softcap``: every head caps its logits."""
+  cap = logit_softcap
+  losses = {"plain": bench._plain_variant("plain_bf16", cap).loss,
+            "auto": lambda x, w, y: linear_cross_entropy(x, w, y, reduction="sum", logit_softcap=cap)}
   if lean:
     losses["lean"] = lambda x, w, y: linear_cross_entropy(x, w, y, reduction="sum", impl="pallas_mosaic",
-                                                          mode="lean", interpret=interpret)
+                                                          mode="lean", interpret=interpret, logit_softcap=cap)
   return {name: jax.jit(jax.value_and_grad(lambda x, w, f=f: f(x, w, y), (0, 1))) for name, f in losses.items()}
 
 

@@ -18,6 +18,7 @@ whose pair is each vocabulary chunk's dx (added into the float32 dx) and dw, wit
     python3 -m benchmarks.bench_step_products [--shapes llama3-8b,qwen3-8b] [--rounds 7] [--mode lean] [--out DIR]
     python3 -m benchmarks.bench_step_products --merge DIR/steps.json     # into the package's table (tuning_table)
     python3 -m benchmarks.bench_step_products --check [--shapes ...]     # then: plain against auto, as it now runs
+    python3 -m benchmarks.bench_step_products --check --logit-softcap 30 --shapes gemma2-2b   # both heads capped
     python3 -m benchmarks.bench_step_products --chunks 4096,8192 --shapes llama3-8b-32k   # the "tokens" design's chunk
     python3 -m benchmarks.bench_step_products --interpret --shapes tiny --rounds 1   # a CPU check
 
@@ -98,19 +99,21 @@ def queued_ms(f, args, calls: int = 10) -> float:
   return 1e3 * (time.perf_counter() - t) / calls
 
 
-def check_row(name: str, rounds: int, interpret: bool) -> dict:
+def check_row(name: str, rounds: int, interpret: bool, logit_softcap: float | None = None) -> dict:
   """``--check``: the plain head against ``auto`` as the table now picks it, in alternation, and the pair it ran;
-  each call waited for (``ms``, as every table here) and ten calls queued (``ms_queued``, :func:`queued_ms`)."""
+  each call waited for (``ms``, as every table here) and ten calls queued (``ms_queued``, :func:`queued_ms`).
+  ``logit_softcap``: both heads cap their logits (Gemma 2's head: 30)."""
   x, w, y = bench.make_inputs(SHAPES[name])
-  heads = head_steps(y, False, interpret)
-  d = explain(x, w, y, reduction="sum")
+  heads = head_steps(y, False, interpret, logit_softcap)
+  d = explain(x, w, y, reduction="sum", logit_softcap=logit_softcap)
   t = interleaved({k: (heads[k], (x, w)) for k in ("plain", "auto")}, rounds=rounds)
   q = {k: [] for k in ("plain", "auto")}
   for _ in range(rounds):
     for k in q:
       q[k].append(queued_ms(heads[k], (x, w)))
   q = {k: float(np.median(v)) for k, v in q.items()}
-  return {"name": name, "impl": d.impl, "design": getattr(d.config, "fast_design", None),
+  return {"name": name, "logit_softcap": logit_softcap, "impl": d.impl,
+          "design": getattr(d.config, "fast_design", None),
           "products": list(getattr(d.config, "products", None) or ()), "ms": {k: round(s, 3) for k, s in t.items()},
           "auto_vs_plain": round(t["auto"] / t["plain"], 3), "ms_queued": {k: round(s, 3) for k, s in q.items()},
           "auto_vs_plain_queued": round(q["auto"] / q["plain"], 3)}
@@ -159,8 +162,12 @@ def main(argv=None) -> int:
                   "the plain head, with each step's extra memory (rows into DIR/results.json)")
   ap.add_argument("--mode", choices=("fast", "lean"), default="fast", help="the op's mode whose steps rows to "
                   "time (lean: design \"recompute\", each chunk's products)")
+  ap.add_argument("--logit-softcap", type=float, default=None, help="with --check: both heads cap their logits "
+                  "(Gemma 2's head: 30)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_step_products"))
   a = ap.parse_args(argv)
+  if a.logit_softcap is not None and not a.check:
+    raise SystemExit("--logit-softcap goes with --check")
   if a.mode == "lean" and (a.check or a.chunks):
     raise SystemExit("--mode lean times the steps rows only (not --check or --chunks)")
   if a.merge:
@@ -172,7 +179,8 @@ def main(argv=None) -> int:
     if a.chunks:
       r = chunk_row(name, [int(c) for c in a.chunks.split(",")], a.rounds, a.interpret)
     else:
-      r = check_row(name, a.rounds, a.interpret) if a.check else step_row(name, a.rounds, a.interpret, a.mode)
+      r = (check_row(name, a.rounds, a.interpret, a.logit_softcap) if a.check
+           else step_row(name, a.rounds, a.interpret, a.mode))
     rows.append(r)
     print(json.dumps(r), flush=True)
     save_probe(a.out, rows, a.rounds)
