@@ -3,8 +3,8 @@
 #
 #   benchmarks/softcap_job.sh OUT NAME=PKG [NAME=PKG ...]
 #
-# PKG is a folder holding a copy of lce_flax/ (e.g. one `git archive` unpacked); each runs from a copy of this
-# repository with its lce_flax/ swapped in, so the benchmarks are this tree's. Per version, into OUT/NAME/:
+# PKG is a copy of the lce_flax/ package folder (e.g. from one `git archive`, NAME its commit: the results record
+# it); each runs from a copy of this repository with its lce_flax/ swapped in, so the benchmarks are this tree's. Per version, into OUT/NAME/:
 # bench_step_products --check (auto against the plain head, in alternation) with the cap at SHAPES and without it at
 # PLAIN_SHAPES, and the ptxas report (registers, spill bytes) of every kernel of the capped step at gemma2-2b
 # (MOSAIC_GPU_DUMP_PTXAS). Then, with this tree's package, bench_epilogue's forward variants with and without the
@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$1; shift
 ROOT=$PWD
-SHAPES=${SHAPES:-gemma2-2b,llama3-8b}
+SHAPES=${SHAPES:-gemma2-2b}
 PLAIN_SHAPES=${PLAIN_SHAPES:-gemma2-2b,llama3-8b}
 ROUNDS=${ROUNDS:-3}
 for spec in "$@"; do
@@ -21,7 +21,7 @@ for spec in "$@"; do
   tree=$(mktemp -d); cp -r "$ROOT"/. "$tree"/; rm -rf "$tree/lce_flax"; cp -r "$pkg" "$tree/lce_flax"
   mkdir -p "$OUT/$name"
   echo "=== $name ($pkg)"
-  (cd "$tree" && export PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} &&
+  (cd "$tree" && export PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} LCE_FLAX_COMMIT=$name &&
    python3 -m benchmarks.bench_step_products --check --logit-softcap 30 --shapes "$SHAPES" --rounds "$ROUNDS" \
      --out "$OUT/$name/cap" 2>&1 | grep -v "^#" | tail -n 5
    python3 -m benchmarks.bench_step_products --check --shapes "$PLAIN_SHAPES" --rounds "$ROUNDS" \
@@ -38,5 +38,6 @@ PY
   rm -rf "$tree"
 done
 echo "=== epilogue variants (this tree)"
+[ -n "${NO_EPILOGUE:-}" ] && exit 0
 python3 -m benchmarks.bench_epilogue --out "$OUT/epilogue" --shapes gemma2-2b,llama3-8b --rounds "$ROUNDS" \
   --variants xla,bare,stats_fast,exp_fast,stats_cap,exp_cap 2>&1 | grep -v "^#" | tail -n 14
