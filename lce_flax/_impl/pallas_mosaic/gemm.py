@@ -163,9 +163,22 @@ class Part:
 
 def _subtiles(cfg: GemmConfig):
   """The ``epi_m × epi_n`` sub-tiles of a warpgroup tile, column slice by column slice (:func:`_store_subtiles`)."""
-  for j in range(cfg.tile_n // cfg.epi_n):
+  for ns in _column_slices(cfg):
     for i in range(cfg.tile_m // cfg.epi_m):
-      yield slice(i * cfg.epi_m, (i + 1) * cfg.epi_m), slice(j * cfg.epi_n, (j + 1) * cfg.epi_n)
+      yield slice(i * cfg.epi_m, (i + 1) * cfg.epi_m), ns
+
+
+def _column_slices(cfg: GemmConfig):
+  """The ``epi_n``-wide column slices of a warpgroup tile."""
+  return (slice(j * cfg.epi_n, (j + 1) * cfg.epi_n) for j in range(cfg.tile_n // cfg.epi_n))
+
+
+def _reduce(op, values):
+  """``values[0] op values[1] op ...`` (row vectors of a tile's column slices)."""
+  out = values[0]
+  for v in values[1:]:
+    out = op(out, v)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +242,7 @@ def _store_subtiles(z, t: Tile, out, buf, reduction_op=None):
   ``z`` may also be a function of a column slice giving the tile's ``[tile_m, epi_n]`` columns there: the tile is
   then formed one slice at a time, right before its stores, so that an epilogue whose output needs a second float32
   tile (the soft cap's derivative needs the capped logits beside the exponentials) holds one slice of it, not a
-  whole tile of registers more (which spills)."""
+  whole tile of registers more (which spills). Returns the number of copies issued."""
   columns = z if callable(z) else (lambda ns: z[:, ns])
   subs = list(_subtiles(t.cfg))
   slots = buf.shape[1]
@@ -402,22 +415,57 @@ class RowStats(Part):
       plgpu.barrier_wait(bars.at[q * t.prob.nwg + t.g])
     if b_smem is not None:
       z = z + epilogue.bcast_cols(b_smem[t.g], z.shape)
-    cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
     # where N is a multiple of tile_n a tile lies wholly inside N or (a cluster's overhang) wholly past it: no
     # per-element mask, and a tile past N (its columns zeros) is dropped below as a whole
     whole = t.prob.n % t.cfg.tile_n == 0
-    valid = None if whole else cols < t.prob.n
-    zc = epilogue.softcap(z, self.opts.logit_softcap)
-    # the target logit first: then zc is dead once the exponentials are formed (unless a cap's derivative or the
-    # shifted store needs it), so one float32 tile, not two, stays live through the statistics' stores
-    tgt = epilogue.target_logit(zc, cols, valid, y_smem[t.g]) if self.target else None
-    if self.store and r_smem is not None:
-      return self._store_exps(zc, tgt, valid, whole, t, (st, stored[0]), (st_smem, r_smem, buf))
-    m, s, zsum, e = epilogue.capped_stats(zc, valid, self.opts)
-    m, s, zsum = self._past_n(m, s, zsum, t, whole)
-    self._put_stats(m, s, tgt, zsum, t, st, st_smem, 0)
+    cap, labels = self.opts.logit_softcap, y_smem[t.g]
+
+    def cols(ns):
+      return lax.broadcasted_iota(jnp.int32, (z.shape[0], ns.stop - ns.start), 1) + (t.col0 + ns.start)
+
+    def valid(ns):
+      return None if whole else cols(ns) < t.prob.n
+
+    # Two passes, each a column slice at a time (epi_n wide), so that the accumulator is the one float32 tile held:
+    # a compute warpgroup has 232 registers, the accumulator takes 128, and whole-tile temporaries (a capped tile
+    # beside its exponentials, the soft cap's own) spilled. First the rows' max and target logit of the raw
+    # logits, capped per row (the cap is increasing and keeps 0); then per slice the cap, the exponentials summed
+    # into the statistics, and the slice's stores.
+    slices = list(_column_slices(t.cfg))
+    mz = _reduce(jnp.maximum, [(z[:, ns] if whole else jnp.where(valid(ns), z[:, ns], -jnp.inf)).max(axis=1)
+                               for ns in slices])
+    m = jnp.where(mz == -jnp.inf, -jnp.inf, epilogue.softcap(mz, cap))
+    tgt = None
+    if self.target:
+      tgt = epilogue.softcap(_reduce(jnp.add, [epilogue.target_logit(z[:, ns], cols(ns), valid(ns), labels)
+                                               for ns in slices]), cap)
+    shift = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
+    to_ref = None if r_smem is None else jnp.exp(jnp.minimum(shift - r_smem[t.g], EXP_CLAMP))
+    sums, zsums = [], []
+
+    def columns(ns):
+      zc, ok = epilogue.softcap(z[:, ns], cap), valid(ns)
+      e = epilogue.exp_shifted(zc if ok is None else jnp.where(ok, zc, -jnp.inf), shift)
+      sums.append(e.sum(axis=1))
+      if self.opts.needs_logit_sum:
+        zsums.append((zc if ok is None else jnp.where(ok, zc, 0.0)).sum(axis=1))
+      if not self.store:
+        return None
+      if to_ref is None:
+        return epilogue.shifted_logits(zc, m)
+      # exp(zc - ref) = exp(zc - max)·exp(max - ref): one exp per element and one per row
+      return _math.through_softcap(e * epilogue.bcast_rows(to_ref, e.shape), zc, cap)
+
+    issued = 0
     if self.store:
-      _store_subtiles(epilogue.shifted_logits(zc, m), t, stored[0], buf)
+      issued = _store_subtiles(columns, t, stored[0], buf)
+    else:
+      for ns in slices:
+        columns(ns)
+    s = _reduce(jnp.add, sums)
+    zsum = _reduce(jnp.add, zsums) if zsums else s * 0.0  # (zeros in the rows' layout: see epilogue.capped_stats)
+    m, s, zsum = self._past_n(m, s, zsum, t, whole)
+    self._put_stats(m, s, tgt, zsum, t, st, st_smem, issued)
 
   @staticmethod
   def _past_n(m, s, zsum, t, whole):
@@ -440,30 +488,6 @@ class RowStats(Part):
     plgpu.commit_smem()
     for q in range(4):
       plgpu.copy_smem_to_gmem(st_smem.at[t.g, q], st.at[q, t.col_tile, t.rows])
-
-  def _store_exps(self, zc, tgt, valid, whole, t, outs, smem):
-    """``store=True`` with ``ref``: ``exp(zc - ref) = exp(zc - max)·exp(max - ref)`` (one exp per element and one
-    per row), times the cap's derivative, formed and stored one column slice at a time (the slices' exponentials
-    summed into the statistics on the way), then the statistics: zc is the one float32 tile held throughout."""
-    (st, out), (st_smem, r_smem, buf) = outs, smem
-    cap = self.opts.logit_softcap
-    masked = zc if valid is None else jnp.where(valid, zc, -jnp.inf)
-    m = masked.max(axis=1)
-    shift = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
-    zsum = (zc if valid is None else jnp.where(valid, zc, 0.0)).sum(axis=1) if self.opts.needs_logit_sum else None
-    to_ref = jnp.exp(jnp.minimum(shift - r_smem[t.g], EXP_CLAMP))  # (a tile past N stores nothing: clipped)
-    sums = []
-
-    def columns(ns):
-      e = epilogue.exp_shifted(masked[:, ns], shift)
-      sums.append(e.sum(axis=1))
-      return _math.through_softcap(e * epilogue.bcast_rows(to_ref, e.shape), zc[:, ns], cap)
-
-    n = _store_subtiles(columns, t, out, buf)
-    s = sum(sums[1:], sums[0])
-    zsum = s * 0.0 if zsum is None else zsum  # (zeros in the rows' layout: see epilogue.capped_stats)
-    m, s, zsum = self._past_n(m, s, zsum, t, whole)
-    self._put_stats(m, s, tgt, zsum, t, st, st_smem, n)
 
 
 def merge_row_stats(stats, m: int) -> _math.RowStats:
@@ -556,14 +580,13 @@ class LogitGrad(Part):
       plgpu.barrier_wait(bars.at[self._copies() * t.g + q])
     if self.bias is not None:
       z = z + epilogue.bcast_cols(smem[3][t.g], z.shape)
-    zc = epilogue.softcap(z, self.opts.logit_softcap)
     lse, coef, a, c = (f_smem[t.g, q] for q in range(4))
     labels, first = i_smem[t.g, 0], i_smem[t.g, 1]
 
-    def columns(ns):  # (a slice at a time: with a cap, zc stays live beside dz, see _store_subtiles)
-      shape = (zc.shape[0], ns.stop - ns.start)
+    def columns(ns):  # (a slice at a time, the cap included: see RowStats.apply)
+      shape = (z.shape[0], ns.stop - ns.start)
       cols = lax.broadcasted_iota(jnp.int32, shape, 1) + (t.col0 + ns.start)
-      dz = epilogue.dlogits_capped(zc[:, ns], cols, labels, lse, coef, a, c, self.opts)
+      dz = epilogue.epilogue_dlogits(z[:, ns], cols, labels, lse, coef, a, c, self.opts)
       return jnp.where(cols >= epilogue.bcast_rows(first, shape), dz, 0.0)
 
     _store_subtiles(columns, t, outs[0] if self.into is None else ins[-1], smem[-1])
