@@ -661,7 +661,10 @@ def test_gpu_hooks(base, n):
                  config=_f32_stats(base))  # float32 sub-tiles: fewer stages
   st16, z16 = G.gemm(a, b, epilogue=(G.RowStats(labels, opts), G.Store()),
                      config=tuning.fit_role("fwd_store", base))
-  np.testing.assert_array_equal(np.asarray(st16), np.asarray(st))
+  # the max and the target equal; the sums over the tile's columns are taken per epi_n-wide slice, in an order that
+  # follows the config's epi_n
+  np.testing.assert_array_equal(np.asarray(st16)[[0, 2]], np.asarray(st)[[0, 2]])
+  np.testing.assert_allclose(np.asarray(st16)[[1, 3]], np.asarray(st)[[1, 3]], rtol=2e-6, atol=1e-6)
   assert _rel(z16, ref) < 1e-2
   assert _rel(z, ref) < 1e-5
   rs = G.merge_row_stats(st, m)

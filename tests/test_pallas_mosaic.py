@@ -10,6 +10,7 @@ tests run the compiled kernels (``pytest -m gpu`` on an SM90 machine).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -255,29 +256,37 @@ def test_epilogue_tanh_against_float64():
   assert epilogue.softcap(jnp.ones((2,)), None) is not None
 
 
+def _on_mosaic_gpu(xs, f, interpret=False):
+  """``f`` applied to float32 rows ``xs`` [n·32, 128] by a Mosaic GPU kernel with ``approx_math`` (32 rows a call:
+  GMEM → SMEM by TMA → registers → ``f`` → SMEM → GMEM)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def body(x_gmem, o_gmem, x_smem, o_smem, bar):
+    plgpu.copy_gmem_to_smem(x_gmem, x_smem, bar)
+    plgpu.barrier_wait(bar)
+    o_smem[...] = f(x_smem[...])
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+  block = jax.ShapeDtypeStruct((32, 128), jnp.float32)
+  call = jax.jit(plgpu.kernel(body, out_type=block, compiler_params=plgpu.CompilerParams(approx_math=True),
+                              scratch_types=[plgpu.SMEM(block.shape, block.dtype), plgpu.SMEM(block.shape, block.dtype),
+                                             plgpu.Barrier()],
+                              interpret=plgpu.InterpretGPUParams() if interpret else False))
+  return np.concatenate([np.asarray(call(jnp.asarray(xs[i:i + 32]))) for i in range(0, len(xs), 32)])
+
+
 @pytest.mark.gpu(min_cc=(9, 0))
 def test_gpu_epilogue_tanh_on_the_approximate_units():
   """:func:`epilogue.tanh` and the soft cap compiled by Mosaic GPU with ``approx_math`` (ex2.approx, rsqrt.approx),
   as every kernel epilogue runs them: within 1e-6 absolute and 2e-6 relative of float64's tanh (each unit adds
   ~2⁻²² relative to the float32 formula), exact sign, ±1 at ±inf."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
   x = _tanh_points()
   n = -(-x.size // 4096) * 4096
   xs = np.pad(x, (0, n - x.size)).reshape(-1, 128)
   xs[-1, :2] = [np.inf, -np.inf]
-
-  def run(f):
-    def kernel(x_ref, o_ref):
-      o_ref[...] = f(x_ref[...])
-
-    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((32, 128), jnp.float32),
-                          in_specs=[pl.BlockSpec((32, 128), lambda i: (i, 0))],
-                          out_specs=pl.BlockSpec((32, 128), lambda i: (i, 0)), grid=(1,),
-                          compiler_params=plgpu.CompilerParams(approx_math=True))
-    return np.concatenate([np.asarray(call(jnp.asarray(xs[i:i + 32]))) for i in range(0, len(xs), 32)])
-
+  run = functools.partial(_on_mosaic_gpu, xs)
   got = run(epilogue.tanh).astype(np.float64).ravel()
   want = np.tanh(xs.astype(np.float64)).ravel()
   err = np.abs(got - want)
