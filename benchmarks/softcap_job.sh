@@ -3,12 +3,14 @@
 #
 #   benchmarks/softcap_job.sh OUT NAME=PKG [NAME=PKG ...]
 #
-# PKG is a copy of the lce_flax/ package folder (e.g. from one `git archive`, NAME its commit: the results record
-# it); each runs from a copy of this repository with its lce_flax/ swapped in, so the benchmarks are this tree's. Per version, into OUT/NAME/:
-# bench_step_products --check (auto against the plain head, in alternation) with the cap at SHAPES and without it at
-# PLAIN_SHAPES, and the ptxas report (registers, spill bytes) of every kernel of the capped step at gemma2-2b
-# (MOSAIC_GPU_DUMP_PTXAS). Then, with this tree's package, bench_epilogue's forward variants with and without the
-# cap into OUT/epilogue/. Versions run one after another: compare ratios within a version's rows, not times across.
+# PKG is a copy of the lce_flax/ package folder (e.g. from one `git archive`; NAME names its commit, which the
+# results record); each runs from a copy of this repository with its lce_flax/ swapped in, so the benchmarks are
+# this tree's. Per version: bench_step_products --check (auto against the plain head, in alternation) with the cap
+# at SHAPES (into OUT/NAME-cap/) and without it at PLAIN_SHAPES (OUT/NAME-nocap/), and the ptxas report
+# (registers, spill bytes) of every kernel of the capped step at gemma2-2b (MOSAIC_GPU_DUMP_PTXAS, into
+# OUT/NAME/). Then, with this tree's package, bench_epilogue's forward variants with and without the cap (into
+# OUT/epilogue/; NO_EPILOGUE=1: not). Versions run one after another: compare ratios within a version's rows, not
+# times across versions.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$1; shift
@@ -23,10 +25,10 @@ for spec in "$@"; do
   echo "=== $name ($pkg)"
   (cd "$tree" && export PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} LCE_FLAX_COMMIT=$name &&
    python3 -m benchmarks.bench_step_products --check --logit-softcap 30 --shapes "$SHAPES" --rounds "$ROUNDS" \
-     --out "$OUT/$name/cap" 2>&1 | grep -v "^#" | tail -n 5
+     --out "$OUT/$name-cap" 2>&1 | grep -v "^#" | tail -n 5
    if [ -n "$PLAIN_SHAPES" ]; then
      python3 -m benchmarks.bench_step_products --check --shapes "$PLAIN_SHAPES" --rounds "$ROUNDS" \
-       --out "$OUT/$name/nocap" 2>&1 | grep -v "^#" | tail -n 5
+       --out "$OUT/$name-nocap" 2>&1 | grep -v "^#" | tail -n 5
    fi
    MOSAIC_GPU_DUMP_PTXAS=1 python3 - > "$OUT/$name/ptxas_gemma_cap.txt" 2>&1 <<'PY'
 import jax

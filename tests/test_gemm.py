@@ -661,10 +661,13 @@ def test_gpu_hooks(base, n):
                  config=_f32_stats(base))  # float32 sub-tiles: fewer stages
   st16, z16 = G.gemm(a, b, epilogue=(G.RowStats(labels, opts), G.Store()),
                      config=tuning.fit_role("fwd_store", base))
-  # the max and the target equal; the sums over the tile's columns are taken per epi_n-wide slice, in an order that
-  # follows the config's epi_n
-  np.testing.assert_array_equal(np.asarray(st16)[[0, 2]], np.asarray(st)[[0, 2]])
-  np.testing.assert_allclose(np.asarray(st16)[[1, 3]], np.asarray(st)[[1, 3]], rtol=2e-6, atol=1e-6)
+  # the max and the target equal; with a cap the sums over the tile's columns are taken per epi_n-wide slice, in an
+  # order that follows the config's epi_n: Σexp to float32's rounding, Σzc (128 terms of |zc| ≤ 30, cancelling) to
+  # its absolute rounding
+  st16, st = np.asarray(st16), np.asarray(st)
+  np.testing.assert_array_equal(st16[[0, 2]], st[[0, 2]])
+  np.testing.assert_allclose(st16[1], st[1], rtol=1e-5)
+  np.testing.assert_allclose(st16[3], st[3], rtol=2e-6, atol=5e-4)
   assert _rel(z16, ref) < 1e-2
   assert _rel(z, ref) < 1e-5
   rs = G.merge_row_stats(st, m)

@@ -161,11 +161,14 @@ class Part:
     return outs
 
 
-def _subtiles(cfg: GemmConfig):
-  """The ``epi_m × epi_n`` sub-tiles of a warpgroup tile, column slice by column slice (:func:`_store_subtiles`)."""
-  for ns in _column_slices(cfg):
-    for i in range(cfg.tile_m // cfg.epi_m):
-      yield slice(i * cfg.epi_m, (i + 1) * cfg.epi_m), ns
+def _subtiles(cfg: GemmConfig, by_columns: bool = False):
+  """The ``epi_m × epi_n`` sub-tiles of a warpgroup tile, row block by row block (``by_columns``: column slice by
+  column slice, as :func:`_store_subtiles` forms a tile given by slices)."""
+  rows = [slice(i * cfg.epi_m, (i + 1) * cfg.epi_m) for i in range(cfg.tile_m // cfg.epi_m)]
+  if by_columns:
+    yield from ((ms, ns) for ns in _column_slices(cfg) for ms in rows)
+  else:
+    yield from ((ms, ns) for ms in rows for ns in _column_slices(cfg))
 
 
 def _column_slices(cfg: GemmConfig):
@@ -240,19 +243,19 @@ def _store_subtiles(z, t: Tile, out, buf, reduction_op=None):
   TMA's reduction into ``out`` instead of a plain store (``"add"``: :class:`AddTo`).
 
   ``z`` may also be a function of a column slice giving the tile's ``[tile_m, epi_n]`` columns there: the tile is
-  then formed one slice at a time, right before its stores, so that an epilogue whose output needs a second float32
-  tile (the soft cap's derivative needs the capped logits beside the exponentials) holds one slice of it, not a
-  whole tile of registers more (which spills). Returns the number of copies issued."""
-  columns = z if callable(z) else (lambda ns: z[:, ns])
-  subs = list(_subtiles(t.cfg))
+  then formed one slice at a time, right before its stores, so that an epilogue whose output needs more float32
+  temporaries than a compute warpgroup's registers hold beside the accumulator (the soft cap's) holds one slice of
+  them, not whole tiles (which spilled). Returns the number of copies issued."""
+  by_columns = callable(z)
+  subs = list(_subtiles(t.cfg, by_columns))
   slots = buf.shape[1]
-  part = None
+  part = z
   for q, (ms, ns) in enumerate(subs):
-    if ms.start == 0:
-      part = columns(ns)
+    if by_columns and ms.start == 0:
+      part = z(ns)
     slot = q % slots
     plgpu.wait_smem_to_gmem(_copies_since_slot(q, len(subs), slots), wait_read_only=True)
-    buf[t.g, slot] = part[ms, :].astype(buf.dtype)
+    buf[t.g, slot] = (part[ms, :] if by_columns else part[ms, ns]).astype(buf.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(buf.at[t.g, slot], out.at[pl.ds(t.row0 + ms.start, t.cfg.epi_m),
                                                        pl.ds(t.col0 + ns.start, t.cfg.epi_n)],
@@ -418,6 +421,36 @@ class RowStats(Part):
     # where N is a multiple of tile_n a tile lies wholly inside N or (a cluster's overhang) wholly past it: no
     # per-element mask, and a tile past N (its columns zeros) is dropped below as a whole
     whole = t.prob.n % t.cfg.tile_n == 0
+    if self.opts.logit_softcap is not None:
+      return self._capped(z, t, whole, outs, smem)
+    cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
+    valid = None if whole else cols < t.prob.n
+    # the target logit first: then z is dead once the exponentials are formed (unless the shifted store needs it),
+    # so one float32 tile, not two, stays live through the statistics' stores
+    tgt = epilogue.target_logit(z, cols, valid, y_smem[t.g]) if self.target else None
+    m, s, zsum, e = epilogue.capped_stats(z, valid, self.opts)
+    m, s, zsum = self._past_n(m, s, zsum, t, whole)
+    self._put_stats(m, s, tgt, zsum, t, st, st_smem, 0)
+    if not self.store:
+      return
+    if r_smem is None:
+      out = epilogue.shifted_logits(z, m)
+    else:  # exp(z - ref) = exp(z - max)·exp(max - ref): one exp per element and one per row
+      out = e * epilogue.bcast_rows(jnp.exp(jnp.minimum(jnp.where(m == -jnp.inf, 0.0, m) - r_smem[t.g], EXP_CLAMP)),
+                                    z.shape)
+    _store_subtiles(out, t, stored[0], buf)
+
+  def _capped(self, z, t, whole, outs, smem):
+    """:meth:`apply` with a soft cap, in two passes over column slices. The cap's temporaries are whole tiles
+    when it runs on the tile (the exponentials of the capped logits beside them, and the tanh's own), more than
+    a compute warpgroup's 232 registers hold beside the 128 of the accumulator: the kernels spilled 400-630 bytes.
+    So the accumulator is the one float32 tile held: first the rows' max and target logit of the raw logits,
+    capped per row (the cap is increasing and keeps 0); then per slice the cap, the exponentials summed into the
+    statistics, and the slice's stores; the statistics last. (Without a cap the whole-tile form spills nothing
+    and takes fewer cross-lane reductions, one per statistic: the slices' cost gpt2-small's and qwen3-8b's step
+    1.5%.)"""
+    (st, *stored), (y_smem, st_smem) = outs, smem[:2]
+    _, r_smem, buf = self._pieces(smem)
     cap, labels = self.opts.logit_softcap, y_smem[t.g]
 
     def cols(ns):
@@ -426,11 +459,6 @@ class RowStats(Part):
     def valid(ns):
       return None if whole else cols(ns) < t.prob.n
 
-    # Two passes, each a column slice at a time (epi_n wide), so that the accumulator is the one float32 tile held:
-    # a compute warpgroup has 232 registers, the accumulator takes 128, and whole-tile temporaries (a capped tile
-    # beside its exponentials, the soft cap's own) spilled. First the rows' max and target logit of the raw
-    # logits, capped per row (the cap is increasing and keeps 0); then per slice the cap, the exponentials summed
-    # into the statistics, and the slice's stores.
     slices = list(_column_slices(t.cfg))
     mz = _reduce(jnp.maximum, [(z[:, ns] if whole else jnp.where(valid(ns), z[:, ns], -jnp.inf)).max(axis=1)
                                for ns in slices])
@@ -583,13 +611,14 @@ class LogitGrad(Part):
     lse, coef, a, c = (f_smem[t.g, q] for q in range(4))
     labels, first = i_smem[t.g, 0], i_smem[t.g, 1]
 
-    def columns(ns):  # (a slice at a time, the cap included: see RowStats.apply)
-      shape = (z.shape[0], ns.stop - ns.start)
-      cols = lax.broadcasted_iota(jnp.int32, shape, 1) + (t.col0 + ns.start)
-      dz = epilogue.epilogue_dlogits(z[:, ns], cols, labels, lse, coef, a, c, self.opts)
-      return jnp.where(cols >= epilogue.bcast_rows(first, shape), dz, 0.0)
+    def dz(zs, col0):  # a [rows, cols] piece of the tile, its first column col0
+      cols = lax.broadcasted_iota(jnp.int32, zs.shape, 1) + col0
+      out = epilogue.epilogue_dlogits(zs, cols, labels, lse, coef, a, c, self.opts)
+      return jnp.where(cols >= epilogue.bcast_rows(first, zs.shape), out, 0.0)
 
-    _store_subtiles(columns, t, outs[0] if self.into is None else ins[-1], smem[-1])
+    # with a cap, a column slice at a time (see RowStats._capped)
+    out = dz(z, t.col0) if self.opts.logit_softcap is None else (lambda ns: dz(z[:, ns], t.col0 + ns.start))
+    _store_subtiles(out, t, outs[0] if self.into is None else ins[-1], smem[-1])
 
 
 # ------------------------------------------------------------------------------------------------ prologue
