@@ -158,7 +158,7 @@ def _fetch(pairs, bars, first: int = 0):
     plgpu.barrier_wait(bars.at[first + k])
 
 
-def _kernel(body, out_type, scratch, grid, names, d: Dims, p, opts):
+def _kernel(body, out_type, scratch, grid, names, d: Dims, p):
   params = plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Lane if p.semantics == "lane"
       else plgpu.LoweringSemantics.Warpgroup, approx_math=epilogue.APPROX_MATH)
@@ -225,7 +225,7 @@ def forward(x, w, bias, labels, d: Dims, p, opts):
   absent = absent_gmem(d) + ([] if d.has_bias else [8]) + ([] if d.store else [10, 11])
   body = common.absent_refs(functools.partial(_fwd_body, d=d, p=p, opts=opts), *absent)
   kern = _kernel(body, out_types(d, p, p.num_splits, x.dtype), scratch, (p.num_splits, d.b // bt),
-                 ("split", "row"), d, p, opts)
+                 ("split", "row"), d, p)
   st, *stored = kern(*common.present(x, w, bias, labels))
   return common.merge_splits(st), (tuple(stored) if d.store else None)
 
@@ -274,5 +274,5 @@ def dz_chunk(x, w_c, b_c, labels_local, lo, lse, coef, a, c, d: Dims, p, opts):
              plgpu.Barrier(num_barriers=7 if d.has_bias else 6)]
   body = common.absent_refs(functools.partial(_dz_body, d=d, p=p, opts=opts), *([] if d.has_bias else [2, 12]))
   kern = _kernel(body, jax.ShapeDtypeStruct((d.b, width), x.dtype), scratch, (width // bv, d.b // bt),
-                 ("tile", "row"), d, p, opts)
+                 ("tile", "row"), d, p)
   return kern(*common.present(x, w_c, b_c, labels_local, lo, lse, coef, a, c))

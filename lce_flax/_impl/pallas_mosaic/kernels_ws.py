@@ -32,7 +32,7 @@ from lce_flax._impl.pallas_mosaic import epilogue
 from lce_flax._impl.pallas_mosaic import kernels as base
 
 
-def _params(opts):
+def _params():
   return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                               approx_math=epilogue.APPROX_MATH)
 
@@ -154,7 +154,7 @@ def forward_ws(x, w, bias, labels, d: base.Dims, p, opts):
   ns = p.num_splits
   body = common.absent_refs(functools.partial(_fwd_ws_body, d=d, p=p, opts=opts), *base.absent_gmem(d))
   kern = plgpu.kernel(body, out_type=base.out_types(d, p, 2 * ns, x.dtype), grid=(ns, d.b // p.block_t),
-                      grid_names=("split", "row"), num_threads=3, thread_name="wg", compiler_params=_params(opts))
+                      grid_names=("split", "row"), num_threads=3, thread_name="wg", compiler_params=_params())
   st, *stored = kern(*common.present(x, w, bias, labels))
   return common.merge_splits(st), (tuple(stored) if d.store else None)
 
@@ -233,5 +233,5 @@ def dz_chunk_ws(x, w_c, b_c, labels_local, lo, lse, coef, a, c, d: base.Dims, p,
                             *([] if d.has_bias else [2]))
   kern = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((d.b, width), x.dtype),
                       grid=(min(_device.num_sms(), tiles),), grid_names=("sm",), num_threads=3, thread_name="wg",
-                      compiler_params=_params(opts))
+                      compiler_params=_params())
   return kern(*common.present(x, w_c, b_c, labels_local, lo, lse, coef, a, c))
