@@ -12,6 +12,7 @@ import json
 import os
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import lce_flax
@@ -934,6 +935,36 @@ def test_bench_step_products_check_row():
   assert abs(r["auto_vs_plain"] - r["ms"]["auto"] / r["ms"]["plain"]) < 2e-3
   assert abs(r["auto_vs_plain_queued"] - r["ms_queued"]["auto"] / r["ms_queued"]["plain"]) < 2e-3
   assert all(v > 0 for v in (*r["ms"].values(), *r["ms_queued"].values()))
+
+
+def test_bench_step_products_capped_heads_compute_the_same_loss():
+  """--check --logit-softcap: the plain head capped as Gemma 2's Flax head does it (bf16 logits) and auto with
+  ``logit_softcap`` are the same function (loss and gradients, against float64 NumPy's capped loss); the row says
+  the cap; the flag goes with --check only."""
+  from benchmarks import bench_step_products
+  from benchmarks.bench_floors import head_steps
+  from tests.reference_np import linear_cross_entropy_np
+
+  rng = np.random.default_rng(11)
+  b, h, v = 96, 32, 300
+  x = jnp.asarray(rng.standard_normal((b, h)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((h, v)), jnp.bfloat16)  # logits of std ~6: the cap of 5 bends most of them
+  y = jnp.asarray(rng.integers(0, v, b), jnp.int32)  # (the plain head masks nothing: every token counts)
+  heads = head_steps(y, False, True, logit_softcap=5.0)
+  (lp, gp), (la, ga) = heads["plain"](x, w), heads["auto"](x, w)
+  ref = linear_cross_entropy_np(x, w, y, reduction="sum", logit_softcap=5.0)
+  want = float(ref["loss"])
+  assert abs(float(la) - want) <= 1e-4 * abs(want)
+  assert abs(float(lp) - want) <= 2e-2 * abs(want)  # (bf16 logits and losses)
+  for g, r in ((ga, 1e-2), (gp, 5e-2)):
+    for got, exact in zip(g, (ref["dx"], ref["dw"])):
+      assert np.linalg.norm(np.asarray(got, np.float64) - exact) <= r * np.linalg.norm(exact)
+  uncapped = float(head_steps(y, False, True)["auto"](x, w)[0])
+  assert abs(uncapped - want) > 1e-2 * abs(want)
+  r = bench_step_products.check_row("tiny", 1, True, logit_softcap=30.0)
+  assert r["logit_softcap"] == 30.0 and r["auto_vs_plain"] > 0
+  with pytest.raises(SystemExit, match="--check"):
+    bench_step_products.main(["--logit-softcap", "30", "--shapes", "tiny", "--interpret"])
 
 
 def test_bench_step_products_lean_row(monkeypatch):
