@@ -35,8 +35,8 @@ import jax
 from benchmarks import bench
 from benchmarks.bench_floors import SHAPES, head_steps
 x, w, y = bench.make_inputs(SHAPES["gemma2-2b"])
-head_steps(y, True, False, 30.0)["auto"].lower(x, w).compile()
-head_steps(y, True, False, 30.0)["lean"].lower(x, w).compile()
+for step in head_steps(y, True, False, 30.0).values():
+  step.lower(x, w).compile()
 PY
    grep -i -E "spill|registers" "$OUT/$name/ptxas_gemma_cap.txt" | sort | uniq -c | head -n 20)
   rm -rf "$tree"

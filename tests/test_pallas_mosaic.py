@@ -257,7 +257,7 @@ def test_epilogue_tanh_against_float64():
   assert epilogue.softcap(z, None) is z  # no cap: the logits as they are
 
 
-def _on_mosaic_gpu(xs, f, interpret=False):
+def _on_mosaic_gpu(xs, f):
   """``f`` applied to float32 rows ``xs`` [n·32, 128] by a Mosaic GPU kernel with ``approx_math`` (32 rows a call:
   GMEM → SMEM by TMA → registers → ``f`` → SMEM → GMEM)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -273,8 +273,7 @@ def _on_mosaic_gpu(xs, f, interpret=False):
   block = jax.ShapeDtypeStruct((32, 128), jnp.float32)
   call = jax.jit(plgpu.kernel(body, out_type=block, compiler_params=plgpu.CompilerParams(approx_math=True),
                               scratch_types=[plgpu.SMEM(block.shape, block.dtype), plgpu.SMEM(block.shape, block.dtype),
-                                             plgpu.Barrier()],
-                              interpret=plgpu.InterpretGPUParams() if interpret else False))
+                                             plgpu.Barrier()]))
   return np.concatenate([np.asarray(call(jnp.asarray(xs[i:i + 32]))) for i in range(0, len(xs), 32)])
 
 

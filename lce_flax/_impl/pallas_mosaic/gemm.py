@@ -176,14 +176,6 @@ def _column_slices(cfg: GemmConfig):
   return (slice(j * cfg.epi_n, (j + 1) * cfg.epi_n) for j in range(cfg.tile_n // cfg.epi_n))
 
 
-def _reduce(op, values):
-  """``values[0] op values[1] op ...`` (row vectors of a tile's column slices)."""
-  out = values[0]
-  for v in values[1:]:
-    out = op(out, v)
-  return out
-
-
 @dataclasses.dataclass(frozen=True)
 class Store(Part):
   """Stores the accumulator as ``dtype`` (the operands' dtype when None) [M, N]: each ``epi_m × epi_n``
@@ -460,13 +452,13 @@ class RowStats(Part):
       return None if whole else cols(ns) < t.prob.n
 
     slices = list(_column_slices(t.cfg))
-    mz = _reduce(jnp.maximum, [(z[:, ns] if whole else jnp.where(valid(ns), z[:, ns], -jnp.inf)).max(axis=1)
-                               for ns in slices])
+    mz = functools.reduce(jnp.maximum, [(z[:, ns] if whole else jnp.where(valid(ns), z[:, ns], -jnp.inf)).max(axis=1)
+                                        for ns in slices])
     m = jnp.where(mz == -jnp.inf, -jnp.inf, epilogue.softcap(mz, cap))
     tgt = None
     if self.target:
-      tgt = epilogue.softcap(_reduce(jnp.add, [epilogue.target_logit(z[:, ns], cols(ns), valid(ns), labels)
-                                               for ns in slices]), cap)
+      hits = [epilogue.target_logit(z[:, ns], cols(ns), valid(ns), labels) for ns in slices]
+      tgt = epilogue.softcap(functools.reduce(jnp.add, hits), cap)
     shift = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
     to_ref = None if r_smem is None else jnp.exp(jnp.minimum(shift - r_smem[t.g], EXP_CLAMP))
     sums, zsums = [], []
@@ -490,8 +482,9 @@ class RowStats(Part):
     else:
       for ns in slices:
         columns(ns)
-    s = _reduce(jnp.add, sums)
-    zsum = _reduce(jnp.add, zsums) if zsums else s * 0.0  # (zeros in the rows' layout: see epilogue.capped_stats)
+    s = functools.reduce(jnp.add, sums)
+    # (no Σzc asked: zeros in the rows' layout, see epilogue.capped_stats)
+    zsum = functools.reduce(jnp.add, zsums) if zsums else s * 0.0
     m, s, zsum = self._past_n(m, s, zsum, t, whole)
     self._put_stats(m, s, tgt, zsum, t, st, st_smem, issued)
 
