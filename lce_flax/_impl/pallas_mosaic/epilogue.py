@@ -75,16 +75,29 @@ def bcast_cols(v, shape):
   return lax.broadcast_in_dim(v, shape, [1])
 
 
-def capped_stats(zc, valid, opts):
-  """``(max, Σexp(zc - max), Σzc, exp(zc - max))`` of the rows of the capped tile ``zc`` [bt, bv] over its ``valid``
-  columns (the last: the tile of exponentials, 0 in the invalid columns). ``valid`` None: every column counts and
-  no per-element mask is formed (a tile that lies inside the vocabulary). ``opts``: anything with
-  ``needs_logit_sum``."""
+# the stored exponentials' shift lies at most this far below the row max (e^80 ≈ 5.5e34: finite in bf16; fp16
+# overflows past e^11, so its stores take the shifted form)
+EXP_CLAMP = 80.0
+
+
+def capped_stats(zc, valid, opts, ref=None):
+  """``(max, Σexp(zc - max), Σzc, E)`` of the rows of the capped tile ``zc`` [bt, bv] over its ``valid`` columns,
+  ``E`` the tile's exponentials (0 in the invalid columns). ``valid`` None: every column counts and no per-element
+  mask is formed (a tile that lies inside the vocabulary). ``opts``: anything with ``needs_logit_sum``.
+
+  ``ref`` None: ``E = exp(zc - max)``. ``ref`` [bt] (a per-row reference logit): ``E = exp(zc - c)`` against
+  ``c = max(ref, max - EXP_CLAMP)``, what the fast forward stores, and the sum is taken of E and brought to the
+  max per row (times ``exp(c - max)``, its exponent clamped at EXP_CLAMP): one exp per element, no multiply. A
+  tile more than EXP_CLAMP below ``ref`` (its exponentials ≤ e^-80 of the row's, or flushed to 0) sums to
+  ~nothing either way, the row's own entry at ``ref`` outweighing it."""
   masked = zc if valid is None else jnp.where(valid, zc, -jnp.inf)
   m = masked.max(axis=1)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
-  e = exp_shifted(masked, m_safe)
+  shift = m_safe if ref is None else ref_shift(ref, m_safe)
+  e = exp_shifted(masked, shift)
   s = e.sum(axis=1)
+  if ref is not None:
+    s = s * to_max(shift, m_safe)
   if not opts.needs_logit_sum:
     # zeros in the rows' register layout (a constant would be a splat, which Mosaic GPU stores to SMEM only in
     # multiples of 128 elements: a 64-row tile's vector is not)
@@ -92,6 +105,17 @@ def capped_stats(zc, valid, opts):
   else:
     zsum = (zc if valid is None else jnp.where(valid, zc, 0.0)).sum(axis=1)
   return m, s, zsum, e
+
+
+def ref_shift(ref, m_safe):
+  """The stored exponentials' per-row shift ``max(ref, max - EXP_CLAMP)`` (see :func:`capped_stats`)."""
+  return jnp.maximum(ref, m_safe - EXP_CLAMP)
+
+
+def to_max(shift, m_safe):
+  """The per-row factor ``exp(shift - max)`` (exponent clamped at EXP_CLAMP) that takes a sum of exponentials
+  against ``shift`` to one against the row max."""
+  return jnp.exp(jnp.minimum(shift - m_safe, EXP_CLAMP))
 
 
 def target_logit(zc, cols, valid, labels):
