@@ -33,28 +33,32 @@ APPROX_MATH = True
 
 
 def tanh(x):
-  """``tanh`` of a float32 tile for the epilogues: ``2/(1 + e) - 1`` with ``e = exp(-2x)``, the reciprocal as
-  ``rsqrt(1 + e)²`` (``exp2`` and ``rsqrt`` on the approximate units under ``approx_math``). Six instructions per
-  element, two on the approximate units, and no branch: at ``x → -inf``, ``e = inf`` gives ``rsqrt = 0`` and -1.
-  Its error is absolute, ≤ ~3e-7 (GPU: each approximate unit adds ~2⁻²² of the reciprocal), not relative: near 0
-  the subtraction leaves tanh's low bits to rounding. That is what a soft cap needs: the loss and its gradient
-  see a capped logit through ``exp``, so an absolute error ε in it is a relative error ε in its softmax term, as
-  the matmul's own float32 rounding of the logit is. ±1 at ±inf, NaN at NaN. No division: Mosaic GPU lowers a
-  float32 division to the IEEE-exact ``div.rn``, a multi-instruction routine per element."""
-  return _reciprocal_form(x * (-2.0 * LOG2E), 2.0, -1.0)
+  """``tanh`` of a float32 tile for the epilogues: ``sign(x)·(1 - 2u)`` with ``u = e/(1 + e)``, ``e = exp(-2|x|)``,
+  the reciprocal as ``rsqrt(1 + e)²`` (``exp2`` and ``rsqrt`` on the approximate units under ``approx_math``):
+  seven instructions per element beside those two, no branch, no series. Near ±1, where a soft cap's logits
+  crowd, it keeps float32's resolution of the result (the form ``2/(1 + e) - 1`` would round to twice its ulp
+  there and tie logits a cap brings together, which the accuracy count reads). Near 0 its error is absolute,
+  ≤ ~2e-7 (GPU: each approximate unit adds ~2⁻²² of u), not relative: the subtraction leaves tanh's low bits to
+  rounding. A soft cap needs no more: the loss and its gradient see a capped logit through ``exp``, so an absolute
+  error ε in it is a relative error ε in its softmax term, as the matmul's own float32 rounding of the logit is.
+  ±1 at ±inf, NaN at NaN. No division: Mosaic GPU lowers a float32 division to the IEEE-exact ``div.rn``, a
+  multi-instruction routine per element."""
+  return _scaled_tanh(x, 1.0, 1.0)
 
 
-def _reciprocal_form(y, scale: float, offset: float):
-  """``scale/(1 + 2^y) + offset`` as ``scale·rsqrt(1 + 2^y)² + offset`` (a multiply and a fused multiply-add)."""
-  r = lax.rsqrt(1.0 + jnp.exp2(y))
-  return (r * r) * scale + offset
+def _scaled_tanh(z, k: float, scale: float):
+  """``scale·tanh(k·z)`` as :func:`tanh` forms it, the constants folded into its multiplies."""
+  e = jnp.exp2(jnp.abs(z) * (-2.0 * LOG2E * k))  # in (0, 1]: no overflow at any z
+  r = lax.rsqrt(1.0 + e)
+  mag = (e * (r * r)) * (-2.0 * scale) + scale  # scale·(1 - 2e/(1 + e))
+  return jnp.where(z < 0.0, -mag, mag)
 
 
 def softcap(z, cap: float | None):
-  """:func:`lce_flax._math.softcap` (``cap·tanh(z/cap)``) for a kernel's register tile, as :func:`tanh` with the
-  cap folded into its constants: ``2·cap/(1 + exp(-2z/cap)) - cap``. Every kernel epilogue caps its logits with
-  this. Absolute error ≤ ~cap·3e-7 (a logit's own float32 rounding at |z| ≈ cap is cap·6e-8)."""
-  return z if cap is None else _reciprocal_form(z * (-2.0 * LOG2E / cap), 2.0 * cap, -cap)
+  """:func:`lce_flax._math.softcap` (``cap·tanh(z/cap)``) for a kernel's register tile, as :func:`tanh` with
+  ``1/cap`` and ``cap`` folded into its constants. Every kernel epilogue caps its logits with this. Absolute error
+  ≤ ~cap·2e-7."""
+  return z if cap is None else _scaled_tanh(z, 1.0 / cap, cap)
 
 
 def exp_shifted(z, shift):
