@@ -183,6 +183,9 @@ def test_twin_row_stats(cap, n):
   opts = G.StatsOptions(cap, True)
   st = G.gemm(a, b, epilogue=G.RowStats(labels, opts), config=TWIN, interpret=True)
   assert st.shape == (4, 3, 256)
+  # each tile's target: exactly 0 where the tile does not hold the row's label (the rows' target sums the tiles')
+  holds = np.asarray(labels)[None, :] // 128 == np.arange(3)[:, None]
+  assert np.all(np.asarray(st[2, :, :M])[~holds] == 0.0)
   rs = G.merge_row_stats(st, M)
   lse_ref, tgt_ref, zsum_ref = _stats_ref(ref, np.asarray(labels), cap, n)
   lse = np.asarray(rs.m, np.float64) + np.log(np.asarray(rs.s, np.float64))

@@ -448,7 +448,10 @@ class RowStats(Part):
     tgt = None
     if self.target:
       hits = [epilogue.target_logit(z[:, ns], cols(ns), valid(ns), labels) for ns in slices]
-      tgt = epilogue.softcap(functools.reduce(jnp.add, hits), cap)
+      raw = functools.reduce(jnp.add, hits)
+      # a tile without the row's label sums no hit: its target stays exactly 0 (the rows' target is the sum over
+      # the tiles, and the cap's tanh(0) is ~1e-7, not 0); a label's raw logit of exactly 0 caps to 0 as well
+      tgt = jnp.where(raw == 0.0, 0.0, epilogue.softcap(raw, cap))
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
     # with a reference, the exponentials against it (what is stored; see epilogue.capped_stats)
     shift = m_safe if r_smem is None else epilogue.ref_shift(r_smem[t.g], m_safe)
