@@ -31,33 +31,34 @@ LOG2E = math.log2(math.e)
 # never call ``jnp.tanh``: the cap goes through :func:`softcap`, built on those two units.
 APPROX_MATH = True
 
-# tanh(x) = x·(1 + x²·(c3 + x²·(c5 + x²·(c7 + x²·c9)))) + O(x¹¹) (its Taylor series) where |x| < TANH_SERIES_BELOW:
-# the next term is ≤ 1e-8 of tanh there, where 1 - 2/(1 + e^{2|x|}) loses tanh's low bits to the subtraction
-TANH_SERIES_BELOW = 0.25
-TANH_SERIES = (-1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0, 62.0 / 2835.0)
-
 
 def tanh(x):
-  """``tanh`` of a float32 tile for the epilogues: ``(1 - e)/(1 + e)`` with ``e = exp(-2|x|)`` (its ``exp2`` and
-  the reciprocal, ``rsqrt(1 + e)²``, on the approximate units under ``approx_math``), and below
-  :data:`TANH_SERIES_BELOW` its odd Taylor series. Error ≤ ~3e-7 absolute everywhere and ≤ ~1e-6 relative (GPU:
-  each approximate unit adds ~2⁻²² relative); ±1 at ±inf, NaN at NaN. No division: Mosaic GPU lowers a float32
-  division to the IEEE-exact ``div.rn``, a multi-instruction routine per element."""
-  a = jnp.abs(x)
-  e = jnp.exp2(a * (-2.0 * LOG2E))  # in (0, 1]: no overflow at any x
+  """``tanh`` of a float32 tile for the epilogues: ``sign(x)·(1 - 2u)`` with ``u = e/(1 + e)``, ``e = exp(-2|x|)``,
+  the reciprocal as ``rsqrt(1 + e)²`` (``exp2`` and ``rsqrt`` on the approximate units under ``approx_math``):
+  seven instructions per element beside those two, no branch, no series. Near ±1, where a soft cap's logits
+  crowd, it keeps float32's resolution of the result (the form ``2/(1 + e) - 1`` would round to twice its ulp
+  there and tie logits a cap brings together, which the accuracy count reads). Near 0 its error is absolute,
+  ≤ ~2e-7 (GPU: each approximate unit adds ~2⁻²² of u), not relative: the subtraction leaves tanh's low bits to
+  rounding. A soft cap needs no more: the loss and its gradient see a capped logit through ``exp``, so an absolute
+  error ε in it is a relative error ε in its softmax term, as the matmul's own float32 rounding of the logit is.
+  ±1 at ±inf, NaN at NaN. No division: Mosaic GPU lowers a float32 division to the IEEE-exact ``div.rn``, a
+  multi-instruction routine per element."""
+  return _scaled_tanh(x, 1.0, 1.0)
+
+
+def _scaled_tanh(z, k: float, scale: float):
+  """``scale·tanh(k·z)`` as :func:`tanh` forms it, the constants folded into its multiplies."""
+  e = jnp.exp2(jnp.abs(z) * (-2.0 * LOG2E * k))  # in (0, 1]: no overflow at any z
   r = lax.rsqrt(1.0 + e)
-  far = (1.0 - e) * (r * r)
-  x2 = x * x
-  c3, c5, c7, c9 = TANH_SERIES
-  near = a + a * (x2 * (c3 + x2 * (c5 + x2 * (c7 + x2 * c9))))
-  t = jnp.where(a < TANH_SERIES_BELOW, near, far)
-  return jnp.where(x < 0.0, -t, t)
+  mag = (e * (r * r)) * (-2.0 * scale) + scale  # scale·(1 - 2e/(1 + e))
+  return jnp.where(z < 0.0, -mag, mag)
 
 
 def softcap(z, cap: float | None):
-  """:func:`lce_flax._math.softcap` (``cap·tanh(z/cap)``) for a kernel's register tile: times ``1/cap`` (no
-  division) and :func:`tanh`. Every kernel epilogue caps its logits with this."""
-  return z if cap is None else cap * tanh(z * (1.0 / cap))
+  """:func:`lce_flax._math.softcap` (``cap·tanh(z/cap)``) for a kernel's register tile, as :func:`tanh` with
+  ``1/cap`` and ``cap`` folded into its constants. Every kernel epilogue caps its logits with this. Absolute error
+  ≤ ~cap·2e-7."""
+  return z if cap is None else _scaled_tanh(z, 1.0 / cap, cap)
 
 
 def exp_shifted(z, shift):
@@ -78,16 +79,29 @@ def bcast_cols(v, shape):
   return lax.broadcast_in_dim(v, shape, [1])
 
 
-def capped_stats(zc, valid, opts):
-  """``(max, Σexp(zc - max), Σzc, exp(zc - max))`` of the rows of the capped tile ``zc`` [bt, bv] over its ``valid``
-  columns (the last: the tile of exponentials, 0 in the invalid columns). ``valid`` None: every column counts and
-  no per-element mask is formed (a tile that lies inside the vocabulary). ``opts``: anything with
-  ``needs_logit_sum``."""
+# the stored exponentials' shift lies at most this far below the row max (e^80 ≈ 5.5e34: finite in bf16; fp16
+# overflows past e^11, so its stores take the shifted form)
+EXP_CLAMP = 80.0
+
+
+def capped_stats(zc, valid, opts, ref=None):
+  """``(max, Σexp(zc - max), Σzc, E)`` of the rows of the capped tile ``zc`` [bt, bv] over its ``valid`` columns,
+  ``E`` the tile's exponentials (0 in the invalid columns). ``valid`` None: every column counts and no per-element
+  mask is formed (a tile that lies inside the vocabulary). ``opts``: anything with ``needs_logit_sum``.
+
+  ``ref`` None: ``E = exp(zc - max)``. ``ref`` [bt] (a per-row reference logit): ``E = exp(zc - c)`` against
+  ``c = max(ref, max - EXP_CLAMP)``, what the fast forward stores, and the sum is taken of E and brought to the
+  max per row (times ``exp(c - max)``, its exponent clamped at EXP_CLAMP): one exp per element, no multiply. A
+  tile more than EXP_CLAMP below ``ref`` (its exponentials ≤ e^-80 of the row's, or flushed to 0) sums to
+  ~nothing either way, the row's own entry at ``ref`` outweighing it."""
   masked = zc if valid is None else jnp.where(valid, zc, -jnp.inf)
   m = masked.max(axis=1)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
-  e = exp_shifted(masked, m_safe)
+  shift = m_safe if ref is None else ref_shift(ref, m_safe)
+  e = exp_shifted(masked, shift)
   s = e.sum(axis=1)
+  if ref is not None:
+    s = s * to_max(shift, m_safe)
   if not opts.needs_logit_sum:
     # zeros in the rows' register layout (a constant would be a splat, which Mosaic GPU stores to SMEM only in
     # multiples of 128 elements: a 64-row tile's vector is not)
@@ -95,6 +109,17 @@ def capped_stats(zc, valid, opts):
   else:
     zsum = (zc if valid is None else jnp.where(valid, zc, 0.0)).sum(axis=1)
   return m, s, zsum, e
+
+
+def ref_shift(ref, m_safe):
+  """The stored exponentials' per-row shift ``max(ref, max - EXP_CLAMP)`` (see :func:`capped_stats`)."""
+  return jnp.maximum(ref, m_safe - EXP_CLAMP)
+
+
+def to_max(shift, m_safe):
+  """The per-row factor ``exp(shift - max)`` (exponent clamped at EXP_CLAMP) that takes a sum of exponentials
+  against ``shift`` to one against the row max."""
+  return jnp.exp(jnp.minimum(shift - m_safe, EXP_CLAMP))
 
 
 def target_logit(zc, cols, valid, labels):

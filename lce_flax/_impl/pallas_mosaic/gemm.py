@@ -322,11 +322,6 @@ class StatsOptions:
   needs_logit_sum: bool = False
 
 
-# exp(max - ref) of the stored exponentials is clamped here (e^80 ≈ 5.5e34: finite in bf16; fp16 overflows past
-# e^11, so its stores should take the shifted form)
-EXP_CLAMP = 80.0
-
-
 @dataclasses.dataclass(frozen=True)
 class RowStats(Part):
   """The loss statistics of each warpgroup tile (the forward's lean epilogue): per row, over the tile's columns
@@ -346,7 +341,7 @@ class RowStats(Part):
     derivative ``1 - (zc/cap)²`` when there is one. Then ``softmax·coef`` is the stored tile times one per-row
     factor ``coef·exp(ref - lse)``, so the logit gradient needs no pass over the tile (:mod:`.fast`). Each entry has
     the relative rounding error of the dtype whatever its size; ``ref`` must lie within ~70 of the row max
-    (``exp(max - ref)`` is clamped at ``e^EXP_CLAMP``; the reader checks the range)."""
+    (the exponentials are taken against ``max(ref, max - epilogue.EXP_CLAMP)``; the reader checks the range)."""
 
   reduces_rows = True  # (max and sums per row)
 
@@ -420,17 +415,12 @@ class RowStats(Part):
     # the target logit first: then z is dead once the exponentials are formed (unless the shifted store needs it),
     # so one float32 tile, not two, stays live through the statistics' stores
     tgt = epilogue.target_logit(z, cols, valid, y_smem[t.g]) if self.target else None
-    m, s, zsum, e = epilogue.capped_stats(z, valid, self.opts)
+    # with a reference, the exponentials against it are what is stored (capped_stats: one exp per element)
+    m, s, zsum, e = epilogue.capped_stats(z, valid, self.opts, None if r_smem is None else r_smem[t.g])
     m, s, zsum = self._past_n(m, s, zsum, t, whole)
     self._put_stats(m, s, tgt, zsum, t, st, st_smem, 0)
-    if not self.store:
-      return
-    if r_smem is None:
-      out = epilogue.shifted_logits(z, m)
-    else:  # exp(z - ref) = exp(z - max)·exp(max - ref): one exp per element and one per row
-      out = e * epilogue.bcast_rows(jnp.exp(jnp.minimum(jnp.where(m == -jnp.inf, 0.0, m) - r_smem[t.g], EXP_CLAMP)),
-                                    z.shape)
-    _store_subtiles(out, t, stored[0], buf)
+    if self.store:
+      _store_subtiles(epilogue.shifted_logits(z, m) if r_smem is None else e, t, stored[0], buf)
 
   def _capped(self, z, t, whole, outs, smem):
     """:meth:`apply` with a soft cap, in two passes over column slices. The cap's temporaries are whole tiles
@@ -458,9 +448,13 @@ class RowStats(Part):
     tgt = None
     if self.target:
       hits = [epilogue.target_logit(z[:, ns], cols(ns), valid(ns), labels) for ns in slices]
-      tgt = epilogue.softcap(functools.reduce(jnp.add, hits), cap)
-    shift = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
-    to_ref = None if r_smem is None else jnp.exp(jnp.minimum(shift - r_smem[t.g], EXP_CLAMP))
+      raw = functools.reduce(jnp.add, hits)
+      # a tile without the row's label sums no hit: its target stays exactly 0 (the rows' target is the sum over
+      # the tiles, and the cap's tanh(0) is ~1e-7, not 0); a label's raw logit of exactly 0 caps to 0 as well
+      tgt = jnp.where(raw == 0.0, 0.0, epilogue.softcap(raw, cap))
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
+    # with a reference, the exponentials against it (what is stored; see epilogue.capped_stats)
+    shift = m_safe if r_smem is None else epilogue.ref_shift(r_smem[t.g], m_safe)
     sums, zsums = [], []
 
     def columns(ns):
@@ -471,10 +465,7 @@ class RowStats(Part):
         zsums.append((zc if ok is None else jnp.where(ok, zc, 0.0)).sum(axis=1))
       if not self.store:
         return None
-      if to_ref is None:
-        return epilogue.shifted_logits(zc, m)
-      # exp(zc - ref) = exp(zc - max)·exp(max - ref): one exp per element and one per row
-      return _math.through_softcap(e * epilogue.bcast_rows(to_ref, e.shape), zc, cap)
+      return epilogue.shifted_logits(zc, m) if r_smem is None else _math.through_softcap(e, zc, cap)
 
     issued = 0
     if self.store:
@@ -483,6 +474,8 @@ class RowStats(Part):
       for ns in slices:
         columns(ns)
     s = functools.reduce(jnp.add, sums)
+    if r_smem is not None:
+      s = s * epilogue.to_max(shift, m_safe)
     # (no Σzc asked: zeros in the rows' layout, see epilogue.capped_stats)
     zsum = functools.reduce(jnp.add, zsums) if zsums else s * 0.0
     m, s, zsum = self._past_n(m, s, zsum, t, whole)
