@@ -38,7 +38,7 @@ def tanh(x):
   seven instructions per element beside those two, no branch, no series. Near ±1, where a soft cap's logits
   crowd, it keeps float32's resolution of the result (the form ``2/(1 + e) - 1`` would round to twice its ulp
   there and tie logits a cap brings together, which the accuracy count reads). Near 0 its error is absolute,
-  ≤ ~2e-7 (GPU: each approximate unit adds ~2⁻²² of u), not relative: the subtraction leaves tanh's low bits to
+  ≤ ~4e-7 (GPU: each approximate unit adds ~2⁻²² of u), not relative: the subtraction leaves tanh's low bits to
   rounding. A soft cap needs no more: the loss and its gradient see a capped logit through ``exp``, so an absolute
   error ε in it is a relative error ε in its softmax term, as the matmul's own float32 rounding of the logit is.
   ±1 at ±inf, NaN at NaN. No division: Mosaic GPU lowers a float32 division to the IEEE-exact ``div.rn``, a
@@ -57,7 +57,7 @@ def _scaled_tanh(z, k: float, scale: float):
 def softcap(z, cap: float | None):
   """:func:`lce_flax._math.softcap` (``cap·tanh(z/cap)``) for a kernel's register tile, as :func:`tanh` with
   ``1/cap`` and ``cap`` folded into its constants. Every kernel epilogue caps its logits with this. Absolute error
-  ≤ ~cap·2e-7."""
+  ≤ ~cap·4e-7."""
   return z if cap is None else _scaled_tanh(z, 1.0 / cap, cap)
 
 
