@@ -352,9 +352,10 @@ def make_inputs(shape: Shape, seed: int = 0):
 
 
 @functools.partial(jax.jit, static_argnames="chunk")
-def reference_loss(x, w, labels, chunk: int = 8192):
+def reference_loss(x, w, labels, chunk: int = 8192, weights=None):
   """Summed cross-entropy in float32 with full-precision ("highest") dots, vocabulary chunk by chunk so that no
-  [B, V] array is formed; independent of every implementation under test."""
+  [B, V] array is formed; independent of every implementation under test. ``weights`` [B]: the weighted sum of the
+  per-token losses instead (what the "tokens" pass computes)."""
   b, v = x.shape[0], w.shape[1]
   chunk = min(chunk, v)
   n = -(-v // chunk)
@@ -370,7 +371,8 @@ def reference_loss(x, w, labels, chunk: int = 8192):
   lse = jax.nn.logsumexp(jax.lax.map(chunk_lse, jnp.arange(n)), axis=0)
   target = jnp.einsum("bh,hb->b", xf, w[:, labels].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   del b
-  return jnp.sum(lse - target)
+  losses = lse - target
+  return jnp.sum(losses if weights is None else weights * losses)
 
 
 # ------------------------------------------------------------------------------------------------ measuring
@@ -522,18 +524,20 @@ def run(preset: Preset, variants: list[Variant], out_dir: str, time_limit_s: flo
     else:
       raise ValueError(f"order={order!r} must be 'impl' or 'shape'")
     held: dict[str, Any] = {"name": None, "args": None, "err": None}  # inputs of one shape at a time
-    refs: dict[str, float | None] = {}
+    refs: dict[tuple[str, bool], float] = {}  # (shape, weighted: the "tokens" pass's weighted sum) -> loss
 
-    def inputs_for(shape: Shape):
+    def inputs_for(shape: Shape, pass_: str):
       if held["name"] != shape.name:
         held.update(name=shape.name, args=None, err=None)
         try:
           held["args"] = make_inputs(shape)  # deterministic: the same inputs whenever a shape comes back
-          if preset.reference and shape.name not in refs:
-            refs[shape.name] = float(reference_loss(*held["args"]))
         except Exception as e:  # noqa: BLE001 - e.g. the inputs themselves do not fit
           held.update(args=None, err=f"inputs: {type(e).__name__}: {str(e)[:300]}")
-      return held["args"], held["err"], refs.get(shape.name)
+      key = (shape.name, pass_ == "tokens")
+      if held["args"] is not None and preset.reference and key not in refs:
+        x, w, y = held["args"]
+        refs[key] = float(reference_loss(x, w, y, weights=token_weights(y.shape[0]) if key[1] else None))
+      return held["args"], held["err"], refs.get(key)
 
     for (shape, axis, passes), variant in work:
       design = None
@@ -555,7 +559,7 @@ def run(preset: Preset, variants: list[Variant], out_dir: str, time_limit_s: flo
         elif variant.unavailable is not None:
           row["error"] = f"unavailable: {variant.unavailable}"
         else:
-          args, err, ref = inputs_for(shape)
+          args, err, ref = inputs_for(shape, pass_)
           if ref is not None:
             row["ref_loss"] = ref
           if args is None:

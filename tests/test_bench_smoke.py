@@ -84,6 +84,28 @@ def test_smoke_losses_match_reference(smoke):
       assert r["ref_loss"] == pytest.approx(r["B"] * float(jnp.log(r["V"])), rel=0.05)
 
 
+def test_every_pass_has_its_own_reference(tmp_path):
+  """The "tokens" pass's loss is a weighted sum of the per-token losses: its reference is the float32 weighted sum
+  (float64 NumPy here, independently), not the plain sum the other passes take, so its loss_rel_err reads the
+  implementation's precision."""
+  shape = shapes.Shape("t", 40, 32, 300)
+  preset = shapes.Preset("t", shapes=(shape,), passes=("fwdbwd", "tokens", "dx"), min_reps=1, max_reps=1)
+  variants, _ = bench.make_variants(["xla"], ("fast",))
+  rows = _rows(bench.run(preset, variants, str(tmp_path), log=lambda s: None))
+  x, w, y = (np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, np.float64)
+             for a in bench.make_inputs(shape))
+  z = x @ w
+  m = z.max(axis=1)
+  losses = m + np.log(np.exp(z - m[:, None]).sum(axis=1)) - z[np.arange(len(y)), y.astype(int)]
+  weights = np.asarray(bench.token_weights(len(y)), np.float64)
+  want = {"fwdbwd": losses.sum(), "dx": losses.sum(), "tokens": (weights * losses).sum()}
+  assert sorted(r["pass"] for r in rows) == sorted(want)
+  for r in rows:
+    assert "error" not in r, r
+    assert r["ref_loss"] == pytest.approx(want[r["pass"]], rel=1e-5), r
+    assert r["loss_rel_err"] < 1e-5, r
+
+
 def test_smoke_gradient_norms_agree(smoke):
   _, rows = smoke
   for shape in {r["shape"] for r in rows}:
