@@ -111,7 +111,8 @@ def import_tokamax():
 
 
 def environment() -> dict[str, Any]:
-  """What every row carries: device, software versions, date."""
+  """What every row carries: device, software versions, date, and the commit measured (``LCE_FLAX_COMMIT``, where
+  the job sets it)."""
   dev = jax.devices()[0]
   return dict(
       device=getattr(dev, "device_kind", str(dev)),
@@ -124,6 +125,7 @@ def environment() -> dict[str, Any]:
       tokamax=_version("tokamax"),
       lce_flax=lce_flax.__version__,
       date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+      commit=os.environ.get("LCE_FLAX_COMMIT"),
   )
 
 
@@ -134,8 +136,9 @@ def environment() -> dict[str, Any]:
 class Variant:
   """One row kind to measure. ``loss(x, w, labels)`` returns the summed float32 loss.
 
-  ``explain(shape)``, for lce_flax rows, returns what :func:`lce_flax.explain` says will run at ``shape``; the row
-  records it, and its FLOPs factor follows the design (``auto`` may resolve differently per shape)."""
+  ``explain(shape, pass_)``, for lce_flax rows, returns what :func:`lce_flax.explain` says will run at ``shape`` for
+  that pass (``"tokens"``: with ``reduction="none"``); the row records it, and its FLOPs factor follows the design
+  (``auto`` may resolve differently per shape and pass)."""
 
   impl: str
   mode: str | None
@@ -192,8 +195,8 @@ def _lce_variant(impl: str, mode: str | None, interpret: bool, config=None, tag:
   if impl in KERNEL_IMPLS:
     kw["interpret"] = bool(interpret)
 
-  def explain(shape: Shape):
-    return lce_flax.explain(*_sds(shape), **kw)
+  def explain(shape: Shape, pass_: str = "fwdbwd"):
+    return lce_flax.explain(*_sds(shape), **(dict(kw, reduction="none") if pass_ == "tokens" else kw))
 
   label_mode = tag or mode
   try:
@@ -539,15 +542,15 @@ def run(preset: Preset, variants: list[Variant], out_dir: str, time_limit_s: flo
         refs[key] = float(reference_loss(x, w, y, weights=token_weights(y.shape[0]) if key[1] else None))
       return held["args"], held["err"], refs.get(key)
 
-    for (shape, axis, passes), variant in work:
-      design = None
-      if variant.explain is not None and variant.unavailable is None:
-        try:
-          design = variant.explain(shape)
-          variant = dataclasses.replace(variant, flops_factor=design_factor(design))
-        except Exception as e:  # noqa: BLE001 - the run below will say what fails
-          design = f"{type(e).__name__}: {str(e)[:300]}"
+    for (shape, axis, passes), variant_ in work:
       for pass_ in passes:
+        design, variant = None, variant_
+        if variant.explain is not None and variant.unavailable is None:
+          try:  # (per pass: per-token losses may take another design)
+            design = variant.explain(shape, pass_)
+            variant = dataclasses.replace(variant, flops_factor=design_factor(design))
+          except Exception as e:  # noqa: BLE001 - the run below will say what fails
+            design = f"{type(e).__name__}: {str(e)[:300]}"
         row = base_row(env, preset, shape, axis, variant, pass_)
         if isinstance(design, str):
           row["design_error"] = design
