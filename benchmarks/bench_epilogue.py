@@ -12,6 +12,9 @@ the forward GEMM of ``lce_flax/_impl/pallas_mosaic/gemm.py`` (the tuning table's
   stats_cap, exp_cap  ``stats_fast`` and ``exp_fast`` with a soft cap of 30: the lean and fast forwards of a
                   Gemma 2 head as the op runs them
   *_fast          the same with the approximate ``exp`` (``approx_math``)
+  stats_fast_no_target, exp_fast_no_target  ``stats_fast`` and ``exp_fast`` without the target logit
+                  (``target=False``: no per-element label compare, select and row sum): what moving the label's
+                  logit out of the epilogue would save
 
 ``--variants`` picks some of them; ``--store-configs "epi_slots=3;stages=3,epi_n=128"`` adds ``exp_fast`` once per
 given change to the tuning table's ``fwd_store`` config (named ``exp_fast[epi_slots=3]`` and so on); ``--configs``
@@ -47,15 +50,17 @@ EPI_SHAPES = {**SHAPES, "gpt2-small-chunk": (4096, 768, 50304), "llama3-8b-chunk
 ROLES = {"bare": "fwd", "stats_fast": "fwd_stats", "exp_fast": "fwd_store"}
 
 
-def gemm_variant(name: str, logit_softcap: float | None = None, **where):
+def gemm_variant(name: str, logit_softcap: float | None = None, target: bool = True, **where):
   """``bare``, ``stats_fast`` or ``exp_fast`` (the op's fast forward: statistics and stored exponentials) on the GEMM,
-  jitted; ``where``: ``role=`` (the table's config at trace time) or ``config=``."""
+  jitted; ``target=False``: without the target logit; ``where``: ``role=`` (the table's config at trace time) or
+  ``config=``."""
   plain = G.StatsOptions(logit_softcap=logit_softcap)
   if name == "bare":
     return jax.jit(lambda x, w, y: G.gemm(x, w, **where))
   ref = name == "exp_fast"
   return jax.jit(lambda x, w, y: G.gemm(
-      x, w, epilogue=G.RowStats(y, plain, store=ref, ref=jnp.zeros(y.shape, jnp.float32) if ref else None),
+      x, w, epilogue=G.RowStats(y, plain, store=ref, target=target,
+                                ref=jnp.zeros(y.shape, jnp.float32) if ref else None),
       approx_math=True, **where))
 
 
@@ -77,6 +82,8 @@ def variants():
       "store_fast": fwd(G.RowStats, plain, approx=True, store=True),
       "store_cap": fwd(G.RowStats, capped, store=True),
       "exp_fast": gemm_variant("exp_fast", role=ROLES["exp_fast"]),
+      "stats_fast_no_target": gemm_variant("stats_fast", target=False, role=ROLES["stats_fast"]),
+      "exp_fast_no_target": gemm_variant("exp_fast", target=False, role=ROLES["exp_fast"]),
       "stats_cap": gemm_variant("stats_fast", 30.0, role=ROLES["stats_fast"]),
       "exp_cap": gemm_variant("exp_fast", 30.0, role=ROLES["exp_fast"]),
   }
