@@ -13,9 +13,11 @@ turns the stored tiles into dz in place. Two designs (``Plan.fast_design``, chos
 
 **What is stored.** Where the forward runs on the GEMM of :mod:`.gemm` with bf16 operands and no label smoothing
 (every LLM head measured), each tile is stored as the exponentials ``E = exp(zc - r)`` against one reference logit
-``r`` per row (its largest logit at the labels of 256 tokens of the batch, :func:`_reference`), times the soft
-cap's derivative when there is one (:func:`.op.stores_probs`). The logit gradient is then ``dz = σ·E`` with one
-factor ``σ = coef·exp(r - lse)`` per row, except at the label, whose exact value (B numbers) is written over E; so
+``r`` per row (its largest logit at the labels of 256 tokens of the batch, :func:`_reference`; the kernel takes them
+against ``max(r, tile max - epilogue.EXP_CLAMP)``, which is ``r`` except in a tile more than 80 above it, whose
+row lies past ``PROBS_GAP`` and is repaired below), times the soft cap's derivative when there is one
+(:func:`.op.stores_probs`). The logit gradient is then ``dz = σ·E`` with one factor ``σ = coef·exp(r - lse)`` per
+row, except at the label, whose exact value (B numbers) is written over E; so
 dx = σ·(E·wᵀ) and dw = (σ·x)ᵀ·E are the two products on E itself, with no pass over B×V between forward and
 backward (:func:`_grads_from_probs`). A row whose lse lies more than ``PROBS_GAP`` above its reference (60 nats)
 would leave E's range: the backward flags the GEMM tile rows holding such rows and the GEMM of :mod:`.gemm`,
