@@ -17,6 +17,7 @@ is timed in alternation (median of ``--rounds`` rounds of 10-run medians), then 
 
     python3 -m benchmarks.probe_clocks [--shapes qwen3-8b,llama3-8b] [--out DIR]
     python3 -m benchmarks.probe_clocks --products [--shapes ...]   # each bare product: ours against XLA's
+    python3 -m benchmarks.probe_clocks --forwards [--shapes ...]   # the forward with and without its loss work
     python3 -m benchmarks.probe_clocks --interpret --shapes tiny --rounds 1 --seconds 0.2   # a CPU check
 
 ``--products`` takes, instead of the heads, each of the three products alone (``fwd`` x·w, ``dx`` dz·wᵀ, ``dw``
@@ -24,6 +25,12 @@ xᵀ·dz, bf16 out) on the package's GEMM (its tuning table's config) and on XLA
 ``bench_floors.product_calls`` builds them, and adds each one's energy per call (``joules``: the median power times
 the sustained ms per call) and per FLOP (``pj_per_flop``): at the power limit, the energy a GEMM spends per FLOP sets
 its speed.
+
+``--forwards`` takes the forward x·w alone and with the op's loss work, each with its energy per call and per FLOP
+as above: ``fwd_xla`` (XLA's bare product), ``fwd_ours`` (the package's, bare), ``stats`` (the lean forward: the row
+statistics) and ``store`` (the fast forward: the statistics and the stored bf16 exponentials), each at the tuning
+table's row for its role. Whether the stored tiles cost the forward time or energy (at the power limit, the same
+thing) is what it answers.
 
 Writes ``DIR/results.json`` (device, versions, date, ``LCE_FLAX_COMMIT``, rows) after every shape.
 """
@@ -39,6 +46,7 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,6 +84,21 @@ def product_contenders(x, w, interpret: bool) -> dict:
     for name, (f, args) in product_calls(role, x, w, dz, gemm._device_kind(), interpret, False).items():
       out[f"{role}_{name}"] = (f, args, 2.0 * b * h * v)
   return out
+
+
+def forward_contenders(x, w, y, interpret: bool) -> dict:
+  """``--forwards``: name -> (jitted call, args, FLOPs) of the forward x·w, bare (XLA's, ours) and with the lean and
+  the fast forward's loss work (see the module's docstring)."""
+  (b, h), v = x.shape, w.shape[1]
+  ref = jnp.zeros(y.shape, jnp.float32)  # (the stored exponentials' per-row reference: any logit near the rows')
+  kw = dict(approx_math=True, interpret=interpret)
+  calls = {"fwd_xla": (jax.jit(lambda x, w: x @ w), (x, w)),
+           "fwd_ours": (jax.jit(lambda x, w: gemm.gemm(x, w, role="fwd", interpret=interpret)), (x, w)),
+           "stats": (jax.jit(lambda x, w, y: gemm.gemm(x, w, epilogue=gemm.RowStats(y), role="fwd_stats", **kw)),
+                     (x, w, y)),
+           "store": (jax.jit(lambda x, w, y, r: gemm.gemm(x, w, epilogue=gemm.RowStats(y, store=True, ref=r),
+                                                          role="fwd_store", **kw)), (x, w, y, ref))}
+  return {k: (f, args, 2.0 * b * h * v) for k, (f, args) in calls.items()}
 
 
 def parse_samples(lines: list[str]) -> dict:
@@ -122,11 +145,13 @@ def sustained(f, args, seconds: float) -> dict:
   return {"ms_per_call": round(ms, 3), **parse_samples(lines)}
 
 
-def measure(name: str, rounds: int, seconds: float, steps: int, interpret: bool, products: bool = False
-            ) -> list[dict]:
+def measure(name: str, rounds: int, seconds: float, steps: int, interpret: bool, products: bool = False,
+            forwards: bool = False) -> list[dict]:
   x, w, y = bench.make_inputs(SHAPES[name])
   if products:
     calls = product_contenders(x, w, interpret)
+  elif forwards:
+    calls = forward_contenders(x, w, y, interpret)
   else:
     calls = {k: (f, (x, w), 6.0 * x.shape[0] * x.shape[1] * w.shape[1]) for k, f in contenders(y, interpret).items()}
   t = interleaved({k: (f, a) for k, (f, a, _) in calls.items()}, rounds=rounds)
@@ -155,11 +180,13 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=3, help="profiled calls per contender")
   ap.add_argument("--interpret", action="store_true", help="the kernels interpreted (a CPU check)")
   ap.add_argument("--products", action="store_true", help="each bare product, ours against XLA's, instead of the heads")
+  ap.add_argument("--forwards", action="store_true",
+                  help="the forward x·w bare and with the lean and fast forwards' loss work, instead of the heads")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/probe_clocks"))
   a = ap.parse_args(argv)
   rows = []
   for name in a.shapes.split(","):
-    rows += measure(name, a.rounds, a.seconds, a.steps, a.interpret, a.products)
+    rows += measure(name, a.rounds, a.seconds, a.steps, a.interpret, a.products, a.forwards)
     save_probe(a.out, rows, a.rounds)
   for r in rows:
     print(f"{r['shape']:12s} {r['contender']:10s} {r['ms']:8.3f} ms  sustained {r['ms_per_call']:8.3f} ms  "

@@ -1049,6 +1049,36 @@ def test_probe_clocks_products_are_the_bare_products():
   np.testing.assert_allclose(np.asarray(g(*gargs), np.float32), np.asarray(f(*args), np.float32), rtol=2e-2, atol=2e-2)
 
 
+def test_probe_clocks_forwards_compute_the_forward():
+  """probe_clocks --forwards: the bare forward on XLA's and on our GEMM, the lean forward's statistics and the fast
+  forward's stored exponentials are what they claim, against float64 NumPy at the tiny head, each with 2·B·H·V
+  FLOPs."""
+  import numpy as np
+
+  from benchmarks import bench, probe_clocks
+  from benchmarks.bench_floors import SHAPES
+  from lce_flax._impl.pallas_mosaic import gemm
+
+  x, w, y = bench.make_inputs(SHAPES["tiny"])
+  (b, h), v = x.shape, w.shape[1]
+  calls = probe_clocks.forward_contenders(x, w, y, True)
+  assert sorted(calls) == ["fwd_ours", "fwd_xla", "stats", "store"]
+  assert {c[2] for c in calls.values()} == {2.0 * b * h * v}
+  z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  for name in ("fwd_xla", "fwd_ours"):
+    f, args, _ = calls[name]
+    np.testing.assert_allclose(np.asarray(f(*args), np.float64), z, rtol=2e-2, atol=2e-2)
+  m = z.max(axis=1)
+  lse = m + np.log(np.exp(z - m[:, None]).sum(axis=1))
+  f, args, _ = calls["stats"]
+  rs = gemm.merge_row_stats(f(*args), b)
+  np.testing.assert_allclose(np.asarray(rs.m + jnp.log(rs.s), np.float64), lse, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(rs.target, np.float64), z[np.arange(b), np.asarray(y)], rtol=1e-4, atol=1e-5)
+  f, args, _ = calls["store"]
+  _, stored = f(*args)
+  np.testing.assert_allclose(np.asarray(stored[:, :v], np.float64), np.exp(z), rtol=1e-2)  # exp(z - 0), in bf16
+
+
 def test_probe_waves_dx_is_the_product():
   """probe_waves: the dx it times on ours and on XLA's GEMM is dz·wᵀ (float64 NumPy reference), at a ragged row
   count."""
