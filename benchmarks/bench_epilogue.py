@@ -53,7 +53,7 @@ ROLES = {"bare": "fwd", "stats_fast": "fwd_stats", "exp_fast": "fwd_store"}
 def gemm_variant(name: str, logit_softcap: float | None = None, target: bool = True, **where):
   """``bare``, ``stats_fast`` or ``exp_fast`` (the op's fast forward: statistics and stored exponentials) on the GEMM,
   jitted; ``target=False``: without the target logit; ``where``: ``role=`` (the table's config at trace time) or
-  ``config=``."""
+  ``config=``, and any other keyword of ``gemm`` (``interpret=``)."""
   plain = G.StatsOptions(logit_softcap=logit_softcap)
   if name == "bare":
     return jax.jit(lambda x, w, y: G.gemm(x, w, **where))

@@ -46,12 +46,12 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import bench  # noqa: E402
+from benchmarks.bench_epilogue import ROLES, gemm_variant  # noqa: E402
 from benchmarks.bench_floors import SHAPES, head_steps, product_calls  # noqa: E402
 from benchmarks.bench_gemm import interleaved, save_probe  # noqa: E402
 from benchmarks.bench_step_products import pair_step  # noqa: E402
@@ -90,15 +90,10 @@ def forward_contenders(x, w, y, interpret: bool) -> dict:
   """``--forwards``: name -> (jitted call, args, FLOPs) of the forward x·w, bare (XLA's, ours) and with the lean and
   the fast forward's loss work (see the module's docstring)."""
   (b, h), v = x.shape, w.shape[1]
-  ref = jnp.zeros(y.shape, jnp.float32)  # (the stored exponentials' per-row reference: any logit near the rows')
-  kw = dict(approx_math=True, interpret=interpret)
-  calls = {"fwd_xla": (jax.jit(lambda x, w: x @ w), (x, w)),
-           "fwd_ours": (jax.jit(lambda x, w: gemm.gemm(x, w, role="fwd", interpret=interpret)), (x, w)),
-           "stats": (jax.jit(lambda x, w, y: gemm.gemm(x, w, epilogue=gemm.RowStats(y), role="fwd_stats", **kw)),
-                     (x, w, y)),
-           "store": (jax.jit(lambda x, w, y, r: gemm.gemm(x, w, epilogue=gemm.RowStats(y, store=True, ref=r),
-                                                          role="fwd_store", **kw)), (x, w, y, ref))}
-  return {k: (f, args, 2.0 * b * h * v) for k, (f, args) in calls.items()}
+  calls = {"fwd_xla": jax.jit(lambda x, w, y: x @ w),
+           **{name: gemm_variant(variant, role=ROLES[variant], interpret=interpret)
+              for name, variant in (("fwd_ours", "bare"), ("stats", "stats_fast"), ("store", "exp_fast"))}}
+  return {k: (f, (x, w, y), 2.0 * b * h * v) for k, f in calls.items()}
 
 
 def parse_samples(lines: list[str]) -> dict:
