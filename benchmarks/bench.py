@@ -355,10 +355,10 @@ def make_inputs(shape: Shape, seed: int = 0):
 
 
 @functools.partial(jax.jit, static_argnames="chunk")
-def reference_loss(x, w, labels, chunk: int = 8192, weights=None):
-  """Summed cross-entropy in float32 with full-precision ("highest") dots, vocabulary chunk by chunk so that no
-  [B, V] array is formed; independent of every implementation under test. ``weights`` [B]: the weighted sum of the
-  per-token losses instead (what the "tokens" pass computes)."""
+def reference_losses(x, w, labels, chunk: int = 8192):
+  """Per-token cross-entropy [B] in float32 with full-precision ("highest") dots, vocabulary chunk by chunk so that
+  no [B, V] array is formed; independent of every implementation under test. A pass's reference loss is their sum
+  (the "tokens" pass: their weighted sum)."""
   b, v = x.shape[0], w.shape[1]
   chunk = min(chunk, v)
   n = -(-v // chunk)
@@ -374,8 +374,7 @@ def reference_loss(x, w, labels, chunk: int = 8192, weights=None):
   lse = jax.nn.logsumexp(jax.lax.map(chunk_lse, jnp.arange(n)), axis=0)
   target = jnp.einsum("bh,hb->b", xf, w[:, labels].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   del b
-  losses = lse - target
-  return jnp.sum(losses if weights is None else weights * losses)
+  return lse - target
 
 
 # ------------------------------------------------------------------------------------------------ measuring
@@ -527,20 +526,21 @@ def run(preset: Preset, variants: list[Variant], out_dir: str, time_limit_s: flo
     else:
       raise ValueError(f"order={order!r} must be 'impl' or 'shape'")
     held: dict[str, Any] = {"name": None, "args": None, "err": None}  # inputs of one shape at a time
-    refs: dict[tuple[str, bool], float] = {}  # (shape, weighted: the "tokens" pass's weighted sum) -> loss
+    refs: dict[str, dict[str, float]] = {}  # shape -> {"sum": its reference loss, "tokens": the weighted sum}
 
     def inputs_for(shape: Shape, pass_: str):
       if held["name"] != shape.name:
         held.update(name=shape.name, args=None, err=None)
         try:
           held["args"] = make_inputs(shape)  # deterministic: the same inputs whenever a shape comes back
+          if preset.reference and shape.name not in refs:
+            losses = reference_losses(*held["args"])
+            refs[shape.name] = {"sum": float(jnp.sum(losses)),
+                                "tokens": float(jnp.sum(token_weights(losses.shape[0]) * losses))}
         except Exception as e:  # noqa: BLE001 - e.g. the inputs themselves do not fit
           held.update(args=None, err=f"inputs: {type(e).__name__}: {str(e)[:300]}")
-      key = (shape.name, pass_ == "tokens")
-      if held["args"] is not None and preset.reference and key not in refs:
-        x, w, y = held["args"]
-        refs[key] = float(reference_loss(x, w, y, weights=token_weights(y.shape[0]) if key[1] else None))
-      return held["args"], held["err"], refs.get(key)
+      ref = refs.get(shape.name)
+      return held["args"], held["err"], None if ref is None else ref["tokens" if pass_ == "tokens" else "sum"]
 
     for (shape, axis, passes), variant_ in work:
       for pass_ in passes:
