@@ -40,10 +40,10 @@ from benchmarks.bench_gemm import SHAPES, config_changes, interleaved  # noqa: E
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 
-# the four heads, and the 4096-token chunks the "tokens" design's forward runs on (gpt2-small at 8192 tokens and
-# more, llama3-8b and gemma2-2b at 32768)
-EPI_SHAPES = {**SHAPES, "gpt2-small-chunk": (4096, 768, 50304), "llama3-8b-chunk": (4096, 4096, 128256),
-              "gemma2-2b-chunk": (4096, 2304, 256000)}
+# the four heads, and token chunks of the "tokens" design's forward: gpt2-small's 8192 tokens (4096 before its
+# chunks grew to op.TOKEN_CHUNK_MIN), llama3-8b's 4096 at 32768 tokens, and 4096 of gemma2-2b (2048 run at 32768)
+EPI_SHAPES = {**SHAPES, "gpt2-small-chunk": (4096, 768, 50304), "gpt2-small-chunk8k": (8192, 768, 50304),
+              "llama3-8b-chunk": (4096, 4096, 128256), "gemma2-2b-chunk": (4096, 2304, 256000)}
 
 
 # the variants that --configs re-times under changed configs, and the tuning-table role each one reads
