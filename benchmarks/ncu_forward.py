@@ -13,8 +13,14 @@ stall sites. Variants (``bench_epilogue.gemm_variant``, each at the tuning table
 
     python3 -m benchmarks.ncu_forward [--shapes gpt2-small-chunk8k,llama3-8b] [--variants xla,bare,stats,store]
         [--out DIR]                    # GPU: runs ncu on itself, writes DIR/ncu_forward.json and .log
+    python3 -m benchmarks.ncu_forward --shapes gpt2-small-chunk8k --variants store --changes "stages=5,epi_slots=6" \
+        --source                       # a changed row; and the SASS with its stall samples, per instruction
     python3 -m benchmarks.ncu_forward --child store --shape 8192,768,50304   # what ncu runs (also a CPU check with
         --interpret)
+
+``--changes`` (``bench_gemm.config_changes``: ``field=value,...``) changes the table row of the package's variants;
+``--source`` also exports each run's report and writes its SASS page (``ncu --page source --print-source sass``:
+every instruction with its warp-stall samples) to ``DIR/<shape>-<variant>.sass.csv.gz``.
 
 ``ncu`` runs with ``--clock-control none``: the GPU keeps its own clocks, as in every other measurement here. Each
 profiled launch is replayed once per group of counters, so the kernel's time under ``ncu`` is that of a cold
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import gzip
 import importlib.metadata
 import io
 import json
@@ -50,12 +57,18 @@ METRICS = ("gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second",
 WARMUP = 2  # launches before the profiled one
 
 
-def child(variant: str, shape: tuple[int, int, int], interpret: bool, calls: int) -> None:
-  """Builds the variant at ``shape`` and launches it ``calls`` times (what ``ncu`` profiles)."""
+def child(variant: str, shape: tuple[int, int, int], interpret: bool, calls: int, changes: str = "") -> None:
+  """Builds the variant at ``shape`` (its table row changed by ``changes``) and launches it ``calls`` times (what
+  ``ncu`` profiles)."""
+  import dataclasses
+
   import jax
   import jax.numpy as jnp
 
   from benchmarks.bench_epilogue import ROLES, gemm_variant
+  from benchmarks.bench_gemm import config_changes
+  from lce_flax._impl.pallas_mosaic import gemm as G
+  from lce_flax._impl.pallas_mosaic import tuning
 
   b, h, v = shape
   kx, kw, ky = jax.random.split(jax.random.key(0), 3)
@@ -63,8 +76,13 @@ def child(variant: str, shape: tuple[int, int, int], interpret: bool, calls: int
   w = (0.02 * jax.random.normal(kw, (h, v), jnp.float32)).astype(jnp.bfloat16)
   y = jax.random.randint(ky, (b,), 0, v)
   name = VARIANTS[variant]
-  f = (jax.jit(lambda x, w, y: x @ w) if name is None
-       else gemm_variant(name, role=ROLES[name], interpret=interpret))
+  if name is None:
+    f = jax.jit(lambda x, w, y: x @ w)
+  elif changes:
+    cfg = dataclasses.replace(tuning.select_config(ROLES[name], b, v, h, G._device_kind()), **config_changes(changes))
+    f = gemm_variant(name, config=cfg, interpret=interpret)
+  else:
+    f = gemm_variant(name, role=ROLES[name], interpret=interpret)
   jax.block_until_ready((x, w, y))
   for _ in range(calls):
     jax.block_until_ready(f(x, w, y))
@@ -89,24 +107,39 @@ def parse_details(text: str) -> dict:
   return out
 
 
-def profile(variant: str, shape_name: str, out_dir: str, log) -> dict:
-  """One ``ncu`` run of ``variant`` at ``shape_name``: its details page (``log``) and the parsed metrics."""
+def profile(variant: str, shape_name: str, out_dir: str, log, changes: str = "", source: bool = False) -> dict:
+  """One ``ncu`` run of ``variant`` at ``shape_name``: its details page (``log``) and the parsed metrics; with
+  ``source``, its SASS page too (see the module's docstring)."""
   b, h, v = SHAPES[shape_name]
   kern = KERNEL_RE["xla" if variant == "xla" else "mosaic"]
+  tag = f"{shape_name}-{variant}" + (f"[{changes}]" if changes and variant != "xla" else "")
+  report = os.path.join(out_dir, "".join(c if c.isalnum() or c in "-_." else "_" for c in tag))
   cmd = ["ncu", "--clock-control", "none", "--target-processes", "all", "--kernel-name", kern,
+         *(["--export", report, "--force-overwrite", "--import-source", "no"] if source else []),
          "--launch-skip", str(WARMUP), "--launch-count", "1", "--csv", "--page", "details",
          *[a for s in SECTIONS for a in ("--section", s)], "--metrics", ",".join(METRICS),
          sys.executable, "-m", "benchmarks.ncu_forward", "--child", variant, "--shape", f"{b},{h},{v}",
-         "--calls", str(WARMUP + 1)]
+         "--calls", str(WARMUP + 1), *(["--changes", changes] if changes and variant != "xla" else [])]
   t0 = time.time()
   p = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))
-  log.write(f"\n===== {shape_name} {variant} (rc {p.returncode}, {time.time() - t0:.0f} s)\n{' '.join(cmd)}\n")
+  log.write(f"\n===== {tag} (rc {p.returncode}, {time.time() - t0:.0f} s)\n{' '.join(cmd)}\n")
   log.write(p.stdout)
   log.write(p.stderr[-4000:])
+  text = p.stdout
+  if source and os.path.exists(report + ".ncu-rep"):
+    text = subprocess.run(["ncu", "--import", report + ".ncu-rep", "--csv", "--page", "details"],
+                          capture_output=True, text=True).stdout
+    log.write(text)
+    sass = subprocess.run(["ncu", "--import", report + ".ncu-rep", "--csv", "--page", "source", "--print-source",
+                           "sass"], capture_output=True, text=True)
+    with gzip.open(report + ".sass.csv.gz", "wt") as f:
+      f.write(sass.stdout)
+    log.write(f"sass page: {len(sass.stdout)} characters, rc {sass.returncode} {sass.stderr[-2000:]}\n")
+    os.remove(report + ".ncu-rep")
   log.flush()
-  return {"shape": shape_name, "mnk": [b, v, h], "variant": variant, "rc": p.returncode,
-          "metrics": parse_details(p.stdout)}
+  return {"shape": shape_name, "mnk": [b, v, h], "variant": variant, "changes": changes or None,
+          "rc": p.returncode, "metrics": parse_details(text)}
 
 
 def main(argv=None) -> int:
@@ -117,10 +150,13 @@ def main(argv=None) -> int:
   ap.add_argument("--child", choices=tuple(VARIANTS), help="run one variant (what ncu profiles)")
   ap.add_argument("--shape", help="B,H,V of --child")
   ap.add_argument("--calls", type=int, default=WARMUP + 1)
+  ap.add_argument("--changes", default="", help="';'-separated changes of the package's variants' table rows, each "
+                  "profiled besides the row itself (field=value,...)")
+  ap.add_argument("--source", action="store_true", help="also each run's SASS with its stall samples")
   ap.add_argument("--interpret", action="store_true", help="--child with the kernels interpreted (a CPU check)")
   a = ap.parse_args(argv)
   if a.child:
-    child(a.child, tuple(int(s) for s in a.shape.split(",")), a.interpret, a.calls)
+    child(a.child, tuple(int(s) for s in a.shape.split(",")), a.interpret, a.calls, a.changes)
     return 0
   os.makedirs(a.out, exist_ok=True)
   budget, t0 = float(os.environ.get("BUDGET_S", "400")), time.time()
@@ -134,15 +170,18 @@ def main(argv=None) -> int:
   rows = []
   with open(os.path.join(a.out, "ncu_forward.log"), "w") as log:
     for shape in a.shapes.split(","):
-      for variant in a.variants.split(","):
+      runs = [(v, "") for v in a.variants.split(",")]
+      runs += [(v, c) for c in filter(None, a.changes.split(";")) for v in a.variants.split(",") if v != "xla"]
+      for variant, changes in runs:
         if time.time() - t0 > budget:
-          rows.append({"shape": shape, "variant": variant, "skipped": "past BUDGET_S"})
+          rows.append({"shape": shape, "variant": variant, "changes": changes or None, "skipped": "past BUDGET_S"})
           continue
-        rows.append(profile(variant, shape, a.out, log))
+        rows.append(profile(variant, shape, a.out, log, changes, a.source))
         with open(os.path.join(a.out, "ncu_forward.json"), "w") as f:
           json.dump({**meta, "rows": rows}, f, indent=1)
         m = rows[-1]["metrics"]
-        print(shape, variant, rows[-1]["rc"], {k: m.get(k) for k in m if k.split("/")[-1] in METRICS}, flush=True)
+        print(shape, variant, changes, rows[-1]["rc"], {k: m.get(k) for k in m if k.split("/")[-1] in METRICS},
+              flush=True)
   return 0
 
 
