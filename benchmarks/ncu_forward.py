@@ -19,8 +19,9 @@ stall sites. Variants (``bench_epilogue.gemm_variant``, each at the tuning table
         --interpret)
 
 ``--changes`` (``bench_gemm.config_changes``: ``field=value,...``) changes the table row of the package's variants;
-``--source`` also exports each run's report and writes its SASS page (``ncu --page source --print-source sass``:
-every instruction with its warp-stall samples) to ``DIR/<shape>-<variant>.sass.csv.gz``.
+``--light`` keeps only the time, the clock, the tensor pipe, the DRAM bytes and the L2 hit rate (a few replays,
+not dozens); ``--source`` also exports each run's report and writes its SASS page (``ncu --page source
+--print-source sass``: every instruction with its warp-stall samples) to ``DIR/<shape>-<variant>.sass.csv.gz``.
 
 ``ncu`` runs with ``--clock-control none``: the GPU keeps its own clocks, as in every other measurement here. Each
 profiled launch is replayed once per group of counters, so the kernel's time under ``ncu`` is that of a cold
@@ -54,6 +55,8 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
 METRICS = ("gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second",
            "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
            "smsp__issue_active.avg.pct_of_peak_sustained_elapsed", "dram__bytes_write.sum", "dram__bytes_read.sum")
+# --light: these beside METRICS, no sections (a few replays: DRAM traffic and L2 hits across tile orders)
+LIGHT_METRICS = ("lts__t_sector_hit_rate.pct", "lts__t_bytes.sum")
 WARMUP = 2  # launches before the profiled one
 
 
@@ -107,7 +110,8 @@ def parse_details(text: str) -> dict:
   return out
 
 
-def profile(variant: str, shape_name: str, out_dir: str, log, changes: str = "", source: bool = False) -> dict:
+def profile(variant: str, shape_name: str, out_dir: str, log, changes: str = "", source: bool = False,
+            light: bool = False) -> dict:
   """One ``ncu`` run of ``variant`` at ``shape_name``: its details page (``log``) and the parsed metrics; with
   ``source``, its SASS page too (see the module's docstring)."""
   b, h, v = SHAPES[shape_name]
@@ -117,7 +121,8 @@ def profile(variant: str, shape_name: str, out_dir: str, log, changes: str = "",
   cmd = ["ncu", "--clock-control", "none", "--target-processes", "all", "--kernel-name", kern,
          *(["--export", report, "--force-overwrite", "--import-source", "no"] if source else []),
          "--launch-skip", str(WARMUP), "--launch-count", "1", "--csv", "--page", "details",
-         *[a for s in SECTIONS for a in ("--section", s)], "--metrics", ",".join(METRICS),
+         *[a for s in (() if light else SECTIONS) for a in ("--section", s)],
+         "--metrics", ",".join(METRICS + (LIGHT_METRICS if light else ())),
          sys.executable, "-m", "benchmarks.ncu_forward", "--child", variant, "--shape", f"{b},{h},{v}",
          "--calls", str(WARMUP + 1), *(["--changes", changes] if changes and variant != "xla" else [])]
   t0 = time.time()
@@ -153,6 +158,8 @@ def main(argv=None) -> int:
   ap.add_argument("--changes", default="", help="';'-separated changes of the package's variants' table rows, each "
                   "profiled besides the row itself (field=value,...)")
   ap.add_argument("--source", action="store_true", help="also each run's SASS with its stall samples")
+  ap.add_argument("--light", action="store_true", help="only the time, clock, tensor pipe, DRAM bytes and L2 hit "
+                  "rate (no sections: a few replays a run)")
   ap.add_argument("--interpret", action="store_true", help="--child with the kernels interpreted (a CPU check)")
   a = ap.parse_args(argv)
   if a.child:
@@ -176,12 +183,12 @@ def main(argv=None) -> int:
         if time.time() - t0 > budget:
           rows.append({"shape": shape, "variant": variant, "changes": changes or None, "skipped": "past BUDGET_S"})
           continue
-        rows.append(profile(variant, shape, a.out, log, changes, a.source))
+        rows.append(profile(variant, shape, a.out, log, changes, a.source, a.light))
         with open(os.path.join(a.out, "ncu_forward.json"), "w") as f:
           json.dump({**meta, "rows": rows}, f, indent=1)
         m = rows[-1]["metrics"]
-        print(shape, variant, changes, rows[-1]["rc"], {k: m.get(k) for k in m if k.split("/")[-1] in METRICS},
-              flush=True)
+        print(shape, variant, changes, rows[-1]["rc"], {k.split("/")[-1]: m.get(k) for k in m
+                                                         if k.split("/")[-1] in METRICS + LIGHT_METRICS}, flush=True)
   return 0
 
 
