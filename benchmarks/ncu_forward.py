@@ -15,13 +15,19 @@ stall sites. Variants (``bench_epilogue.gemm_variant``, each at the tuning table
         [--out DIR]                    # GPU: runs ncu on itself, writes DIR/ncu_forward.json and .log
     python3 -m benchmarks.ncu_forward --shapes gpt2-small-chunk8k --variants store --changes "stages=5,epi_slots=6" \
         --source                       # a changed row; and the SASS with its stall samples, per instruction
+    python3 -m benchmarks.ncu_forward --sweep --shapes llama3-8b --variants store --changes "order_minor=m;..." \
+        --repeats 3                    # DRAM bytes and L2 hits of each row, 3 launches each, one process
+    python3 -m benchmarks.ncu_forward --summarize DIR/llama3-8b-store.sass.csv.gz   # stalls and opcodes of a SASS page
     python3 -m benchmarks.ncu_forward --child store --shape 8192,768,50304   # what ncu runs (also a CPU check with
         --interpret)
 
-``--changes`` (``bench_gemm.config_changes``: ``field=value,...``) changes the table row of the package's variants;
-``--light`` keeps only the time, the clock, the tensor pipe, the DRAM bytes and the L2 hit rate (a few replays,
-not dozens); ``--source`` also exports each run's report and writes its SASS page (``ncu --page source
---print-source sass``: every instruction with its warp-stall samples) to ``DIR/<shape>-<variant>.sass.csv.gz``.
+``--changes`` (``bench_gemm.config_changes``: ``field=value,...``, ``;`` between rows) changes the table row of
+the package's variants; ``--light`` keeps only the time, the clock, the tensor pipe, the DRAM bytes and the L2 hit
+rate (a few replays, not dozens); ``--sweep`` (the package's variants only) profiles every row of a shape with those
+counters in one process, ``--repeats`` launches each, since the DRAM bytes of one row moved by up to 37% between
+runs (``benchmarks/results/ncu-forward-h200-2026-11-29/``); ``--source`` also exports each run's report and writes
+its SASS page (``ncu --page source --print-source sass``: every instruction with its warp-stall samples) to
+``DIR/<shape>-<variant>.sass.csv.gz``.
 
 ``ncu`` runs with ``--clock-control none``: the GPU keeps its own clocks, as in every other measurement here. Each
 profiled launch is replayed once per group of counters, so the kernel's time under ``ncu`` is that of a cold
@@ -32,6 +38,7 @@ times, with those runs. ``LCE_FLAX_COMMIT`` names the tree in the JSON.
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import datetime
 import gzip
@@ -39,6 +46,7 @@ import importlib.metadata
 import io
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -55,14 +63,26 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
 METRICS = ("gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second",
            "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
            "smsp__issue_active.avg.pct_of_peak_sustained_elapsed", "dram__bytes_write.sum", "dram__bytes_read.sum")
-# --light: these beside METRICS, no sections (a few replays: DRAM traffic and L2 hits across tile orders)
+# --light and --sweep: these beside METRICS, no sections (a few replays: DRAM traffic and L2 hits of tile orders)
 LIGHT_METRICS = ("lts__t_sector_hit_rate.pct", "lts__t_bytes.sum")
 WARMUP = 2  # launches before the profiled one
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child(variant: str, shape: tuple[int, int, int], interpret: bool, calls: int, changes: str = "") -> None:
-  """Builds the variant at ``shape`` (its table row changed by ``changes``) and launches it ``calls`` times (what
-  ``ncu`` profiles)."""
+def parse_runs(spec: str) -> list[tuple[str, str]]:
+  """``"store:;store:order_minor=m"`` -> [("store", ""), ("store", "order_minor=m")]: the child's runs."""
+  out = []
+  for item in filter(None, spec.split(";")):
+    variant, _, changes = item.partition(":")
+    if variant not in VARIANTS:
+      raise ValueError(f"run {item!r}: the variant must be one of {tuple(VARIANTS)}")
+    out.append((variant, changes))
+  return out
+
+
+def child(runs: list[tuple[str, str]], shape: tuple[int, int, int], interpret: bool, calls: int) -> None:
+  """Builds each run's variant at ``shape`` (its table row changed by the run's changes), compiles them all, then
+  launches each ``calls`` times in turn (what ``ncu`` profiles: the k-th kernel is run ``k // calls``)."""
   import dataclasses
 
   import jax
@@ -78,63 +98,92 @@ def child(variant: str, shape: tuple[int, int, int], interpret: bool, calls: int
   x = jax.random.normal(kx, (b, h), jnp.bfloat16)
   w = (0.02 * jax.random.normal(kw, (h, v), jnp.float32)).astype(jnp.bfloat16)
   y = jax.random.randint(ky, (b,), 0, v)
-  name = VARIANTS[variant]
-  if name is None:
-    f = jax.jit(lambda x, w, y: x @ w)
-  elif changes:
-    cfg = dataclasses.replace(tuning.select_config(ROLES[name], b, v, h, G._device_kind()), **config_changes(changes))
-    f = gemm_variant(name, config=cfg, interpret=interpret)
-  else:
-    f = gemm_variant(name, role=ROLES[name], interpret=interpret)
+  fns = []
+  for variant, changes in runs:
+    name = VARIANTS[variant]
+    if name is None:
+      f = jax.jit(lambda x, w, y: x @ w)
+    elif changes:
+      cfg = dataclasses.replace(tuning.select_config(ROLES[name], b, v, h, G._device_kind()),
+                                **config_changes(changes))
+      f = gemm_variant(name, config=cfg, interpret=interpret)
+    else:
+      f = gemm_variant(name, role=ROLES[name], interpret=interpret)
+    fns.append(f.lower(x, w, y).compile())  # (compiled first: no autotuning launch among the profiled ones)
   jax.block_until_ready((x, w, y))
-  for _ in range(calls):
-    jax.block_until_ready(f(x, w, y))
-  print(f"ran {variant} {shape} x{calls}", flush=True)
+  for (variant, changes), f in zip(runs, fns):
+    for _ in range(calls):
+      jax.block_until_ready(f(x, w, y))
+    print(f"ran {variant}[{changes}] {shape} x{calls}", flush=True)
 
 
-def parse_details(text: str) -> dict:
-  """``ncu --csv --page details`` -> {section/metric name: value with unit}, the last kernel's rows (one kernel is
-  profiled per run). Non-CSV lines (ncu's own messages, the program's output) are skipped."""
+def parse_details(text: str) -> dict[int, dict[str, str]]:
+  """``ncu --csv --page details`` -> {kernel ID: {section/metric name: value with unit}}. Non-CSV lines (ncu's own
+  messages, the program's output) are skipped."""
   rows = [r for r in csv.reader(io.StringIO(text)) if len(r) >= 5]
   if not rows:
     return {}
-  head, out = rows[0], {}
+  head = rows[0]
   try:
-    i_sec, i_name, i_unit, i_val = (head.index(k) for k in ("Section Name", "Metric Name", "Metric Unit",
-                                                             "Metric Value"))
+    i_id, i_sec, i_name, i_unit, i_val = (head.index(k) for k in ("ID", "Section Name", "Metric Name",
+                                                                   "Metric Unit", "Metric Value"))
   except ValueError:
     return {}
+  out = collections.defaultdict(dict)
   for r in rows[1:]:
-    if len(r) > max(i_sec, i_name, i_unit, i_val):
-      out[f"{r[i_sec]}/{r[i_name]}"] = f"{r[i_val]} {r[i_unit]}".strip()
-  return out
+    if len(r) > max(i_id, i_sec, i_name, i_unit, i_val) and r[i_id].isdigit():
+      out[int(r[i_id])][f"{r[i_sec]}/{r[i_name]}"] = f"{r[i_val]} {r[i_unit]}".strip()
+  return dict(out)
+
+
+def number(value: str) -> float | None:
+  """``"15,325,344,768 byte"`` -> 15325344768.0 (ncu's base units, ``--print-units base``); None if not a number."""
+  try:
+    return float(value.split(" ")[0].replace(",", ""))
+  except (ValueError, AttributeError):
+    return None
+
+
+def ncu_command(kern: str, light: bool, launches: tuple[int, int], export: str | None = None) -> list[str]:
+  """``ncu`` profiling ``launches`` = (skip, count) kernels matching ``kern``, with the sections (or, ``light``,
+  only the metrics) of the module's docstring, the details page as CSV in base units."""
+  return ["ncu", "--clock-control", "none", "--target-processes", "all", "--kernel-name", kern,
+          *(["--export", export, "--force-overwrite", "--import-source", "no"] if export else []),
+          "--launch-skip", str(launches[0]), "--launch-count", str(launches[1]), "--csv", "--page", "details",
+          "--print-units", "base", *[a for s in (() if light else SECTIONS) for a in ("--section", s)],
+          "--metrics", ",".join(METRICS + (LIGHT_METRICS if light else ()))]
+
+
+def child_command(runs: list[tuple[str, str]], shape: tuple[int, int, int], calls: int) -> list[str]:
+  b, h, v = shape
+  return [sys.executable, "-m", "benchmarks.ncu_forward", "--child", ";".join(f"{r}:{c}" for r, c in runs),
+          "--shape", f"{b},{h},{v}", "--calls", str(calls)]
+
+
+def run_logged(cmd: list[str], tag: str, log) -> subprocess.CompletedProcess:
+  t0 = time.time()
+  p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+  log.write(f"\n===== {tag} (rc {p.returncode}, {time.time() - t0:.0f} s)\n{' '.join(cmd)}\n{p.stdout}"
+            f"{p.stderr[-4000:]}")
+  log.flush()
+  return p
 
 
 def profile(variant: str, shape_name: str, out_dir: str, log, changes: str = "", source: bool = False,
             light: bool = False) -> dict:
   """One ``ncu`` run of ``variant`` at ``shape_name``: its details page (``log``) and the parsed metrics; with
   ``source``, its SASS page too (see the module's docstring)."""
-  b, h, v = SHAPES[shape_name]
-  kern = KERNEL_RE["xla" if variant == "xla" else "mosaic"]
-  tag = f"{shape_name}-{variant}" + (f"[{changes}]" if changes and variant != "xla" else "")
+  shape = SHAPES[shape_name]
+  changes = changes if variant != "xla" else ""
+  tag = f"{shape_name}-{variant}" + (f"[{changes}]" if changes else "")
   report = os.path.join(out_dir, "".join(c if c.isalnum() or c in "-_." else "_" for c in tag))
-  cmd = ["ncu", "--clock-control", "none", "--target-processes", "all", "--kernel-name", kern,
-         *(["--export", report, "--force-overwrite", "--import-source", "no"] if source else []),
-         "--launch-skip", str(WARMUP), "--launch-count", "1", "--csv", "--page", "details",
-         *[a for s in (() if light else SECTIONS) for a in ("--section", s)],
-         "--metrics", ",".join(METRICS + (LIGHT_METRICS if light else ())),
-         sys.executable, "-m", "benchmarks.ncu_forward", "--child", variant, "--shape", f"{b},{h},{v}",
-         "--calls", str(WARMUP + 1), *(["--changes", changes] if changes and variant != "xla" else [])]
-  t0 = time.time()
-  p = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__))))
-  log.write(f"\n===== {tag} (rc {p.returncode}, {time.time() - t0:.0f} s)\n{' '.join(cmd)}\n")
-  log.write(p.stdout)
-  log.write(p.stderr[-4000:])
+  kern = KERNEL_RE["xla" if variant == "xla" else "mosaic"]
+  p = run_logged(ncu_command(kern, light, (WARMUP, 1), report if source else None)
+                 + child_command([(variant, changes)], shape, WARMUP + 1), tag, log)
   text = p.stdout
   if source and os.path.exists(report + ".ncu-rep"):
-    text = subprocess.run(["ncu", "--import", report + ".ncu-rep", "--csv", "--page", "details"],
-                          capture_output=True, text=True).stdout
+    text = subprocess.run(["ncu", "--import", report + ".ncu-rep", "--csv", "--page", "details", "--print-units",
+                           "base"], capture_output=True, text=True).stdout
     log.write(text)
     sass = subprocess.run(["ncu", "--import", report + ".ncu-rep", "--csv", "--page", "source", "--print-source",
                            "sass"], capture_output=True, text=True)
@@ -142,9 +191,58 @@ def profile(variant: str, shape_name: str, out_dir: str, log, changes: str = "",
       f.write(sass.stdout)
     log.write(f"sass page: {len(sass.stdout)} characters, rc {sass.returncode} {sass.stderr[-2000:]}\n")
     os.remove(report + ".ncu-rep")
-  log.flush()
-  return {"shape": shape_name, "mnk": [b, v, h], "variant": variant, "changes": changes or None,
-          "rc": p.returncode, "metrics": parse_details(text)}
+  kernels = parse_details(text)
+  return {"shape": shape_name, "mnk": [shape[0], shape[2], shape[1]], "variant": variant, "changes": changes or None,
+          "rc": p.returncode, "metrics": kernels[max(kernels)] if kernels else {}}
+
+
+def sweep(runs: list[tuple[str, str]], shape_name: str, repeats: int, log) -> list[dict]:
+  """``--sweep``: the light counters of ``repeats`` launches of each run (package variants), all in one ``ncu``
+  process; per run, each metric's values and their median."""
+  if any(v == "xla" for v, _ in runs):
+    raise ValueError("--sweep profiles the package's kernels alone (xla's compile launches kernels of its own)")
+  shape = SHAPES[shape_name]
+  p = run_logged(ncu_command(KERNEL_RE["mosaic"], True, (0, len(runs) * repeats))
+                 + child_command(runs, shape, repeats), f"{shape_name} sweep", log)
+  kernels = parse_details(p.stdout)
+  rows = []
+  for i, (variant, changes) in enumerate(runs):
+    got = [kernels[k] for k in range(i * repeats, (i + 1) * repeats) if k in kernels]
+    names = sorted({n for m in got for n in m if n.split("/")[-1] in METRICS + LIGHT_METRICS})
+    values = {n.split("/")[-1]: [number(m.get(n)) for m in got] for n in names}
+    rows.append({"shape": shape_name, "mnk": [shape[0], shape[2], shape[1]], "variant": variant,
+                 "changes": changes or None, "rc": p.returncode, "launches": len(got), "values": values,
+                 "median": {k: statistics.median(x for x in v if x is not None) for k, v in values.items()
+                            if any(x is not None for x in v)}})
+  return rows
+
+
+def summarize_sass(path: str, top: int = 12) -> dict:
+  """A SASS page of ``--source`` -> its stall reasons (share of all samples), the samples and executed warp
+  instructions per opcode, and the ``top`` instructions by samples."""
+  with gzip.open(path, "rt") as f:
+    rows = list(csv.reader(f))
+  head = next(r for r in rows if "Address" in r and "Source" in r)
+  data = [dict(zip(head, r)) for r in rows[rows.index(head) + 1:] if len(r) == len(head)]
+  stalls = [h for h in head if h.startswith("stall_") and "Not Issued" not in h]
+  count = lambda d, k: int(d.get(k) or 0)  # noqa: E731
+  total = sum(count(d, "Warp Stall Sampling (All Samples)") for d in data) or 1
+  reasons = collections.Counter({s[len("stall_"):]: sum(count(d, s) for d in data) for s in stalls})
+  samples, executed = collections.Counter(), collections.Counter()
+  for d in data:
+    words = [w for w in d["Source"].split() if not w.startswith("@")]
+    op = words[0].split(".")[0] if words else "?"
+    samples[op] += count(d, "Warp Stall Sampling (All Samples)")
+    executed[op] += count(d, "Instructions Executed")
+  hot = sorted(data, key=lambda d: -count(d, "Warp Stall Sampling (All Samples)"))[:top]
+  return {"instructions": len(data), "samples": total,
+          "stall_share": {k: round(v / total, 4) for k, v in reasons.most_common() if v},
+          "samples_by_opcode": {k: round(v / total, 4) for k, v in samples.most_common(16)},
+          "executed_by_opcode": dict(executed.most_common(24)),
+          "top": [{"sass": d["Source"].strip(),
+                   "share": round(count(d, "Warp Stall Sampling (All Samples)") / total, 4),
+                   "executed": count(d, "Instructions Executed"),
+                   "stalls": {s[len("stall_"):]: count(d, s) for s in stalls if count(d, s)}} for d in hot]}
 
 
 def main(argv=None) -> int:
@@ -152,18 +250,24 @@ def main(argv=None) -> int:
   ap.add_argument("--shapes", default="gpt2-small-chunk8k,llama3-8b")
   ap.add_argument("--variants", default="xla,bare,stats,store")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/ncu_forward"))
-  ap.add_argument("--child", choices=tuple(VARIANTS), help="run one variant (what ncu profiles)")
-  ap.add_argument("--shape", help="B,H,V of --child")
-  ap.add_argument("--calls", type=int, default=WARMUP + 1)
   ap.add_argument("--changes", default="", help="';'-separated changes of the package's variants' table rows, each "
                   "profiled besides the row itself (field=value,...)")
   ap.add_argument("--source", action="store_true", help="also each run's SASS with its stall samples")
   ap.add_argument("--light", action="store_true", help="only the time, clock, tensor pipe, DRAM bytes and L2 hit "
                   "rate (no sections: a few replays a run)")
+  ap.add_argument("--sweep", action="store_true", help="the light counters of every row of a shape in one process")
+  ap.add_argument("--repeats", type=int, default=3, help="--sweep: launches profiled per row")
+  ap.add_argument("--summarize", metavar="SASS_CSV_GZ", help="print the summary of a --source SASS page")
+  ap.add_argument("--child", metavar="RUNS", help="variant:changes;... to build and launch (what ncu runs)")
+  ap.add_argument("--shape", help="B,H,V of --child")
+  ap.add_argument("--calls", type=int, default=WARMUP + 1, help="--child: launches of each run")
   ap.add_argument("--interpret", action="store_true", help="--child with the kernels interpreted (a CPU check)")
   a = ap.parse_args(argv)
+  if a.summarize:
+    print(json.dumps(summarize_sass(a.summarize), indent=1))
+    return 0
   if a.child:
-    child(a.child, tuple(int(s) for s in a.shape.split(",")), a.interpret, a.calls, a.changes)
+    child(parse_runs(a.child), tuple(int(s) for s in a.shape.split(",")), a.interpret, a.calls)
     return 0
   os.makedirs(a.out, exist_ok=True)
   budget, t0 = float(os.environ.get("BUDGET_S", "400")), time.time()
@@ -174,18 +278,29 @@ def main(argv=None) -> int:
   smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                        capture_output=True, text=True).stdout.strip().splitlines()
   meta.update(jax=importlib.metadata.version("jax"), device=smi[0] if smi else None)
+  variants = a.variants.split(",")
   rows = []
+
+  def save():
+    with open(os.path.join(a.out, "ncu_forward.json"), "w") as f:
+      json.dump({**meta, "rows": rows}, f, indent=1)
+
   with open(os.path.join(a.out, "ncu_forward.log"), "w") as log:
     for shape in a.shapes.split(","):
-      runs = [(v, "") for v in a.variants.split(",")]
-      runs += [(v, c) for c in filter(None, a.changes.split(";")) for v in a.variants.split(",") if v != "xla"]
+      runs = [(v, "") for v in variants]
+      runs += [(v, c) for c in filter(None, a.changes.split(";")) for v in variants if v != "xla"]
+      if a.sweep:
+        rows += sweep(runs, shape, a.repeats, log)
+        save()
+        for r in rows[-len(runs):]:
+          print(shape, r["variant"], r["changes"], r["launches"], r["median"], flush=True)
+        continue
       for variant, changes in runs:
         if time.time() - t0 > budget:
           rows.append({"shape": shape, "variant": variant, "changes": changes or None, "skipped": "past BUDGET_S"})
           continue
         rows.append(profile(variant, shape, a.out, log, changes, a.source, a.light))
-        with open(os.path.join(a.out, "ncu_forward.json"), "w") as f:
-          json.dump({**meta, "rows": rows}, f, indent=1)
+        save()
         m = rows[-1]["metrics"]
         print(shape, variant, changes, rows[-1]["rc"], {k.split("/")[-1]: m.get(k) for k in m
                                                          if k.split("/")[-1] in METRICS + LIGHT_METRICS}, flush=True)

@@ -1289,3 +1289,105 @@ def test_run_together_bounds_all_processes_from_their_start(tmp_path, monkeypatc
   assert time.monotonic() - t0 < 6  # (one bound for all five: 2 s a process after the first would take 8)
   assert res[0] == {"runs": {}}
   assert [r["error"] for r in res[1:]] == [["ran past 2 s"]] * 4
+
+
+NCU_HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+              '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+
+def _ncu_row(kid, section, name, unit, value):
+  return (f'"{kid}","1213","python3.12","127.0.0.1","anonymous_mosaic_gpu_kernel","1","7","(384, 1, 1)","(132, 1, 1)",'
+          f'"0","9.0","{section}","{name}","{unit}","{value}"')
+
+
+def test_ncu_forward_reads_each_kernel_of_the_details_page():
+  """benchmarks/ncu_forward.py: ncu's details CSV (between the program's own lines and ncu's messages) is read per
+  kernel ID, each value with its unit; numbers in base units parse with their thousands separators."""
+  from benchmarks import ncu_forward
+
+  text = "\n".join([
+      "==PROF== Connected to process 1213", "ran store[] (8192, 768, 50304) x3", NCU_HEADER,
+      _ncu_row(0, "Command line profiler metrics", "dram__bytes_read.sum", "byte", "15,325,344,768"),
+      _ncu_row(0, "GPU Speed Of Light Throughput", "Duration", "ns", "11,674,816"),
+      _ncu_row(1, "Command line profiler metrics", "dram__bytes_read.sum", "byte", "20,973,599,232"),
+      _ncu_row(1, "Memory Workload Analysis", "L2 Hit Rate", "%", "58.25"),
+      "==PROF== Disconnected from process 1213"])
+  got = ncu_forward.parse_details(text)
+  assert got == {0: {"Command line profiler metrics/dram__bytes_read.sum": "15,325,344,768 byte",
+                     "GPU Speed Of Light Throughput/Duration": "11,674,816 ns"},
+                 1: {"Command line profiler metrics/dram__bytes_read.sum": "20,973,599,232 byte",
+                     "Memory Workload Analysis/L2 Hit Rate": "58.25 %"}}
+  assert ncu_forward.number("15,325,344,768 byte") == 15325344768.0
+  assert ncu_forward.number("58.25 %") == 58.25 and ncu_forward.number("n/a") is None
+  assert ncu_forward.parse_details("no csv here") == {}
+
+
+def test_ncu_forward_sweep_maps_launches_to_rows(tmp_path, monkeypatch):
+  """--sweep: one ncu process profiles every launch of every row (repeats × rows, none skipped) and the k-th
+  kernel is row k // repeats; each row keeps its values and their median; XLA's variant is refused (its compile
+  launches kernels of its own)."""
+  import subprocess
+
+  from benchmarks import ncu_forward
+
+  runs = [("store", ""), ("store", "order_minor=m")]
+  reads = [21.0e9, 15.0e9, 19.0e9, 16.0e9, 14.0e9, 15.5e9]  # three launches of each row, in order
+  seen = {}
+
+  def fake(cmd, tag, log):
+    seen["cmd"] = cmd
+    lines = [NCU_HEADER] + [_ncu_row(k, "Command line profiler metrics", "dram__bytes_read.sum", "byte",
+                                     f"{int(r):,}") for k, r in enumerate(reads)]
+    return subprocess.CompletedProcess(cmd, 0, "\n".join(lines), "")
+
+  monkeypatch.setattr(ncu_forward, "run_logged", fake)
+  rows = ncu_forward.sweep(runs, "llama3-8b", 3, None)
+  cmd = seen["cmd"]
+  assert cmd[cmd.index("--launch-skip") + 1] == "0" and cmd[cmd.index("--launch-count") + 1] == "6"
+  assert cmd[cmd.index("--child") + 1] == "store:;store:order_minor=m" and cmd[cmd.index("--calls") + 1] == "3"
+  assert "--section" not in cmd and "lts__t_sector_hit_rate.pct" in cmd[cmd.index("--metrics") + 1]
+  assert [(r["changes"], r["launches"]) for r in rows] == [(None, 3), ("order_minor=m", 3)]
+  assert rows[0]["values"]["dram__bytes_read.sum"] == reads[:3]
+  assert rows[0]["median"]["dram__bytes_read.sum"] == 19.0e9 and rows[1]["median"]["dram__bytes_read.sum"] == 15.5e9
+  assert rows[0]["mnk"] == [8192, 128256, 4096]
+  with pytest.raises(ValueError, match="xla"):
+    ncu_forward.sweep([("xla", "")], "llama3-8b", 3, None)
+  assert ncu_forward.parse_runs("store:;bare:stages=3,epi_slots=4") == [("store", ""),
+                                                                       ("bare", "stages=3,epi_slots=4")]
+  with pytest.raises(ValueError, match="variant"):
+    ncu_forward.parse_runs("exp:")
+
+
+def test_ncu_forward_summarizes_a_sass_page(tmp_path):
+  """--summarize: a SASS page's stall reasons as shares of all samples, samples and executed instructions per
+  opcode (predicates and modifiers dropped), and the hottest instructions, counted by hand here."""
+  from benchmarks import ncu_forward
+
+  head = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+          '"Instructions Executed","stall_barrier","stall_long_sb","stall_selected","stall_barrier (Not Issued)"')
+  rows = ['"0x10","@!P1  BRA 0x20","60","60","300","0","60","0","0"',
+          '"0x20","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8].tnspB, R24","30","20","1200","20","0","10","20"',
+          '"0x30","FADD R1, R2, R3","10","0","2800","0","0","10","0"']
+  path = tmp_path / "k.sass.csv.gz"
+  with gzip.open(path, "wt") as f:
+    f.write("\n".join(['"Kernel Name","anonymous_mosaic_gpu_kernel",', head, *rows]) + "\n")
+  s = ncu_forward.summarize_sass(str(path), top=2)
+  assert s["instructions"] == 3 and s["samples"] == 100
+  assert s["stall_share"] == {"long_sb": 0.6, "barrier": 0.2, "selected": 0.2}
+  assert s["samples_by_opcode"] == {"BRA": 0.6, "HGMMA": 0.3, "FADD": 0.1}
+  assert s["executed_by_opcode"] == {"FADD": 2800, "HGMMA": 1200, "BRA": 300}
+  assert [t["sass"] for t in s["top"]] == ["@!P1  BRA 0x20", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8].tnspB, R24"]
+  assert s["top"][1]["stalls"] == {"barrier": 20, "selected": 10}
+
+
+def test_ncu_forward_child_builds_every_run(capsys):
+  """--child (what ncu runs) compiles each run's variant, a changed table row included, and launches it; in
+  interpret mode on the CPU. A bad change names the field."""
+  from benchmarks import ncu_forward
+
+  ncu_forward.child([("store", ""), ("bare", "stages=3,epi_slots=4"), ("xla", "")], (256, 128, 512), True, 1)
+  out = capsys.readouterr().out.splitlines()
+  assert out == ["ran store[] (256, 128, 512) x1", "ran bare[stages=3,epi_slots=4] (256, 128, 512) x1",
+                 "ran xla[] (256, 128, 512) x1"]
+  with pytest.raises(ValueError, match="stagez"):
+    ncu_forward.child([("store", "stagez=3")], (256, 128, 512), True, 1)
