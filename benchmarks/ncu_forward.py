@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import dataclasses
 import datetime
 import gzip
 import importlib.metadata
@@ -53,8 +54,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SHAPES = {"gpt2-small-chunk8k": (8192, 768, 50304), "gpt2-small": (16384, 768, 50304),
-          "llama3-8b": (8192, 4096, 128256), "gemma2-2b": (8192, 2304, 256000), "qwen3-8b": (4096, 4096, 151936)}
+# (importing JAX starts no backend: the parent leaves the GPU's memory to the profiled child)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks.bench_epilogue import EPI_SHAPES as SHAPES  # noqa: E402  (B, H, V by name)
+from benchmarks.bench_epilogue import ROLES, gemm_variant  # noqa: E402
+from benchmarks.bench_gemm import config_changes  # noqa: E402
+from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
+from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
+
 VARIANTS = {"xla": None, "bare": "bare", "stats": "stats_fast", "store": "exp_fast"}
 # the kernels each variant launches: XLA's GEMM (cuBLAS's or a fused Triton GEMM), or the Mosaic GPU kernel
 KERNEL_RE = {"xla": "regex:gemm|nvjet|xmma|cutlass", "mosaic": "regex:mosaic_gpu"}
@@ -83,16 +92,6 @@ def parse_runs(spec: str) -> list[tuple[str, str]]:
 def child(runs: list[tuple[str, str]], shape: tuple[int, int, int], interpret: bool, calls: int) -> None:
   """Builds each run's variant at ``shape`` (its table row changed by the run's changes), compiles them all, then
   launches each ``calls`` times in turn (what ``ncu`` profiles: the k-th kernel is run ``k // calls``)."""
-  import dataclasses
-
-  import jax
-  import jax.numpy as jnp
-
-  from benchmarks.bench_epilogue import ROLES, gemm_variant
-  from benchmarks.bench_gemm import config_changes
-  from lce_flax._impl.pallas_mosaic import gemm as G
-  from lce_flax._impl.pallas_mosaic import tuning
-
   b, h, v = shape
   kx, kw, ky = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (b, h), jnp.bfloat16)
