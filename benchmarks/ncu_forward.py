@@ -16,7 +16,8 @@ stall sites. Variants (``bench_epilogue.gemm_variant``, each at the tuning table
     python3 -m benchmarks.ncu_forward --shapes gpt2-small-chunk8k --variants store --changes "stages=5,epi_slots=6" \
         --source                       # a changed row; and the SASS with its stall samples, per instruction
     python3 -m benchmarks.ncu_forward --sweep --shapes llama3-8b --variants store --changes "order_minor=m;..." \
-        --repeats 3                    # DRAM bytes and L2 hits of each row, 3 launches each, one process
+        --repeats 3 [--pick 3]         # DRAM bytes and L2 hits of each row, 3 launches each, one process
+                                       # (benchmarks/order_sweep.sh: then the fewest-bytes orders timed)
     python3 -m benchmarks.ncu_forward --summarize DIR/llama3-8b-store.sass.csv.gz   # stalls and opcodes of a SASS page
     python3 -m benchmarks.ncu_forward --child store --shape 8192,768,50304   # what ncu runs (also a CPU check with
         --interpret)
@@ -216,6 +217,19 @@ def sweep(runs: list[tuple[str, str]], shape_name: str, repeats: int, log) -> li
   return rows
 
 
+def pick(rows: list[dict], k: int, metric: str = "dram__bytes_read.sum") -> list[str]:
+  """The ``k`` changes of a shape's ``--sweep`` rows whose variants read the fewest DRAM bytes, summed over the
+  variants (medians), fewest first; a change with a variant that has no reading is left out."""
+  totals, missing = collections.Counter(), set()
+  for r in rows:
+    if r["changes"]:
+      if metric in r.get("median", {}):
+        totals[r["changes"]] += r["median"][metric]
+      else:
+        missing.add(r["changes"])
+  return sorted((c for c in totals if c not in missing), key=totals.get)[:k]
+
+
 def summarize_sass(path: str, top: int = 12) -> dict:
   """A SASS page of ``--source`` -> its stall reasons (share of all samples), the samples and executed warp
   instructions per opcode, and the ``top`` instructions by samples."""
@@ -256,6 +270,8 @@ def main(argv=None) -> int:
                   "rate (no sections: a few replays a run)")
   ap.add_argument("--sweep", action="store_true", help="the light counters of every row of a shape in one process")
   ap.add_argument("--repeats", type=int, default=3, help="--sweep: launches profiled per row")
+  ap.add_argument("--pick", type=int, default=0, help="--sweep: write DIR/picks.json, each shape's PICK changes "
+                  "with the fewest DRAM bytes read (to time with bench_epilogue --configs)")
   ap.add_argument("--summarize", metavar="SASS_CSV_GZ", help="print the summary of a --source SASS page")
   ap.add_argument("--child", metavar="RUNS", help="variant:changes;... to build and launch (what ncu runs)")
   ap.add_argument("--shape", help="B,H,V of --child")
@@ -278,7 +294,7 @@ def main(argv=None) -> int:
                        capture_output=True, text=True).stdout.strip().splitlines()
   meta.update(jax=importlib.metadata.version("jax"), device=smi[0] if smi else None)
   variants = a.variants.split(",")
-  rows = []
+  rows, picks = [], {}
 
   def save():
     with open(os.path.join(a.out, "ncu_forward.json"), "w") as f:
@@ -293,6 +309,10 @@ def main(argv=None) -> int:
         save()
         for r in rows[-len(runs):]:
           print(shape, r["variant"], r["changes"], r["launches"], r["median"], flush=True)
+        if a.pick:
+          picks[shape] = ";".join(pick(rows[-len(runs):], a.pick))
+          with open(os.path.join(a.out, "picks.json"), "w") as f:
+            json.dump(picks, f, indent=1)
         continue
       for variant, changes in runs:
         if time.time() - t0 > budget:

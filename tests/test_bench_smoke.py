@@ -1391,3 +1391,20 @@ def test_ncu_forward_child_builds_every_run(capsys):
                  "ran xla[] (256, 128, 512) x1"]
   with pytest.raises(ValueError, match="stagez"):
     ncu_forward.child([("store", "stagez=3")], (256, 128, 512), True, 1)
+
+
+def test_ncu_forward_picks_the_orders_reading_least():
+  """--sweep --pick: the changes whose variants read the fewest DRAM bytes summed over the variants (medians),
+  fewest first; the table's rows themselves are not candidates, and a change missing a reading is left out."""
+  from benchmarks import ncu_forward
+
+  def row(variant, changes, gb):
+    return {"variant": variant, "changes": changes, "median": {} if gb is None else {"dram__bytes_read.sum": gb}}
+
+  rows = [row("bare", None, 19.0), row("store", None, 21.0),
+          row("bare", "order_minor=m", 15.0), row("store", "order_minor=m", 16.0),  # 31
+          row("bare", "order_width=4", 14.0), row("store", "order_width=4", 20.0),  # 34
+          row("bare", "order_width=16", 12.0), row("store", "order_width=16", 13.0),  # 25
+          row("bare", "cluster=m", 10.0), row("store", "cluster=m", None)]  # a reading missing
+  assert ncu_forward.pick(rows, 2) == ["order_width=16", "order_minor=m"]
+  assert ncu_forward.pick(rows, 5) == ["order_width=16", "order_minor=m", "order_width=4"]
