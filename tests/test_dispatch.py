@@ -45,6 +45,33 @@ def test_auto_on_cpu_is_chunked_fast():
   assert (d.impl, d.mode, d.name) == ("chunked", "lean", "recompute")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_auto_on_tpu_exports_plain_stablehlo(monkeypatch, reduction):
+  """On a TPU ``auto`` routes to ``chunked`` (pure JAX), so the op and its gradients lower for TPU as plain StableHLO
+  (no custom call, no host callback): exported for TPU and CPU at once, the CPU half of the same module gives the
+  float64 oracle's loss and gradients of x and w (bf16 inputs, ignored tokens, ragged sizes)."""
+  from jax import export
+
+  monkeypatch.setattr(_device, "platform", lambda: "tpu")
+  (x, w, y, _), (xn, wn, yn, _) = make_inputs(5, (3, 29), 48, 517, jnp.bfloat16)
+  assert (explain(x, w, y, reduction=reduction).impl, base.auto_order()[0]) == ("chunked", "chunked")
+  rng = np.random.default_rng(6)
+  cot = rng.standard_normal(y.shape).astype(np.float32) if reduction == "none" else None
+
+  def step(x, w):
+    loss = linear_cross_entropy(x, w, y, reduction=reduction)
+    return (loss * cot).sum() if reduction == "none" else loss
+
+  exp = export.export(jax.jit(jax.value_and_grad(step, (0, 1))), platforms=["tpu", "cpu"])(x, w)
+  text = exp.mlir_module()
+  assert exp.platforms == ("tpu", "cpu") and "custom_call" not in text and "callback" not in text
+  loss, (dx, dw) = exp.call(x, w)
+  ref = linear_cross_entropy_np(xn, wn, yn, reduction=reduction, cotangent=cot)
+  want = (ref["token_loss"] * cot).sum() if reduction == "none" else ref["loss"]
+  assert abs(float(loss) - want) <= 2e-5 * abs(want)
+  assert rel_err(dx, ref["dx"]) <= 2e-2 and rel_err(dw, ref["dw"]) <= 2e-2
+
+
 def test_auto_on_hopper_says_what_runs(fake_gpu):
   fake_gpu((9, 0))
   d = explain(**LLAMA)
