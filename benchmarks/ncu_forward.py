@@ -48,6 +48,7 @@ import importlib.metadata
 import io
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -284,6 +285,9 @@ def main(argv=None) -> int:
   if a.child:
     child(parse_runs(a.child), tuple(int(s) for s in a.shape.split(",")), a.interpret, a.calls)
     return 0
+  if shutil.which("ncu") is None:
+    raise SystemExit("ncu_forward: Nsight Compute's `ncu` is not on PATH (CUDA installs it in its bin/, e.g. "
+                     "/usr/local/cuda/bin)")
   os.makedirs(a.out, exist_ok=True)
   budget, t0 = float(os.environ.get("BUDGET_S", "400")), time.time()
   ver = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()

@@ -1408,3 +1408,14 @@ def test_ncu_forward_picks_the_orders_reading_least():
           row("bare", "cluster=m", 10.0), row("store", "cluster=m", None)]  # a reading missing
   assert ncu_forward.pick(rows, 2) == ["order_width=16", "order_minor=m"]
   assert ncu_forward.pick(rows, 5) == ["order_width=16", "order_minor=m", "order_width=4"]
+
+
+def test_ncu_forward_without_ncu_says_so(tmp_path, monkeypatch):
+  """On a machine without Nsight Compute the script stops at once with a message naming ``ncu``, not a traceback
+  from its first profile."""
+  from benchmarks import ncu_forward
+
+  monkeypatch.setattr(ncu_forward.shutil, "which", lambda name: None)
+  with pytest.raises(SystemExit, match="`ncu` is not on PATH"):
+    ncu_forward.main(["--shapes", "llama3-8b", "--out", str(tmp_path)])
+  assert not (tmp_path / "ncu_forward.json").exists()
