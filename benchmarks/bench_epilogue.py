@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import bench, shapes  # noqa: E402
 from benchmarks.bench_gemm import SHAPES, config_changes, interleaved  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
@@ -118,10 +119,7 @@ def main():
   rows = []
   for name in args.shapes.split(","):
     b, h, v = EPI_SHAPES[name]
-    k = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(k[0], (b, h), jnp.bfloat16)
-    w = (0.02 * jax.random.normal(k[1], (h, v), jnp.float32)).astype(jnp.bfloat16)
-    y = jax.random.randint(k[2], (b,), 0, v, jnp.int32)
+    x, w, y = bench.make_inputs(shapes.Shape(name, b, h, v))
     fns = {}
     chosen = variants()
     if args.variants:

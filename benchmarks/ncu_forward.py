@@ -58,8 +58,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (importing JAX starts no backend: the parent leaves the GPU's memory to the profiled child)
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
+from benchmarks import bench, shapes  # noqa: E402
 from benchmarks.bench_epilogue import EPI_SHAPES as SHAPES  # noqa: E402  (B, H, V by name)
 from benchmarks.bench_epilogue import ROLES, gemm_variant  # noqa: E402
 from benchmarks.bench_gemm import config_changes  # noqa: E402
@@ -95,10 +95,7 @@ def child(runs: list[tuple[str, str]], shape: tuple[int, int, int], interpret: b
   """Builds each run's variant at ``shape`` (its table row changed by the run's changes), compiles them all, then
   launches each ``calls`` times in turn (what ``ncu`` profiles: the k-th kernel is run ``k // calls``)."""
   b, h, v = shape
-  kx, kw, ky = jax.random.split(jax.random.key(0), 3)
-  x = jax.random.normal(kx, (b, h), jnp.bfloat16)
-  w = (0.02 * jax.random.normal(kw, (h, v), jnp.float32)).astype(jnp.bfloat16)
-  y = jax.random.randint(ky, (b,), 0, v)
+  x, w, y = bench.make_inputs(shapes.Shape("child", b, h, v))
   fns = []
   for variant, changes in runs:
     name = VARIANTS[variant]
@@ -111,7 +108,6 @@ def child(runs: list[tuple[str, str]], shape: tuple[int, int, int], interpret: b
     else:
       f = gemm_variant(name, role=ROLES[name], interpret=interpret)
     fns.append(f.lower(x, w, y).compile())  # (compiled first: no autotuning launch among the profiled ones)
-  jax.block_until_ready((x, w, y))
   for (variant, changes), f in zip(runs, fns):
     for _ in range(calls):
       jax.block_until_ready(f(x, w, y))
