@@ -198,6 +198,51 @@ def test_twin_row_stats(cap, n):
   assert _rel(z, ref) < 1e-5
 
 
+def _sparse_labels(rng, m, n):
+  """Labels that leave most tiles without one: the first rows' labels in the first 100 columns, the next ones'
+  in the last tile (up to N - 1), some ignored (-1), one past N inside the last tile's columns and one past every
+  tile (neither has a target: 0), the rest anywhere below N."""
+  y = rng.integers(0, n, m)
+  y[: m // 2] = rng.integers(0, 100, m // 2)
+  y[m // 2: 3 * m // 4] = rng.integers(n - 20, n, 3 * m // 4 - m // 2)
+  y[[1, 7, m - 1]] = -1
+  y[5], y[9] = n + 3, 10**6
+  return jnp.asarray(y, jnp.int32)
+
+
+def _held_ref(labels, rows, tile_m, tile_n, col_tiles):
+  held = np.zeros((rows // tile_m, col_tiles))
+  for r, y in enumerate(np.asarray(labels)):
+    if 0 <= y < col_tiles * tile_n:
+      held[r // tile_m, y // tile_n] = 1.0
+  return held
+
+
+@pytest.mark.parametrize("n", STATS_N)
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_twin_targets_only_in_tiles_that_hold_a_label(cap, n):
+  """The label table (one flag per warpgroup tile) against NumPy, and the statistics with it bit-equal to those
+  formed with the target logit in every tile (``target_tiles=False``), where most tiles hold no label, some
+  labels are ignored and some lie past N; the rows' targets against float64."""
+  rng = np.random.default_rng(12)
+  a, b, ref = _operands(rng, LAYOUTS["x.w"], n=n)
+  labels = _sparse_labels(rng, M, n)
+  prob = G.Problem(M, n, K, False, False, jnp.dtype(BF), True, 1)
+  part = G.RowStats(labels, G.StatsOptions(cap, True))
+  held = np.asarray(part.inputs(prob, TWIN)[-1]).reshape(-1, 3, G.RowStats._HELD)
+  want = _held_ref(np.pad(np.asarray(labels), (0, 256 - M), constant_values=-1), 256, 64, 128, 3)
+  np.testing.assert_array_equal(held[..., 0], want)
+  assert not held[..., 1:].any() and 0 < want.sum() < want.size - 1  # (tiles without a label too)
+  st = G.gemm(a, b, epilogue=part, config=TWIN, interpret=True)
+  every = G.gemm(a, b, epilogue=dataclasses.replace(part, target_tiles=False), config=TWIN, interpret=True)
+  np.testing.assert_array_equal(np.asarray(st), np.asarray(every))
+  rs = G.merge_row_stats(st, M)
+  y = np.asarray(labels)
+  _, tgt_ref, _ = _stats_ref(ref, np.where(y < n, y, -1), cap, n)
+  np.testing.assert_allclose(np.asarray(rs.target), tgt_ref, rtol=1e-5, atol=1e-4)
+  assert np.all(np.asarray(rs.target)[[1, 5, 7, 9]] == 0.0)
+
+
 @pytest.mark.parametrize("cap", [None, 5.0])
 def test_twin_row_stats_shifted_store_and_bias(cap):
   """``RowStats(store=True, bias=...)``: the statistics of ``z + bias`` and each tile's capped logits shifted by the
@@ -659,6 +704,7 @@ def test_gpu_hooks(base, n):
   m, k = 1000, 576
   a, b, ref = _operands(rng, LAYOUTS["x.w"], m, n, k)
   labels = jnp.asarray(rng.integers(0, n, m), jnp.int32)
+  sparse = _sparse_labels(rng, m, n)  # (most tiles without a label: the tile table's zeros branch)
   opts = G.StatsOptions(30.0, True)
   st, z = G.gemm(a, b, epilogue=(G.RowStats(labels, opts), G.Store(jnp.float32)),
                  config=_f32_stats(base))  # float32 sub-tiles: fewer stages
@@ -679,6 +725,17 @@ def test_gpu_hooks(base, n):
                              atol=1e-4)
   np.testing.assert_allclose(np.asarray(rs.target), tgt_ref, rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(np.asarray(rs.zsum), zsum_ref, rtol=1e-4, atol=1e-2)
+  # the target only in tiles that hold a label: the same statistics as with it in every tile
+  for cfg in (_f32_stats(base), tuning.fit_role("fwd_stats", base)):
+    for o in (opts, G.StatsOptions()):
+      part = G.RowStats(sparse, o)
+      np.testing.assert_array_equal(np.asarray(G.gemm(a, b, epilogue=part, config=cfg)), np.asarray(
+          G.gemm(a, b, epilogue=dataclasses.replace(part, target_tiles=False), config=cfg)))
+  y = np.asarray(sparse)
+  got = G.merge_row_stats(G.gemm(a, b, epilogue=G.RowStats(sparse, opts), config=tuning.fit_role("fwd_stats", base)),
+                          m).target
+  np.testing.assert_allclose(np.asarray(got), _stats_ref(ref, np.where(y < n, y, -1), 30.0, n)[1], rtol=1e-5,
+                             atol=1e-4)
   # +C
   a2, b2, ref2 = _operands(rng, LAYOUTS["xT.dz"], 1088, n, 1000)
   c = jnp.asarray(rng.standard_normal((1088, n)), jnp.float32)

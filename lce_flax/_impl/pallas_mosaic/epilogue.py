@@ -84,10 +84,23 @@ def bcast_cols(v, shape):
 EXP_CLAMP = 80.0
 
 
-def capped_stats(zc, valid, opts, ref=None):
+def row_max(zc, valid):
+  """The rows' max of the tile ``zc`` [bt, bv] over its ``valid`` columns (None: all): -inf where none is."""
+  return (zc if valid is None else jnp.where(valid, zc, -jnp.inf)).max(axis=1)
+
+
+def row_zeros(m):
+  """Zeros in the register layout of the per-row vector ``m`` (a row max, -inf allowed). A constant would be a
+  splat, which neither a branch's result nor Mosaic GPU's SMEM stores take in place of a row vector (those store
+  only multiples of 128 elements: a 64-row tile's vector is not)."""
+  return jnp.where(m == -jnp.inf, 0.0, m) * 0.0
+
+
+def capped_stats(zc, valid, opts, ref=None, m=None):
   """``(max, Σexp(zc - max), Σzc, E)`` of the rows of the capped tile ``zc`` [bt, bv] over its ``valid`` columns,
   ``E`` the tile's exponentials (0 in the invalid columns). ``valid`` None: every column counts and no per-element
-  mask is formed (a tile that lies inside the vocabulary). ``opts``: anything with ``needs_logit_sum``.
+  mask is formed (a tile that lies inside the vocabulary). ``opts``: anything with ``needs_logit_sum``. ``m``: the
+  rows' max when the caller has it (:func:`row_max` of the same tile), else it is formed here.
 
   ``ref`` None: ``E = exp(zc - max)``. ``ref`` [bt] (a per-row reference logit): ``E = exp(zc - c)`` against
   ``c = max(ref, max - EXP_CLAMP)``, what the fast forward stores, and the sum is taken of E and brought to the
@@ -95,7 +108,7 @@ def capped_stats(zc, valid, opts, ref=None):
   tile more than EXP_CLAMP below ``ref`` (its exponentials ≤ e^-80 of the row's, or flushed to 0) sums to
   ~nothing either way, the row's own entry at ``ref`` outweighing it."""
   masked = zc if valid is None else jnp.where(valid, zc, -jnp.inf)
-  m = masked.max(axis=1)
+  m = masked.max(axis=1) if m is None else m
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
   shift = m_safe if ref is None else ref_shift(ref, m_safe)
   e = exp_shifted(masked, shift)
@@ -103,9 +116,7 @@ def capped_stats(zc, valid, opts, ref=None):
   if ref is not None:
     s = s * to_max(shift, m_safe)
   if not opts.needs_logit_sum:
-    # zeros in the rows' register layout (a constant would be a splat, which Mosaic GPU stores to SMEM only in
-    # multiples of 128 elements: a 64-row tile's vector is not)
-    zsum = s * 0.0
+    zsum = s * 0.0  # (zeros in the rows' layout: see row_zeros)
   else:
     zsum = (zc if valid is None else jnp.where(valid, zc, 0.0)).sum(axis=1)
   return m, s, zsum, e

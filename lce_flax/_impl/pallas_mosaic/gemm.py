@@ -331,6 +331,13 @@ class RowStats(Part):
   :func:`merge_row_stats` turns it into the rows' :class:`lce_flax._math.RowStats`. ``labels`` int32 [M] (column
   ids; negative: no target); ``opts``: :class:`StatsOptions` or the package's loss spec.
 
+  The target logit (a compare, a select and a sum per element) is formed only in the warpgroup tiles that hold a
+  row's label: a table of one flag per tile, built from the labels before the kernel, comes into SMEM with the
+  tile's labels, and a tile without a label writes zeros (of 128×128 tiles, about 28% hold one at gpt2-small's
+  50304 columns, 6-12% at the larger vocabularies). The flag is uniform over a warpgroup, and the branch holds no
+  barrier: only register math and shuffles within warps. ``target_tiles=False`` forms it in every tile (the
+  measured alternative, ``benchmarks/bench_epilogue.py``).
+
   ``store=True`` (the fast forward) also writes each tile in the operands' dtype, as a second output [M, N rounded
   up to ``tile_n``] (columns ``≥ N`` hold zeros' values, to be masked or ignored by the reader), in one of two forms:
 
@@ -350,6 +357,7 @@ class RowStats(Part):
   store: bool = False
   bias: Any = None  # float32 [N], added to the accumulator before the soft cap
   target: bool = True  # False: no target logits (zeros; benchmarks/bench_epilogue.py measures what they cost)
+  target_tiles: bool = True  # the target logit only in the tiles that hold a label (False: in every tile)
   ref: Any = None  # float32 [M]: store=True writes exp(zc - ref) (times the cap's derivative) instead of zc - max
 
   def inputs(self, prob, cfg):
@@ -365,7 +373,26 @@ class RowStats(Part):
         raise ValueError(f"RowStats: ref must be [{prob.m}] (one per output row) and goes with store=True, got "
                          f"{self.ref.shape} and store={self.store}")
       ins += (jnp.pad(self.ref.astype(F32), (0, mp - prob.m)),)
+    if "held" in self._vectors():
+      ins += (self._held(ins[0], prob, cfg),)
     return ins
+
+  _HELD = 4  # the table's entries per tile (one flag, padded to the 16 bytes of a TMA copy)
+
+  @classmethod
+  def _held(cls, y, prob, cfg):
+    """The tile table: float32 [row tiles · column tiles · _HELD], entry ``_HELD·(r·column tiles + c)`` 1 where a
+    row of warpgroup row tile ``r`` has its label in column tile ``c``, else 0 (``y``: the labels padded with
+    -1 to the padded rows)."""
+    tiles = (y.shape[0] // cfg.tile_m, prob.col_tiles(cfg))
+    col = jnp.where(y >= 0, y // cfg.tile_n, tiles[1])  # a negative label: no tile (dropped, as a label past them)
+    held = jnp.zeros(tiles, F32).at[jnp.arange(y.shape[0]) // cfg.tile_m, col].set(1.0, mode="drop")
+    return jnp.pad(held[..., None], ((0, 0), (0, 0), (0, cls._HELD - 1))).reshape(-1)
+
+  @classmethod
+  def _held_at(cls, t):
+    """Tile ``t``'s entry of the table."""
+    return pl.ds((t.row0 // t.cfg.tile_m * t.prob.col_tiles(t.cfg) + t.col_tile) * cls._HELD, cls._HELD)
 
   def out_types(self, prob, cfg):
     st = jax.ShapeDtypeStruct((4, prob.col_tiles(cfg), prob.rows_padded(cfg)), F32)
@@ -374,33 +401,35 @@ class RowStats(Part):
     return (st, jax.ShapeDtypeStruct((prob.m, cdiv(prob.n, cfg.tile_n) * cfg.tile_n), prob.dtype))
 
   def _vectors(self):
-    """The names of the per-tile vectors beside the labels, in input order ("bias": per column, "ref": per row)."""
-    return tuple(v for v, on in (("bias", self.bias is not None), ("ref", self.ref is not None)) if on)
+    """The names of the per-tile vectors beside the labels, in input order ("bias": per column, "ref": per row,
+    "held": the tile's entry of the label table)."""
+    return tuple(v for v, on in (("bias", self.bias is not None), ("ref", self.ref is not None),
+                                 ("held", self.target and self.target_tiles)) if on)
 
   def smem(self, prob, cfg):
     # labels, statistics, barriers (labels; bias; ref), the bias tile, the ref rows, the stored tiles' slots
     vecs = self._vectors()
     own = (plgpu.SMEM((prob.nwg, cfg.tile_m), jnp.int32), plgpu.SMEM((prob.nwg, 4, cfg.tile_m), F32),
            plgpu.Barrier(num_barriers=prob.nwg * (1 + len(vecs))))
-    sizes = {"bias": cfg.tile_n, "ref": cfg.tile_m}
+    sizes = {"bias": cfg.tile_n, "ref": cfg.tile_m, "held": self._HELD}
     return (own + tuple(plgpu.SMEM((prob.nwg, sizes[v]), F32) for v in vecs)
             + (Store().smem(prob, cfg) if self.store else ()))
 
   def _pieces(self, smem):
-    """(bias SMEM, ref SMEM, stored tiles' slots), None where absent."""
+    """(bias SMEM, ref SMEM, label table SMEM, stored tiles' slots), None where absent."""
     got = dict(zip(self._vectors(), smem[3:]))
-    return got.get("bias"), got.get("ref"), (smem[-1] if self.store else None)
+    return got.get("bias"), got.get("ref"), got.get("held"), (smem[-1] if self.store else None)
 
   def prefetch(self, t, ins, smem):
     y, bars = ins[0], smem[2]
     plgpu.copy_gmem_to_smem(y.at[t.rows], smem[0].at[t.g], bars.at[t.g])
     for q, (name, src) in enumerate(zip(self._vectors(), ins[1:])):
-      where = t.cols if name == "bias" else t.rows
+      where = t.cols if name == "bias" else t.rows if name == "ref" else self._held_at(t)
       plgpu.copy_gmem_to_smem(src.at[where], smem[3 + q].at[t.g], bars.at[(q + 1) * t.prob.nwg + t.g])
 
   def apply(self, z, t, ins, outs, smem):
     (st, *stored), (y_smem, st_smem, bars) = outs, smem[:3]
-    b_smem, r_smem, buf = self._pieces(smem)
+    b_smem, r_smem, _, buf = self._pieces(smem)
     for q in range(1 + len(self._vectors())):
       plgpu.barrier_wait(bars.at[q * t.prob.nwg + t.g])
     if b_smem is not None:
@@ -412,11 +441,12 @@ class RowStats(Part):
       return self._capped(z, t, whole, outs, smem)
     cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
     valid = None if whole else cols < t.prob.n
-    # the target logit first: then z is dead once the exponentials are formed (unless the shifted store needs it),
-    # so one float32 tile, not two, stays live through the statistics' stores
-    tgt = epilogue.target_logit(z, cols, valid, y_smem[t.g]) if self.target else None
+    # the max and the target logit first: then z is dead once the exponentials are formed (unless the shifted
+    # store needs it), so one float32 tile, not two, stays live through the statistics' stores
+    m = epilogue.row_max(z, valid)
+    tgt = self._target(lambda: epilogue.target_logit(z, cols, valid, y_smem[t.g]), m, t, smem)
     # with a reference, the exponentials against it are what is stored (capped_stats: one exp per element)
-    m, s, zsum, e = epilogue.capped_stats(z, valid, self.opts, None if r_smem is None else r_smem[t.g])
+    m, s, zsum, e = epilogue.capped_stats(z, valid, self.opts, None if r_smem is None else r_smem[t.g], m=m)
     m, s, zsum = self._past_n(m, s, zsum, t, whole)
     self._put_stats(m, s, tgt, zsum, t, st, st_smem, 0)
     if self.store:
@@ -432,7 +462,7 @@ class RowStats(Part):
     and takes fewer cross-lane reductions, one per statistic: the slices' cost gpt2-small's and qwen3-8b's step
     1.5%.)"""
     (st, *stored), (y_smem, st_smem) = outs, smem[:2]
-    _, r_smem, buf = self._pieces(smem)
+    _, r_smem, _, buf = self._pieces(smem)
     cap, labels = self.opts.logit_softcap, y_smem[t.g]
 
     def cols(ns):
@@ -445,13 +475,14 @@ class RowStats(Part):
     mz = functools.reduce(jnp.maximum, [(z[:, ns] if whole else jnp.where(valid(ns), z[:, ns], -jnp.inf)).max(axis=1)
                                         for ns in slices])
     m = jnp.where(mz == -jnp.inf, -jnp.inf, epilogue.softcap(mz, cap))
-    tgt = None
-    if self.target:
-      hits = [epilogue.target_logit(z[:, ns], cols(ns), valid(ns), labels) for ns in slices]
-      raw = functools.reduce(jnp.add, hits)
+
+    def target():
+      raw = functools.reduce(jnp.add, [epilogue.target_logit(z[:, ns], cols(ns), valid(ns), labels) for ns in slices])
       # a tile without the row's label sums no hit: its target stays exactly 0 (the rows' target is the sum over
       # the tiles, and the cap's tanh(0) is ~1e-7, not 0); a label's raw logit of exactly 0 caps to 0 as well
-      tgt = jnp.where(raw == 0.0, 0.0, epilogue.softcap(raw, cap))
+      return jnp.where(raw == 0.0, 0.0, epilogue.softcap(raw, cap))
+
+    tgt = self._target(target, mz, t, smem)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
     # with a reference, the exponentials against it (what is stored; see epilogue.capped_stats)
     shift = m_safe if r_smem is None else epilogue.ref_shift(r_smem[t.g], m_safe)
@@ -480,6 +511,16 @@ class RowStats(Part):
     zsum = functools.reduce(jnp.add, zsums) if zsums else s * 0.0
     m, s, zsum = self._past_n(m, s, zsum, t, whole)
     self._put_stats(m, s, tgt, zsum, t, st, st_smem, issued)
+
+  def _target(self, form, m, t, smem):
+    """The tile's target logits: ``form()``, where the label table says the tile holds a label (or always, without
+    the table); zeros in the layout of the rows' max ``m`` where it does not; None without targets."""
+    if not self.target:
+      return None
+    held = self._pieces(smem)[2]
+    if held is None:
+      return form()
+    return lax.cond(held[t.g, 0] != 0.0, form, lambda: epilogue.row_zeros(m))
 
   @staticmethod
   def _past_n(m, s, zsum, t, whole):
