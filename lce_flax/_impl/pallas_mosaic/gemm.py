@@ -378,6 +378,7 @@ class RowStats(Part):
     return ins
 
   _HELD = 4  # the table's entries per tile (one flag, padded to the 16 bytes of a TMA copy)
+  _HELD_SLOT = 32  # the SMEM floats per warpgroup for it
 
   @classmethod
   def _held(cls, y, prob, cfg):
@@ -411,7 +412,8 @@ class RowStats(Part):
     vecs = self._vectors()
     own = (plgpu.SMEM((prob.nwg, cfg.tile_m), jnp.int32), plgpu.SMEM((prob.nwg, 4, cfg.tile_m), F32),
            plgpu.Barrier(num_barriers=prob.nwg * (1 + len(vecs))))
-    sizes = {"bias": cfg.tile_n, "ref": cfg.tile_m, "held": self._HELD}
+    # (a warpgroup's slot of the table's entry is 128 bytes, as a TMA copy's SMEM destination must be aligned)
+    sizes = {"bias": cfg.tile_n, "ref": cfg.tile_m, "held": self._HELD_SLOT}
     return (own + tuple(plgpu.SMEM((prob.nwg, sizes[v]), F32) for v in vecs)
             + (Store().smem(prob, cfg) if self.store else ()))
 
@@ -425,7 +427,8 @@ class RowStats(Part):
     plgpu.copy_gmem_to_smem(y.at[t.rows], smem[0].at[t.g], bars.at[t.g])
     for q, (name, src) in enumerate(zip(self._vectors(), ins[1:])):
       where = t.cols if name == "bias" else t.rows if name == "ref" else self._held_at(t)
-      plgpu.copy_gmem_to_smem(src.at[where], smem[3 + q].at[t.g], bars.at[(q + 1) * t.prob.nwg + t.g])
+      dst = smem[3 + q].at[t.g] if name != "held" else smem[3 + q].at[t.g, pl.ds(0, self._HELD)]
+      plgpu.copy_gmem_to_smem(src.at[where], dst, bars.at[(q + 1) * t.prob.nwg + t.g])
 
   def apply(self, z, t, ins, outs, smem):
     (st, *stored), (y_smem, st_smem, bars) = outs, smem[:3]
