@@ -15,9 +15,12 @@ the forward GEMM of ``lce_flax/_impl/pallas_mosaic/gemm.py`` (the tuning table's
   stats_fast_no_target, exp_fast_no_target  ``stats_fast`` and ``exp_fast`` without the target logit
                   (``target=False``: no per-element label compare, select and row sum): what moving the label's
                   logit out of the epilogue would save
-  stats_fast_every_target, exp_fast_every_target, exp_cap_every_target  ``stats_fast``, ``exp_fast`` and
-                  ``exp_cap`` with the target logit formed in every tile (``target_tiles=False``), not only in the
-                  tiles that hold a label (the package's way)
+  stats_fast_tiles, exp_fast_tiles  ``stats_fast`` and ``exp_fast`` with the target logit formed only in the
+                  tiles that hold a label (``target_tiles=True``; without a soft cap the package forms it in every
+                  tile)
+  stats_cap_every_target, exp_cap_every_target  ``stats_cap`` and ``exp_cap`` with the target logit formed in
+                  every tile (``target_tiles=False``; with a soft cap the package forms it only in the tiles that
+                  hold a label)
 
 ``--variants`` picks some of them; ``--store-configs "epi_slots=3;stages=3,epi_n=128"`` adds ``exp_fast`` once per
 given change to the tuning table's ``fwd_store`` config (named ``exp_fast[epi_slots=3]`` and so on); ``--configs``
@@ -54,11 +57,11 @@ EPI_SHAPES = {**SHAPES, "gpt2-small-chunk": (4096, 768, 50304), "gpt2-small-chun
 ROLES = {"bare": "fwd", "stats_fast": "fwd_stats", "exp_fast": "fwd_store"}
 
 
-def gemm_variant(name: str, logit_softcap: float | None = None, target: bool = True, target_tiles: bool = True,
-                 **where):
+def gemm_variant(name: str, logit_softcap: float | None = None, target: bool = True,
+                 target_tiles: bool | None = None, **where):
   """``bare``, ``stats_fast`` or ``exp_fast`` (the op's fast forward: statistics and stored exponentials) on the GEMM,
-  jitted; ``target=False``: without the target logit; ``target_tiles=False``: the target logit formed in every
-  tile; ``where``: ``role=`` (the table's config at trace time) or ``config=``, and any other keyword of ``gemm``
+  jitted; ``target=False``: without the target logit; ``target_tiles``: ``RowStats``' (the package's choice when
+  None); ``where``: ``role=`` (the table's config at trace time) or ``config=``, and any other keyword of ``gemm``
   (``interpret=``)."""
   plain = G.StatsOptions(logit_softcap=logit_softcap)
   if name == "bare":
@@ -90,8 +93,9 @@ def variants():
       "exp_fast": gemm_variant("exp_fast", role=ROLES["exp_fast"]),
       "stats_fast_no_target": gemm_variant("stats_fast", target=False, role=ROLES["stats_fast"]),
       "exp_fast_no_target": gemm_variant("exp_fast", target=False, role=ROLES["exp_fast"]),
-      "stats_fast_every_target": gemm_variant("stats_fast", target_tiles=False, role=ROLES["stats_fast"]),
-      "exp_fast_every_target": gemm_variant("exp_fast", target_tiles=False, role=ROLES["exp_fast"]),
+      "stats_fast_tiles": gemm_variant("stats_fast", target_tiles=True, role=ROLES["stats_fast"]),
+      "exp_fast_tiles": gemm_variant("exp_fast", target_tiles=True, role=ROLES["exp_fast"]),
+      "stats_cap_every_target": gemm_variant("stats_fast", 30.0, target_tiles=False, role=ROLES["stats_fast"]),
       "exp_cap_every_target": gemm_variant("exp_fast", 30.0, target_tiles=False, role=ROLES["exp_fast"]),
       "stats_cap": gemm_variant("stats_fast", 30.0, role=ROLES["stats_fast"]),
       "exp_cap": gemm_variant("exp_fast", 30.0, role=ROLES["exp_fast"]),
@@ -152,14 +156,14 @@ def main():
     def valid_part(a, b=b, v=v):
       return a[:, :-(-v // 128), :b] if a.ndim == 3 else a
 
-    # (and each *_every_target variant's against the package's way: equal bit for bit too)
+    # (and each *_tiles and *_every_target variant's against the package's way: equal bit for bit too)
     same = {}
-    for base in (*ROLES, "exp_cap"):
+    for base in (*ROLES, "stats_cap", "exp_cap"):
       if base not in fns:
         continue
       want = [valid_part(a) for a in jax.tree.leaves(fns[base][0](x, w, y))]
       for vname in fns:
-        if vname.startswith(base + "[") or vname == base + "_every_target":
+        if vname.startswith(base + "[") or vname in (base + "_tiles", base + "_every_target"):
           got = [valid_part(a) for a in jax.tree.leaves(fns[vname][0](x, w, y))]
           shapes_match = [g.shape for g in got] == [r.shape for r in want]
           same[vname] = all(bool(jnp.array_equal(g, r)) for g, r in zip(got, want)) if shapes_match else None

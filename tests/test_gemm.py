@@ -221,14 +221,17 @@ def _held_ref(labels, rows, tile_m, tile_n, col_tiles):
 @pytest.mark.parametrize("n", STATS_N)
 @pytest.mark.parametrize("cap", [None, 5.0])
 def test_twin_targets_only_in_tiles_that_hold_a_label(cap, n):
-  """The label table (one flag per warpgroup tile) against NumPy, and the statistics with it bit-equal to those
-  formed with the target logit in every tile (``target_tiles=False``), where most tiles hold no label, some
-  labels are ignored and some lie past N; the rows' targets against float64."""
+  """The label table (one flag per warpgroup tile) against NumPy, and the statistics with it (``target_tiles=True``)
+  bit-equal to those formed with the target logit in every tile (``False``), where most tiles hold no label, some
+  labels are ignored and some lie past N; the rows' targets against float64. The default takes the table with a
+  soft cap only."""
   rng = np.random.default_rng(12)
   a, b, ref = _operands(rng, LAYOUTS["x.w"], n=n)
   labels = _sparse_labels(rng, M, n)
   prob = G.Problem(M, n, K, False, False, jnp.dtype(BF), True, 1)
-  part = G.RowStats(labels, G.StatsOptions(cap, True))
+  part = G.RowStats(labels, G.StatsOptions(cap, True), target_tiles=True)
+  default = G.RowStats(labels, G.StatsOptions(cap, True))
+  assert len(default.inputs(prob, TWIN)) == (2 if cap else 1)
   held = np.asarray(part.inputs(prob, TWIN)[-1]).reshape(-1, 3, G.RowStats._HELD)
   want = _held_ref(np.pad(np.asarray(labels), (0, 256 - M), constant_values=-1), 256, 64, 128, 3)
   np.testing.assert_array_equal(held[..., 0], want)
@@ -728,7 +731,7 @@ def test_gpu_hooks(base, n):
   # the target only in tiles that hold a label: the same statistics as with it in every tile
   for cfg in (_f32_stats(base), tuning.fit_role("fwd_stats", base)):
     for o in (opts, G.StatsOptions()):
-      part = G.RowStats(sparse, o)
+      part = G.RowStats(sparse, o, target_tiles=True)
       np.testing.assert_array_equal(np.asarray(G.gemm(a, b, epilogue=part, config=cfg)), np.asarray(
           G.gemm(a, b, epilogue=dataclasses.replace(part, target_tiles=False), config=cfg)))
   y = np.asarray(sparse)

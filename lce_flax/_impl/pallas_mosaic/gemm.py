@@ -331,12 +331,16 @@ class RowStats(Part):
   :func:`merge_row_stats` turns it into the rows' :class:`lce_flax._math.RowStats`. ``labels`` int32 [M] (column
   ids; negative: no target); ``opts``: :class:`StatsOptions` or the package's loss spec.
 
-  The target logit (a compare, a select and a sum per element) is formed only in the warpgroup tiles that hold a
-  row's label: a table of one flag per tile, built from the labels before the kernel, comes into SMEM with the
-  tile's labels, and a tile without a label writes zeros (of 128×128 tiles, about 28% hold one at gpt2-small's
-  50304 columns, 6-12% at the larger vocabularies). The flag is uniform over a warpgroup, and the branch holds no
-  barrier: only register math and shuffles within warps. ``target_tiles=False`` forms it in every tile (the
-  measured alternative, ``benchmarks/bench_epilogue.py``).
+  ``target_tiles=True`` forms the target logit (a compare, a select and a sum per element) only in the warpgroup
+  tiles that hold a row's label: a table of one flag per tile, built from the labels before the kernel, comes into
+  SMEM with the tile's labels, and a tile without a label writes zeros (of 128×128 tiles, about 28% hold one at
+  gpt2-small's 50304 columns, 6-12% at the larger vocabularies). The flag is uniform over a warpgroup, and the
+  branch holds no barrier: only register math and shuffles within warps. ``False`` forms it in every tile, in one
+  pass with the row max. ``None`` (the default): the table with a soft cap, where the capped target (a tanh of
+  the sum) is dearer and the two-pass epilogue has the max at hand first; without a cap, every tile. Measured on
+  an H200 (``benchmarks/results/target-tiles-h200-2026-11-29/``), the table took the capped fast forward 0.87×
+  its time at gpt2-small's 8192-token chunk and 0.98-1.00× at the other heads, but the uncapped one 1.08× at
+  gpt2-small and 1.02× at gemma2-2b.
 
   ``store=True`` (the fast forward) also writes each tile in the operands' dtype, as a second output [M, N rounded
   up to ``tile_n``] (columns ``≥ N`` hold zeros' values, to be masked or ignored by the reader), in one of two forms:
@@ -357,7 +361,7 @@ class RowStats(Part):
   store: bool = False
   bias: Any = None  # float32 [N], added to the accumulator before the soft cap
   target: bool = True  # False: no target logits (zeros; benchmarks/bench_epilogue.py measures what they cost)
-  target_tiles: bool = True  # the target logit only in the tiles that hold a label (False: in every tile)
+  target_tiles: bool | None = None  # the target logit only in tiles that hold a label (None: with a soft cap)
   ref: Any = None  # float32 [M]: store=True writes exp(zc - ref) (times the cap's derivative) instead of zc - max
 
   def inputs(self, prob, cfg):
@@ -405,7 +409,13 @@ class RowStats(Part):
     """The names of the per-tile vectors beside the labels, in input order ("bias": per column, "ref": per row,
     "held": the tile's entry of the label table)."""
     return tuple(v for v, on in (("bias", self.bias is not None), ("ref", self.ref is not None),
-                                 ("held", self.target and self.target_tiles)) if on)
+                                 ("held", self._by_tiles())) if on)
+
+  def _by_tiles(self) -> bool:
+    """Whether the target logit is formed only in the tiles that hold a label (see ``target_tiles``)."""
+    if not self.target:
+      return False
+    return self.opts.logit_softcap is not None if self.target_tiles is None else self.target_tiles
 
   def smem(self, prob, cfg):
     # labels, statistics, barriers (labels; bias; ref), the bias tile, the ref rows, the stored tiles' slots
@@ -444,9 +454,10 @@ class RowStats(Part):
       return self._capped(z, t, whole, outs, smem)
     cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + t.col0
     valid = None if whole else cols < t.prob.n
-    # the max and the target logit first: then z is dead once the exponentials are formed (unless the shifted
-    # store needs it), so one float32 tile, not two, stays live through the statistics' stores
-    m = epilogue.row_max(z, valid)
+    # the target logit (and the max, which a tile without a label takes its zeros' layout from) first: then z is
+    # dead once the exponentials are formed (unless the shifted store needs it), so one float32 tile, not two,
+    # stays live through the statistics' stores
+    m = epilogue.row_max(z, valid) if self._by_tiles() else None
     tgt = self._target(lambda: epilogue.target_logit(z, cols, valid, y_smem[t.g]), m, t, smem)
     # with a reference, the exponentials against it are what is stored (capped_stats: one exp per element)
     m, s, zsum, e = epilogue.capped_stats(z, valid, self.opts, None if r_smem is None else r_smem[t.g], m=m)
