@@ -339,7 +339,7 @@ class RowStats(Part):
   pass with the row max. ``None`` (the default): the table with a soft cap, where the capped target (a tanh of
   the sum) is dearer and the two-pass epilogue has the max at hand first; without a cap, every tile. Measured on
   an H200 in two runs (``benchmarks/results/target-tiles-h200-2026-11-29/``), the table took the capped fast
-  forward 0.87× and 0.92× its time at gpt2-small's 8192-token chunk, 0.98-0.99× at gemma2-2b and 0.99-1.01× at
+  forward 0.87× and 0.92× its time at gpt2-small's 8192-token chunk, 0.99× at gemma2-2b and 0.99-1.01× at
   llama3-8b; the uncapped one 1.08× and 0.99× at gpt2-small, 1.02× and 0.99× at gemma2-2b: no gain that holds.
 
   ``store=True`` (the fast forward) also writes each tile in the operands' dtype, as a second output [M, N rounded
