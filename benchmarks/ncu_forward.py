@@ -16,8 +16,9 @@ stall sites. Variants (``bench_epilogue.gemm_variant``, each at the tuning table
     python3 -m benchmarks.ncu_forward --shapes gpt2-small-chunk8k --variants store --changes "stages=5,epi_slots=6" \
         --source                       # a changed row; and the SASS with its stall samples, per instruction
     python3 -m benchmarks.ncu_forward --sweep --shapes llama3-8b --variants store --changes "order_minor=m;..." \
-        --repeats 3 [--pick 3]         # DRAM bytes and L2 hits of each row, 3 launches each, one process
-                                       # (benchmarks/order_sweep.sh: then the fewest-bytes orders timed)
+        --repeats 3 [--pick 3]         # DRAM bytes and L2 hits of each row, 3 launches each, one ncu
+                                       # process a row, within BUDGET_S (benchmarks/order_sweep.sh: then the
+                                       # fewest-bytes orders timed)
     python3 -m benchmarks.ncu_forward --summarize DIR/llama3-8b-store.sass.csv.gz   # stalls and opcodes of a SASS page
     python3 -m benchmarks.ncu_forward --child store --shape 8192,768,50304   # what ncu runs (also a CPU check with
         --interpret)
@@ -25,10 +26,11 @@ stall sites. Variants (``bench_epilogue.gemm_variant``, each at the tuning table
 ``--changes`` (``bench_gemm.config_changes``: ``field=value,...``, ``;`` between rows) changes the table row of
 the package's variants; ``--light`` keeps only the time, the clock, the tensor pipe, the DRAM bytes and the L2 hit
 rate (a few replays, not dozens); ``--sweep`` (the package's variants only) profiles every row of a shape with those
-counters in one process, ``--repeats`` launches each, since the DRAM bytes of one row moved by up to 37% between
-runs (``benchmarks/results/ncu-forward-h200-2026-11-29/``); ``--source`` also exports each run's report and writes
-its SASS page (``ncu --page source --print-source sass``: every instruction with its warp-stall samples) to
-``DIR/<shape>-<variant>.sass.csv.gz``.
+counters, one ``ncu`` process per row (each cut off at ``BUDGET_S`` seconds from the start, default 400; rows
+past it are recorded as skipped), ``--repeats`` launches each, since the DRAM bytes of one row moved by up to 37%
+between runs (``benchmarks/results/ncu-forward-h200-2026-11-29/``); ``--source`` also exports each run's report
+and writes its SASS page (``ncu --page source --print-source sass``: every instruction with its warp-stall
+samples) to ``DIR/<shape>-<variant>.sass.csv.gz``.
 
 ``ncu`` runs with ``--clock-control none``: the GPU keeps its own clocks, as in every other measurement here. Each
 profiled launch is replayed once per group of counters, so the kernel's time under ``ncu`` is that of a cold
@@ -49,9 +51,11 @@ import io
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -157,13 +161,40 @@ def child_command(runs: list[tuple[str, str]], shape: tuple[int, int, int], call
           "--shape", f"{b},{h},{v}", "--calls", str(calls)]
 
 
-def run_logged(cmd: list[str], tag: str, log) -> subprocess.CompletedProcess:
+def _kill_group(pid: int) -> None:
+  try:
+    os.killpg(pid, signal.SIGKILL)
+  except ProcessLookupError:  # (it ended meanwhile)
+    pass
+
+
+def run_logged(cmd: list[str], tag: str, log, timeout: float | None = None) -> subprocess.CompletedProcess:
+  """Runs ``cmd``, its output copied into ``log`` line by line as it comes (a job cut off leaves what it did);
+  past ``timeout`` seconds its process group is killed (rc -9) and what it printed is returned."""
   t0 = time.time()
-  p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-  log.write(f"\n===== {tag} (rc {p.returncode}, {time.time() - t0:.0f} s)\n{' '.join(cmd)}\n{p.stdout}"
-            f"{p.stderr[-4000:]}")
-  log.flush()
-  return p
+  if log is not None:
+    log.write(f"\n===== {tag}\n{' '.join(cmd)}\n")
+    log.flush()
+  out = []
+  with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                        start_new_session=True) as p:
+    timer = threading.Timer(timeout, _kill_group, (p.pid,)) if timeout else None
+    if timer:
+      timer.start()
+    try:
+      for line in p.stdout:
+        out.append(line)
+        if log is not None:
+          log.write(line)
+          log.flush()
+      rc = p.wait()
+    finally:
+      if timer:
+        timer.cancel()
+  if log is not None:
+    log.write(f"===== {tag}: rc {rc}, {time.time() - t0:.0f} s\n")
+    log.flush()
+  return subprocess.CompletedProcess(cmd, rc, "".join(out), "")
 
 
 def profile(variant: str, shape_name: str, out_dir: str, log, changes: str = "", source: bool = False,
@@ -193,14 +224,28 @@ def profile(variant: str, shape_name: str, out_dir: str, log, changes: str = "",
           "rc": p.returncode, "metrics": kernels[max(kernels)] if kernels else {}}
 
 
-def sweep(runs: list[tuple[str, str]], shape_name: str, repeats: int, log) -> list[dict]:
-  """``--sweep``: the light counters of ``repeats`` launches of each run (package variants), all in one ``ncu``
-  process; per run, each metric's values and their median."""
+def sweep(runs: list[tuple[str, str]], shape_name: str, repeats: int, log, deadline: float | None = None
+          ) -> list[dict]:
+  """``--sweep``: the light counters of ``repeats`` launches of each run (package variants), one ``ncu`` process
+  per row (the runs that share their changes), each cut off at ``deadline`` (``time.time()``); a row not reached
+  by then is recorded as skipped. Per run, each metric's values and their median."""
   if any(v == "xla" for v, _ in runs):
     raise ValueError("--sweep profiles the package's kernels alone (xla's compile launches kernels of its own)")
+  rows = []
+  for changes in dict.fromkeys(c for _, c in runs):
+    group = [r for r in runs if r[1] == changes]
+    left = None if deadline is None else deadline - time.time()
+    if left is not None and left < 30:
+      rows += [{"shape": shape_name, "variant": v, "changes": c or None, "skipped": "past BUDGET_S"} for v, c in group]
+      continue
+    rows += _sweep_group(group, shape_name, repeats, log, left)
+  return rows
+
+
+def _sweep_group(runs, shape_name, repeats, log, timeout):
   shape = SHAPES[shape_name]
   p = run_logged(ncu_command(KERNEL_RE["mosaic"], True, (0, len(runs) * repeats))
-                 + child_command(runs, shape, repeats), f"{shape_name} sweep", log)
+                 + child_command(runs, shape, repeats), f"{shape_name} sweep [{runs[0][1]}]", log, timeout)
   kernels = parse_details(p.stdout)
   rows = []
   for i, (variant, changes) in enumerate(runs):
@@ -305,10 +350,10 @@ def main(argv=None) -> int:
       runs = [(v, "") for v in variants]
       runs += [(v, c) for c in filter(None, a.changes.split(";")) for v in variants if v != "xla"]
       if a.sweep:
-        rows += sweep(runs, shape, a.repeats, log)
+        rows += sweep(runs, shape, a.repeats, log, deadline=t0 + budget)
         save()
         for r in rows[-len(runs):]:
-          print(shape, r["variant"], r["changes"], r["launches"], r["median"], flush=True)
+          print(shape, r["variant"], r["changes"], r.get("launches"), r.get("median", r.get("skipped")), flush=True)
         if a.pick:
           picks[shape] = ";".join(pick(rows[-len(runs):], a.pick))
           with open(os.path.join(a.out, "picks.json"), "w") as f:

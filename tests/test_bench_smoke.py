@@ -1323,33 +1323,44 @@ def test_ncu_forward_reads_each_kernel_of_the_details_page():
 
 
 def test_ncu_forward_sweep_maps_launches_to_rows(tmp_path, monkeypatch):
-  """--sweep: one ncu process profiles every launch of every row (repeats × rows, none skipped) and the k-th
-  kernel is row k // repeats; each row keeps its values and their median; XLA's variant is refused (its compile
+  """--sweep: one ncu process per row (the variants that share its changes) profiles every launch of them
+  (repeats × variants, none skipped) and the k-th kernel is variant k // repeats; each row keeps its values and
+  their median; a row past the deadline is recorded as skipped, not run; XLA's variant is refused (its compile
   launches kernels of its own)."""
   import subprocess
+  import time
 
   from benchmarks import ncu_forward
 
-  runs = [("store", ""), ("store", "order_minor=m")]
-  reads = [21.0e9, 15.0e9, 19.0e9, 16.0e9, 14.0e9, 15.5e9]  # three launches of each row, in order
-  seen = {}
+  runs = [("store", ""), ("bare", ""), ("store", "order_minor=m"), ("bare", "order_minor=m")]
+  reads = [21.0e9, 15.0e9, 19.0e9, 16.0e9, 14.0e9, 15.5e9]  # three launches of each of a process's two variants
+  seen = []
 
-  def fake(cmd, tag, log):
-    seen["cmd"] = cmd
+  def fake(cmd, tag, log, timeout=None):
+    seen.append((cmd, timeout))
     lines = [NCU_HEADER] + [_ncu_row(k, "Command line profiler metrics", "dram__bytes_read.sum", "byte",
-                                     f"{int(r):,}") for k, r in enumerate(reads)]
+                                     f"{int(r * len(seen)):,}") for k, r in enumerate(reads)]
     return subprocess.CompletedProcess(cmd, 0, "\n".join(lines), "")
 
   monkeypatch.setattr(ncu_forward, "run_logged", fake)
   rows = ncu_forward.sweep(runs, "llama3-8b", 3, None)
-  cmd = seen["cmd"]
-  assert cmd[cmd.index("--launch-skip") + 1] == "0" and cmd[cmd.index("--launch-count") + 1] == "6"
-  assert cmd[cmd.index("--child") + 1] == "store:;store:order_minor=m" and cmd[cmd.index("--calls") + 1] == "3"
-  assert "--section" not in cmd and "lts__t_sector_hit_rate.pct" in cmd[cmd.index("--metrics") + 1]
-  assert [(r["changes"], r["launches"]) for r in rows] == [(None, 3), ("order_minor=m", 3)]
+  assert len(seen) == 2 and seen[0][1] is None
+  for (cmd, _), child in zip(seen, ["store:;bare:", "store:order_minor=m;bare:order_minor=m"]):
+    assert cmd[cmd.index("--launch-skip") + 1] == "0" and cmd[cmd.index("--launch-count") + 1] == "6"
+    assert cmd[cmd.index("--child") + 1] == child and cmd[cmd.index("--calls") + 1] == "3"
+    assert "--section" not in cmd and "lts__t_sector_hit_rate.pct" in cmd[cmd.index("--metrics") + 1]
+  assert [(r["variant"], r["changes"], r["launches"]) for r in rows] == [
+      ("store", None, 3), ("bare", None, 3), ("store", "order_minor=m", 3), ("bare", "order_minor=m", 3)]
   assert rows[0]["values"]["dram__bytes_read.sum"] == reads[:3]
   assert rows[0]["median"]["dram__bytes_read.sum"] == 19.0e9 and rows[1]["median"]["dram__bytes_read.sum"] == 15.5e9
+  assert rows[2]["median"]["dram__bytes_read.sum"] == 38.0e9  # (the second process's reads)
   assert rows[0]["mnk"] == [8192, 128256, 4096]
+  seen.clear()
+  rows = ncu_forward.sweep(runs, "llama3-8b", 3, None, deadline=time.time() + 10)  # too little time for a row
+  assert not seen and all(r["skipped"] == "past BUDGET_S" for r in rows) and len(rows) == 4
+  assert ncu_forward.pick(rows, 2) == []
+  rows = ncu_forward.sweep(runs[:2], "llama3-8b", 3, None, deadline=time.time() + 100)
+  assert 60 < seen[0][1] <= 100
   with pytest.raises(ValueError, match="xla"):
     ncu_forward.sweep([("xla", "")], "llama3-8b", 3, None)
   assert ncu_forward.parse_runs("store:;bare:stages=3,epi_slots=4") == [("store", ""),
@@ -1419,3 +1430,22 @@ def test_ncu_forward_without_ncu_says_so(tmp_path, monkeypatch):
   with pytest.raises(SystemExit, match="`ncu` is not on PATH"):
     ncu_forward.main(["--shapes", "llama3-8b", "--out", str(tmp_path)])
   assert not (tmp_path / "ncu_forward.json").exists()
+
+
+def test_ncu_forward_run_logged_streams_and_cuts_off(tmp_path):
+  """run_logged copies a process's output into the log as it comes and, past its timeout, kills the process (and
+  its children) and returns what it printed."""
+  import io
+  import sys
+  import time
+
+  from benchmarks import ncu_forward
+
+  log = io.StringIO()
+  p = ncu_forward.run_logged([sys.executable, "-c", "print('one', flush=True); print('two')"], "ok", log)
+  assert p.returncode == 0 and p.stdout == "one\ntwo\n" and "one\ntwo\n" in log.getvalue()
+  t0 = time.time()
+  code = "import subprocess, sys, time; print('started', flush=True); subprocess.run(['sleep', '30']); print('never')"
+  p = ncu_forward.run_logged([sys.executable, "-c", code], "cut", log, timeout=2)
+  assert time.time() - t0 < 20 and p.returncode == -9 and p.stdout == "started\n"
+  assert "===== cut: rc -9" in log.getvalue()
