@@ -418,7 +418,8 @@ class RowStats(Part):
     return self.opts.logit_softcap is not None if self.target_tiles is None else self.target_tiles
 
   def smem(self, prob, cfg):
-    # labels, statistics, barriers (labels; bias; ref), the bias tile, the ref rows, the stored tiles' slots
+    # labels, statistics, barriers (labels; bias; ref; table), the bias tile, the ref rows, the table entry, the stored
+    # tiles' slots
     vecs = self._vectors()
     own = (plgpu.SMEM((prob.nwg, cfg.tile_m), jnp.int32), plgpu.SMEM((prob.nwg, 4, cfg.tile_m), F32),
            plgpu.Barrier(num_barriers=prob.nwg * (1 + len(vecs))))
