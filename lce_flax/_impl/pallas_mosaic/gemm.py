@@ -333,8 +333,9 @@ class RowStats(Part):
 
   ``target_tiles=True`` forms the target logit (a compare, a select and a sum per element) only in the warpgroup
   tiles that hold a row's label: a table of one flag per tile, built from the labels before the kernel, comes into
-  SMEM with the tile's labels, and a tile without a label writes zeros (of 128×128 tiles, about 28% hold one at
-  gpt2-small's 50304 columns, 6-12% at the larger vocabularies). The flag is uniform over a warpgroup, and the
+  SMEM with the tile's labels, and a tile without a label writes zeros (of 128×128 tiles, with uniform random
+  labels, about 28% hold one at gpt2-small's 50304 columns, 6-12% at the larger vocabularies; text's labels are
+  more concentrated). The flag is uniform over a warpgroup, and the
   branch holds no barrier: only register math and shuffles within warps. ``False`` forms it in every tile, in one
   pass with the row max. ``None`` (the default): the table with a soft cap, where the capped target (a tanh of
   the sum) is dearer and the two-pass epilogue has the max at hand first; without a cap, every tile. Measured on
