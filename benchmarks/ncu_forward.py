@@ -310,7 +310,8 @@ def main(argv=None) -> int:
   ap.add_argument("--source", action="store_true", help="also each run's SASS with its stall samples")
   ap.add_argument("--light", action="store_true", help="only the time, clock, tensor pipe, DRAM bytes and L2 hit "
                   "rate (no sections: a few replays a run)")
-  ap.add_argument("--sweep", action="store_true", help="the light counters of every row of a shape in one process")
+  ap.add_argument("--sweep", action="store_true",
+                  help="the light counters of every row of a shape, one ncu process per row within BUDGET_S")
   ap.add_argument("--repeats", type=int, default=3, help="--sweep: launches profiled per row")
   ap.add_argument("--pick", type=int, default=0, help="--sweep: write DIR/picks.json, each shape's PICK changes "
                   "with the fewest DRAM bytes read (to time with bench_epilogue --configs)")
