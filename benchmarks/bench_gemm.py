@@ -166,7 +166,8 @@ def config_changes(item: str) -> dict:
     if not sep or key not in fields:
       raise ValueError(f"config change {kv!r}: expected field=value with a field of GemmConfig ({', '.join(fields)})")
     default = fields[key].default
-    changes[key] = None if val == "None" else int(val) if isinstance(default, int) else val
+    changes[key] = (None if val == "None" else bool(int(val)) if key == "auto_barriers"
+                    else int(val) if isinstance(default, int) else val)
   return changes
 
 

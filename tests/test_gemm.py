@@ -483,6 +483,46 @@ def test_gpu_kernel_lowers_for_cuda(cfg):
     assert "mosaic_gpu" in _lower(f, *args)
 
 
+def _warpgroup_barriers(monkeypatch, f, *args) -> int:
+  """How many warpgroup barriers (``bar.sync`` of one warpgroup) the Mosaic GPU lowering of ``f`` emits."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+  count, emit = [0], mgpu_utils.warpgroup_barrier
+
+  def counted():
+    count[0] += 1
+    return emit()
+
+  monkeypatch.setattr(mgpu_utils, "warpgroup_barrier", counted)
+  _lower(f, *args)
+  monkeypatch.setattr(mgpu_utils, "warpgroup_barrier", emit)
+  return count[0]
+
+
+@pytest.mark.parametrize("base", [G.GemmConfig(), dataclasses.replace(tuning.PINGPONG_WS, cluster="n"),
+                                  tuning.PINGPONG], ids=lambda c: c.schedule)
+def test_kernel_keeps_its_own_barriers_only(base, monkeypatch):
+  """The fast forward's kernel (statistics, stored exponentials) lowered for CUDA: under the cooperative and
+  ``pingpong_ws`` schedules without Pallas's automatic barriers by default (``auto_barriers=None``, as ``False``),
+  keeping its own two per stored sub-tile (the slot's wait, the commit before TMA reads it) and two for the
+  statistics rows; ``auto_barriers=True`` adds Pallas's (at least one before and one after each of those SMEM
+  stores); under ``pingpong`` the default keeps Pallas's."""
+  m, n, k = 1000, 2176, 576
+  args = (SDS((m, k), BF), SDS((k, n), BF), SDS((m,), jnp.int32), SDS((m,), jnp.float32))
+  count = {}
+  for auto in (None, False, True):
+    cfg = tuning.fit_role("fwd_store", dataclasses.replace(base, auto_barriers=auto))
+    f = lambda a, b, y, r, cfg=cfg: G.gemm(a, b, epilogue=G.RowStats(y, store=True, ref=r), approx_math=True,
+                                           config=cfg)
+    count[auto] = _warpgroup_barriers(monkeypatch, f, *args)
+  cfg = tuning.fit_role("fwd_store", base)
+  subtiles = (cfg.tile_m // cfg.epi_m) * (cfg.tile_n // cfg.epi_n)
+  own = 2 * subtiles + 2
+  assert count[False] >= own
+  assert count[True] >= count[False] + 2 * (subtiles + 4)  # (4 statistics rows)
+  assert count[None] == (count[True] if base.schedule == "pingpong" else count[False])
+
+
 @pytest.mark.parametrize("cfg", [G.GemmConfig(), G.GemmConfig(wg_split="m", cluster="n", epi_n=32, epi_slots=3),
                                  G.GemmConfig(cluster="m", order_minor="m", order_width=8)], ids=lambda c: c.short())
 def test_row_mask_lowers_for_cuda(cfg):

@@ -49,6 +49,17 @@ with a clear error: hand such a w in as [V, H], which only needs H to be a multi
   :class:`AddTo` (``C += acc`` in float32, in place, by TMA reduce-adds: the token-chunked dw),
   :class:`RowStats` (the softmax-cross-entropy row statistics of each tile, merged by :func:`merge_row_stats`).
 
+**Barriers.** Pallas (warpgroup semantics) adds a warpgroup barrier before and after every SMEM store from
+registers and before every TMA load a warpgroup issues, in case one of its threads reads what another writes.
+This kernel's SMEM is written by threads only for TMA to read (the stored sub-tiles, the statistics rows) and read
+by threads only after TMA wrote it (labels, bias, reference rows, the label table, the prologue's vectors), and
+every such hand-over already has a barrier of its own: a slot is rewritten after ``wait_smem_to_gmem`` (a wait
+and a warpgroup barrier), handed to TMA after ``commit_smem`` (a fence and a warpgroup barrier), and a per-tile
+vector is re-fetched for the next tile only after the tile's epilogue has passed those (its statistics or its
+stores). So under the ``cooperative`` and ``pingpong_ws`` schedules the kernel is lowered without the automatic
+ones (:attr:`GemmConfig.auto_barriers`): two of the four barriers around each stored sub-tile. Under ``pingpong``
+they stay: its compute warpgroups issue their own operand loads after their WGMMA waits.
+
 **Interpret mode (CPU).** Mosaic GPU's interpreter runs neither collective warpgroup axes (``run_scoped`` with
 ``collective_axes``) nor WGMMA. ``interpret=True`` therefore runs a twin of the same kernel: the same persistent
 tile loop, TMA pipeline over K, block specs (transposes, out-of-bounds fills), prologue and epilogue parts, with
@@ -1330,7 +1341,8 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
                         num_threads=2 if config.schedule == "pingpong" else 3,
                         thread_name="wg",
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-                                                             approx_math=approx_math))
+                                                             approx_math=approx_math,
+                                                             unsafe_no_auto_barriers=not config.uses_auto_barriers()))
   res = kern(*args)
   res = list(res) if isinstance(res, (tuple, list)) else [res]
   flat = []

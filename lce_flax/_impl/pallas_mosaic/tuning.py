@@ -51,6 +51,13 @@ class GemmConfig:
   ``mma_lag`` (cooperative, no prologue): how many WGMMAs a compute warpgroup leaves in flight when it moves to the
   next K step; each operand slot is released that many steps later (the pipeline's ``delay_release``), so the
   next WGMMA is issued while the previous one still runs. 0: each K step waits for its own WGMMA.
+  ``auto_barriers``: whether Pallas adds its automatic warpgroup barriers (``CompilerParams``'
+  ``unsafe_no_auto_barriers``): one before and one after every SMEM store from registers and one before every TMA
+  load issued by a compute warpgroup. None (the kernel's choice): off under ``cooperative`` and ``pingpong_ws``,
+  whose every SMEM hand-over is ordered by the kernel's own barriers (the module docstring of :mod:`.gemm` says
+  which),
+  on under ``pingpong``, whose compute warpgroups refill their operand slots right after their own WGMMA waits.
+  ``True``/``False`` force it (``benchmarks/bench_epilogue.py --configs auto_barriers=1`` times the difference).
   """
 
   tile_m: int = 128
@@ -66,6 +73,11 @@ class GemmConfig:
   schedule: str = "cooperative"
   epi_slots: int = 2
   mma_lag: int = 0
+  auto_barriers: bool | None = None
+
+  def uses_auto_barriers(self) -> bool:
+    """Whether the GPU kernel is lowered with Pallas's automatic barriers (see ``auto_barriers``)."""
+    return self.schedule == "pingpong" if self.auto_barriers is None else bool(self.auto_barriers)
 
   def cta_tile(self) -> tuple[int, int]:
     """The output block a CTA's warpgroups work on at once: two warpgroup tiles side by side (cooperative), or
@@ -84,12 +96,14 @@ class GemmConfig:
   def short(self) -> str:
     if self.schedule != "cooperative":
       cl = f" cl={self.cluster}" if self.cluster else ""
+      bars = "" if self.auto_barriers is None else f" auto_barriers={int(self.auto_barriers)}"
       return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} {self.schedule}{cl} "
-              f"order={self.order_minor}{self.order_width} epi={self.epi_m}x{self.epi_n}")
+              f"order={self.order_minor}{self.order_width} epi={self.epi_m}x{self.epi_n}{bars}")
     slots = f" slots={self.epi_slots}" if self.epi_slots != 2 else ""
     lag = f" lag={self.mma_lag}" if self.mma_lag else ""
+    bars = "" if self.auto_barriers is None else f" auto_barriers={int(self.auto_barriers)}"
     return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} wg={self.wg_split} cl={self.cluster} "
-            f"order={self.order_minor}{self.order_width}{slots}{lag}")
+            f"order={self.order_minor}{self.order_width}{slots}{lag}{bars}")
 
   def validate(self):
     for name in ("tile_m", "tile_n", "tile_k"):
