@@ -166,7 +166,7 @@ def config_changes(item: str) -> dict:
     if not sep or key not in fields:
       raise ValueError(f"config change {kv!r}: expected field=value with a field of GemmConfig ({', '.join(fields)})")
     default = fields[key].default
-    changes[key] = (None if val == "None" else bool(int(val)) if key == "auto_barriers"
+    changes[key] = (None if val == "None" else bool(int(val)) if isinstance(default, bool)
                     else int(val) if isinstance(default, int) else val)
   return changes
 

@@ -1128,9 +1128,9 @@ def test_config_changes_are_typed_by_the_config_fields():
   cfg = dataclasses.replace(tuning.GemmConfig(cluster="n"), **got)
   assert (cfg.wg_split, cfg.order_width, cfg.cluster) == ("m", 8, None)
   assert config_changes("") == {}
-  # a switch: 0 and 1 as False and True (the kernel's own choice is None)
-  assert config_changes("auto_barriers=1") == {"auto_barriers": True}
-  assert config_changes("auto_barriers=0,auto_barriers=None") == {"auto_barriers": None}
+  # a switch: 0 and 1 as False and True
+  assert config_changes("auto_barriers=0") == {"auto_barriers": False}
+  assert config_changes("auto_barriers=0,auto_barriers=1") == {"auto_barriers": True}
   assert tuning.GemmConfig(**config_changes("auto_barriers=0")).short().endswith("auto_barriers=0")
   with pytest.raises(ValueError, match="'tile_q=1'.*GemmConfig"):
     config_changes("tile_q=1")

@@ -53,12 +53,12 @@ with a clear error: hand such a w in as [V, H], which only needs H to be a multi
 registers and before every TMA load a warpgroup issues, in case one of its threads reads what another writes.
 This kernel's SMEM is written by threads only for TMA to read (the stored sub-tiles, the statistics rows) and read
 by threads only after TMA wrote it (labels, bias, reference rows, the label table, the prologue's vectors), and
-every such hand-over already has a barrier of its own: a slot is rewritten after ``wait_smem_to_gmem`` (a wait
-and a warpgroup barrier), handed to TMA after ``commit_smem`` (a fence and a warpgroup barrier), and a per-tile
-vector is re-fetched for the next tile only after the tile's epilogue has passed those (its statistics or its
-stores). So under the ``cooperative`` and ``pingpong_ws`` schedules the kernel is lowered without the automatic
-ones (:attr:`GemmConfig.auto_barriers`): two of the four barriers around each stored sub-tile. Under ``pingpong``
-they stay: its compute warpgroups issue their own operand loads after their WGMMA waits.
+every such hand-over has a barrier of its own: a slot is rewritten after ``wait_smem_to_gmem`` (a wait and a
+warpgroup barrier), handed to TMA after ``commit_smem`` (a fence and a warpgroup barrier), and a per-tile vector
+is fetched for the next tile only after the tile's epilogue has passed those (its statistics or its stores). So
+the ``cooperative`` and ``pingpong_ws`` schedules can run without Pallas's barriers
+(:attr:`GemmConfig.auto_barriers` False: two of the four around each stored sub-tile go); measured, that gained
+nothing, and the default keeps them.
 
 **Interpret mode (CPU).** Mosaic GPU's interpreter runs neither collective warpgroup axes (``run_scoped`` with
 ``collective_axes``) nor WGMMA. ``interpret=True`` therefore runs a twin of the same kernel: the same persistent
@@ -1342,7 +1342,7 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
                         thread_name="wg",
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                                              approx_math=approx_math,
-                                                             unsafe_no_auto_barriers=not config.uses_auto_barriers()))
+                                                             unsafe_no_auto_barriers=not config.auto_barriers))
   res = kern(*args)
   res = list(res) if isinstance(res, (tuple, list)) else [res]
   flat = []
