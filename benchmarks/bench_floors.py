@@ -45,8 +45,8 @@ from lce_flax import linear_cross_entropy  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 
-SHAPES = {s.name: s for s in (*shapes.PRESETS["llm"].shapes, *shapes.PRESETS["llm32k"].shapes,
-                              shapes.Shape("tiny", 256, 64, 960))}
+SHAPES = shapes.Named({s.name: s for s in (*shapes.PRESETS["llm"].shapes, *shapes.PRESETS["llm32k"].shapes,
+                                           shapes.Shape("tiny", 256, 64, 960))})  # (or any BxHxV)
 ROLES = ("fwd", "dx", "dw")
 _DG = jax.lax.dot_general
 

@@ -103,6 +103,17 @@ PRESETS = {
 }
 
 
+class Named(dict):
+  """Shapes by name that also take any ``BxHxV`` (``"2048x2048x65536"``, or a sweep point's name
+  ``"sweep-2048x2048x65536"``) as a shape of that size, so that the per-head tools run at any point of a sweep."""
+
+  def __missing__(self, name: str) -> Shape:
+    dims = name.removeprefix("sweep-").split("x")
+    if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+      raise KeyError(f"unknown shape {name!r}: one of {', '.join(self)}, or BxHxV (e.g. 2048x2048x65536)")
+    return Shape(name, *map(int, dims))
+
+
 def preset_shapes(preset: Preset) -> list[tuple[Shape, str | None, tuple[str, ...]]]:
   """(shape, sweep axis or None, passes) for every problem of ``preset``, each distinct shape once: a sweep's base
   point is shared by the three sweeps and measured once (tagged with every axis it belongs to, comma-joined)."""

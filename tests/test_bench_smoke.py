@@ -1115,6 +1115,20 @@ def test_trainer_scaling_runs_a_variant_with_its_environment(tmp_path, monkeypat
   assert seen["cmd"][2:4] == ["--steps", "2"]
 
 
+def test_per_head_tools_take_any_size_as_a_shape():
+  """bench_floors' shapes (also bench_step_products' and profile_head's): the named heads, and any ``BxHxV`` or a
+  sweep point's name as a shape of that size; anything else named in a clear error."""
+  from benchmarks.bench_floors import SHAPES
+
+  assert SHAPES["llama3-8b"] == shapes.Shape("llama3-8b", 8192, 4096, 128256)
+  got = SHAPES["sweep-2048x2048x65536"]
+  assert (got.B, got.H, got.V) == (2048, 2048, 65536)
+  assert (SHAPES["40x32x300"].B, SHAPES["40x32x300"].V) == (40, 300)
+  for bad in ("llama3-9b", "2048x2048", "0x8x8", "2048x2kx8"):
+    with pytest.raises(KeyError, match="BxHxV"):
+      SHAPES[bad]
+
+
 def test_config_changes_are_typed_by_the_config_fields():
   """``--configs`` items of the GEMM benchmarks: each value typed as its GemmConfig field, ``None`` clearing an
   optional one, and an unknown field or a missing ``=`` named in the error."""
