@@ -14,7 +14,8 @@ loop has no dispatch between chunks, and a chunk takes only ~0.1–0.4 ms; bf16)
 and, with ``--widths``, lean mode's whole forward and backward (``value_and_grad`` of x and w) at its own chunk
 width and at the narrower widths whose recompute fills the GPU's waves best (the persistent GEMM's tiles over the
 SMs: llama3-8b's 1792 columns make 448 CTA tiles of 256×128, 3.4 waves on 132 SMs), each with its wave efficiency
-(tiles ÷ the whole waves they take); with ``--products``, what XLA's products allow lean mode at wider chunks:
+(tiles ÷ the whole waves they take) and its compiled temporaries against lean's bound (``--chunks W1,W2``: at those
+widths instead, wider ones too); with ``--products``, what XLA's products allow lean mode at wider chunks:
 per chunk of 1, 2, 4 and 8 times the op's width, the three products lean runs for it (the chunk's logits x·w_c,
 ``dx += dz·w_cᵀ`` into a float32 carry, ``dw_c = xᵀ·dz`` into dw) timed in one loop, beside XLA's whole forward
 product x·w and the plain head's forward and backward (``bench.py``'s ``plain_bf16``): a lean step
@@ -183,6 +184,8 @@ def main(argv=None) -> int:
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--widths", action="store_true", help="lean's forward and backward at wave-aligned chunk widths")
+  ap.add_argument("--chunks", default=None, metavar="W1,W2", help="with --widths: these chunk widths (wider ones "
+                  "too) instead of the narrower wave-aligned ones, beside the op's own")
   ap.add_argument("--products", action="store_true", help="XLA's chunk products at 1-8x the chunk width, against "
                   "the plain head")
   ap.add_argument("--interpret", action="store_true")
@@ -229,7 +232,13 @@ def main(argv=None) -> int:
          lean_dz_vs_kernels_ws=round(t["kernels_ws"] / t["lean_dz"], 3))
     if a.widths:
       widths = chunk_widths(b, h, cw, kind, _device.num_sms())
+      if a.chunks:
+        picks = sorted({cw, *(int(c) for c in a.chunks.split(","))}, reverse=True)
+        widths = {c: round(wave_efficiency(tuning.select_config("lean_dz", b, c, h, kind), b, c,
+                                           _device.num_sms()), 3) for c in picks}
       fns = {w_: (lean_step(y, w_, a.interpret), (x, w)) for w_ in widths}
+      # each width's compiled temporaries: what the chunk costs in memory (lean's bound is B·H·4 + 64 MB)
+      temp = {w_: f.lower(*fa).compile().memory_analysis().temp_size_in_bytes for w_, (f, fa) in fns.items()}
       ref = {w_: f(*fa) for w_, (f, fa) in fns.items()}
       t = interleaved(fns, rounds=a.rounds)
       rel = lambda a, b_: float(jnp.linalg.norm((a - b_).astype(jnp.float32)) / jnp.linalg.norm(b_.astype(
@@ -237,6 +246,7 @@ def main(argv=None) -> int:
       emit(kind="widths", shape=name, default=cw, wave_efficiency={str(k): e for k, e in widths.items()},
            ms={str(k): round(val, 3) for k, val in t.items()},
            vs_default={str(k): round(t[cw] / val, 3) for k, val in t.items()},
+           temp_bytes={str(k): temp[k] for k in widths}, lean_bound_bytes=b * h * 4 + 64 * 2**20,
            max_grad_rel_diff=max(rel(g, g0) for r in ref.values() for g, g0 in zip(r[1], ref[cw][1])))
     if a.products:
       emit(**products_row(name, x, w, y, cw, a.rounds))

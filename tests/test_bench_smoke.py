@@ -732,6 +732,13 @@ def test_bench_lean_widths(tmp_path):
   (row,) = [r for r in json.loads((tmp_path / "bench_lean.json").read_text())["rows"] if r["kind"] == "widths"]
   assert row["default"] == 512 and set(row["ms"]) == {"512", "384", "256"} and row["vs_default"]["512"] == 1.0
   assert row["max_grad_rel_diff"] < 1e-2
+  assert set(row["temp_bytes"]) == set(row["ms"]) and all(v > 0 for v in row["temp_bytes"].values())
+  # --chunks: the op's width and the given ones (here V = 512 is the op's own: none can be wider)
+  assert bench_lean.main(["--interpret", "--shapes", "tiny", "--rounds", "1", "--widths", "--chunks", "128,256",
+                          "--out", str(tmp_path)]) == 0
+  (row,) = [r for r in json.loads((tmp_path / "bench_lean.json").read_text())["rows"] if r["kind"] == "widths"]
+  assert set(row["ms"]) == {"512", "256", "128"} and row["max_grad_rel_diff"] < 1e-2
+  assert row["lean_bound_bytes"] == 128 * 64 * 4 + 64 * 2**20
   # llama3-8b's lean chunk on a 256×256 cluster tile: 32 × 7 = 224 tiles on 66 clusters: 4 waves, 3.39 used
   cfg = tuning.GemmConfig(wg_split="m", cluster="n")
   assert bench_lean.wave_efficiency(cfg, 8192, 1792, 132) == 8192 * 1792 / (4 * 66 * 256 * 256)
