@@ -15,7 +15,7 @@ and, with ``--widths``, lean mode's whole forward and backward (``value_and_grad
 width and at the narrower widths whose recompute fills the GPU's waves best (the persistent GEMM's tiles over the
 SMs: llama3-8b's 1792 columns make 448 CTA tiles of 256×128, 3.4 waves on 132 SMs), each with its wave efficiency
 (tiles ÷ the whole waves they take) and its compiled temporaries against lean's bound (``--chunks W1,W2``: at those
-widths instead, wider ones too); with ``--products``, what XLA's products allow lean mode at wider chunks:
+widths instead, wider ones too; ``--chunk-products gemm,xla``: each width once per owner of the chunk's products); with ``--products``, what XLA's products allow lean mode at wider chunks:
 per chunk of 1, 2, 4 and 8 times the op's width, the three products lean runs for it (the chunk's logits x·w_c,
 ``dx += dz·w_cᵀ`` into a float32 carry, ``dw_c = xᵀ·dz`` into dw) timed in one loop, beside XLA's whole forward
 product x·w and the plain head's forward and backward (``bench.py``'s ``plain_bf16``): a lean step
@@ -170,9 +170,10 @@ def products_row(name: str, x, w, y, cw: int, rounds: int) -> dict:
           "chunk_bytes": {str(c): b * c * x.dtype.itemsize for c in widths}}
 
 
-def lean_step(y, width: int, interpret: bool):
-  """The jitted forward and backward (x and w) of lean mode on the GEMM with ``width`` columns per chunk."""
-  cfg = Config(vocab_chunk=width)
+def lean_step(y, width: int, interpret: bool, products: str | None = None):
+  """The jitted forward and backward (x and w) of lean mode on the GEMM with ``width`` columns per chunk; its two
+  chunk products on ``products`` ("gemm" or "xla"; None: as the op picks)."""
+  cfg = Config(vocab_chunk=width, products=products)
   loss = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=cfg,
                                            interpret=interpret)
   return jax.jit(jax.value_and_grad(loss, (0, 1)))
@@ -186,6 +187,8 @@ def main(argv=None) -> int:
   ap.add_argument("--widths", action="store_true", help="lean's forward and backward at wave-aligned chunk widths")
   ap.add_argument("--chunks", default=None, metavar="W1,W2", help="with --widths: these chunk widths (wider ones "
                   "too) instead of the narrower wave-aligned ones, beside the op's own")
+  ap.add_argument("--chunk-products", default=None, metavar="ON1,ON2", help="with --widths: each width once per "
+                  "given owner of the chunk's two products (gemm, xla), named WIDTH:ON")
   ap.add_argument("--products", action="store_true", help="XLA's chunk products at 1-8x the chunk width, against "
                   "the plain head")
   ap.add_argument("--interpret", action="store_true")
@@ -236,18 +239,24 @@ def main(argv=None) -> int:
         picks = sorted({cw, *(int(c) for c in a.chunks.split(","))}, reverse=True)
         widths = {c: round(wave_efficiency(tuning.select_config("lean_dz", b, c, h, kind), b, c,
                                            _device.num_sms()), 3) for c in picks}
-      fns = {w_: (lean_step(y, w_, a.interpret), (x, w)) for w_ in widths}
+      if a.chunk_products:  # each width once per owner of the chunk products: "WIDTH:ON"
+        ons = a.chunk_products.split(",")
+        widths = {f"{w_}:{on}": e for w_, e in widths.items() for on in ons}
+        fns = {k: (lean_step(y, int(k.split(":")[0]), a.interpret, k.split(":")[1]), (x, w)) for k in widths}
+        base = f"{cw}:{ons[0]}"
+      else:
+        fns, base = {w_: (lean_step(y, w_, a.interpret), (x, w)) for w_ in widths}, cw
       # each width's compiled temporaries: what the chunk costs in memory (lean's bound is B·H·4 + 64 MB)
       temp = {w_: f.lower(*fa).compile().memory_analysis().temp_size_in_bytes for w_, (f, fa) in fns.items()}
       ref = {w_: f(*fa) for w_, (f, fa) in fns.items()}
       t = interleaved(fns, rounds=a.rounds)
       rel = lambda a, b_: float(jnp.linalg.norm((a - b_).astype(jnp.float32)) / jnp.linalg.norm(b_.astype(
           jnp.float32)))
-      emit(kind="widths", shape=name, default=cw, wave_efficiency={str(k): e for k, e in widths.items()},
+      emit(kind="widths", shape=name, default=base, wave_efficiency={str(k): e for k, e in widths.items()},
            ms={str(k): round(val, 3) for k, val in t.items()},
-           vs_default={str(k): round(t[cw] / val, 3) for k, val in t.items()},
+           vs_default={str(k): round(t[base] / val, 3) for k, val in t.items()},
            temp_bytes={str(k): temp[k] for k in widths}, lean_bound_bytes=b * h * 4 + 64 * 2**20,
-           max_grad_rel_diff=max(rel(g, g0) for r in ref.values() for g, g0 in zip(r[1], ref[cw][1])))
+           max_grad_rel_diff=max(rel(g, g0) for r in ref.values() for g, g0 in zip(r[1], ref[base][1])))
     if a.products:
       emit(**products_row(name, x, w, y, cw, a.rounds))
     if not a.sweep:
