@@ -16,7 +16,8 @@ width and at the narrower widths whose recompute fills the GPU's waves best (the
 SMs: llama3-8b's 1792 columns make 448 CTA tiles of 256×128, 3.4 waves on 132 SMs), each with its wave efficiency
 (tiles ÷ the whole waves they take) and its compiled temporaries against lean's bound (``--chunks W1,W2``: at those
 widths instead, wider ones too; ``--chunk-products gemm,xla``: each width once per owner of the chunk's
-products); with ``--products``, what XLA's products allow lean mode at wider chunks: per chunk of 1, 2, 4 and 8 times the op's width, the three products lean runs for it (the chunk's logits x·w_c,
+products); with ``--products``, what XLA's products allow lean mode at wider chunks: per chunk of 1, 2, 4 and 8
+times the op's width, the three products lean runs for it (the chunk's logits x·w_c,
 ``dx += dz·w_cᵀ`` into a float32 carry, ``dw_c = xᵀ·dz`` into dw) timed in one loop, beside XLA's whole forward
 product x·w and the plain head's forward and backward (``bench.py``'s ``plain_bf16``): a lean step
 at a width costs at least the forward product plus its chunks' products (``lean_floor_ms``), against the 1.25×
