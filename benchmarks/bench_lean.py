@@ -120,11 +120,15 @@ def wave_efficiency(cfg, m: int, n: int, sms: int) -> float:
   return m * n / (-(-tiles // per_wave) * per_wave * tm * tn)
 
 
+def chunk_efficiency(b: int, h: int, c: int, kind: str, sms: int) -> float:
+  """The wave efficiency of lean's recompute of a chunk of ``c`` columns on the table's ``lean_dz`` row."""
+  return wave_efficiency(tuning.select_config("lean_dz", b, c, h, kind), b, c, sms)
+
+
 def chunk_widths(b: int, h: int, cw: int, kind: str, sms: int, step: int = 128, extra: int = 3) -> dict[int, float]:
   """Lean chunk widths to time: the op's own (``cw``) and the ``extra`` narrower ones (at least half of it, in
   multiples of ``step``) whose recompute fills its waves best; width -> wave efficiency."""
-  eff = {c: wave_efficiency(tuning.select_config("lean_dz", b, c, h, kind), b, c, sms)
-         for c in range(max(step, cw // 2 // step * step), cw + 1, step)}
+  eff = {c: chunk_efficiency(b, h, c, kind, sms) for c in range(max(step, cw // 2 // step * step), cw + 1, step)}
   best = sorted((c for c in eff if c != cw), key=lambda c: (-eff[c], -c))[:extra]
   return {c: round(eff[c], 3) for c in sorted({cw, *best}, reverse=True)}
 
@@ -238,8 +242,7 @@ def main(argv=None) -> int:
       widths = chunk_widths(b, h, cw, kind, _device.num_sms())
       if a.chunks:
         picks = sorted({cw, *(int(c) for c in a.chunks.split(","))}, reverse=True)
-        widths = {c: round(wave_efficiency(tuning.select_config("lean_dz", b, c, h, kind), b, c,
-                                           _device.num_sms()), 3) for c in picks}
+        widths = {c: round(chunk_efficiency(b, h, c, kind, _device.num_sms()), 3) for c in picks}
       if a.chunk_products:  # each width once per owner of the chunk products: "WIDTH:ON"
         ons = a.chunk_products.split(",")
         widths = {f"{w_}:{on}": e for w_, e in widths.items() for on in ons}

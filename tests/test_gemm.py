@@ -493,9 +493,9 @@ def _warpgroup_barriers(monkeypatch, f, *args) -> int:
     count[0] += 1
     return emit()
 
-  monkeypatch.setattr(mgpu_utils, "warpgroup_barrier", counted)
-  _lower(f, *args)
-  monkeypatch.setattr(mgpu_utils, "warpgroup_barrier", emit)
+  with monkeypatch.context() as m:
+    m.setattr(mgpu_utils, "warpgroup_barrier", counted)
+    _lower(f, *args)
   return count[0]
 
 

@@ -90,14 +90,13 @@ class GemmConfig:
     return (cm * (2 if self.cluster == "m" else 1), cn * (2 if self.cluster == "n" else 1))
 
   def short(self) -> str:
+    bars = "" if self.auto_barriers else " auto_barriers=0"
     if self.schedule != "cooperative":
       cl = f" cl={self.cluster}" if self.cluster else ""
-      bars = "" if self.auto_barriers else " auto_barriers=0"
       return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} {self.schedule}{cl} "
               f"order={self.order_minor}{self.order_width} epi={self.epi_m}x{self.epi_n}{bars}")
     slots = f" slots={self.epi_slots}" if self.epi_slots != 2 else ""
     lag = f" lag={self.mma_lag}" if self.mma_lag else ""
-    bars = "" if self.auto_barriers else " auto_barriers=0"
     return (f"{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages} wg={self.wg_split} cl={self.cluster} "
             f"order={self.order_minor}{self.order_width}{slots}{lag}{bars}")
 
