@@ -177,8 +177,9 @@ def products_row(name: str, x, w, y, cw: int, rounds: int) -> dict:
 
 def lean_step(y, width: int, interpret: bool, products: str | None = None):
   """The jitted forward and backward (x and w) of lean mode on the GEMM with ``width`` columns per chunk; its two
-  chunk products on ``products`` ("gemm" or "xla"; None: as the op picks)."""
-  cfg = Config(vocab_chunk=width, products=products)
+  chunk products on ``products`` ("gemm" or "xla" for both, "DX/DW" for a pair such as "gemm/xla"; None: as the
+  op picks)."""
+  cfg = Config(vocab_chunk=width, products=tuple(products.split("/")) if products and "/" in products else products)
   loss = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=cfg,
                                            interpret=interpret)
   return jax.jit(jax.value_and_grad(loss, (0, 1)))
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
   ap.add_argument("--chunks", default=None, metavar="W1,W2", help="with --widths: these chunk widths (wider ones "
                   "too) instead of the narrower wave-aligned ones, beside the op's own")
   ap.add_argument("--chunk-products", default=None, metavar="ON1,ON2", help="with --widths: each width once per "
-                  "given owner of the chunk's two products (gemm, xla), named WIDTH:ON")
+                  "given owner of the chunk's two products (gemm, xla, or a dx/dw pair: gemm/xla), named WIDTH:ON")
   ap.add_argument("--products", action="store_true", help="XLA's chunk products at 1-8x the chunk width, against "
                   "the plain head")
   ap.add_argument("--interpret", action="store_true")
