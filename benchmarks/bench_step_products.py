@@ -13,7 +13,8 @@ GPU's power limit, the order can differ (``benchmarks/probe_clocks.py``). So per
 and writes a row of the table's ``"steps"`` (:func:`lce_flax._impl.pallas_mosaic.tuning.load_steps`): the design,
 the bucket, the fastest pair and every time. With ``--mode lean`` the same for lean mode (design "recompute"),
 whose pair is each vocabulary chunk's dx (added into the float32 dx) and dw, with each step's compiled temporaries
-(``temp_gb``: lean mode is held to B·H·4 + 64 MB).
+(``temp_gb``: lean mode is held to B·H·4 + 64 MB) and its chunk width (``vocab_chunk``: the op plans wider chunks
+for the pair on the GEMM, whose products take the chunk in place).
 
     python3 -m benchmarks.bench_step_products [--shapes llama3-8b,qwen3-8b] [--rounds 7] [--mode lean] [--out DIR]
     python3 -m benchmarks.bench_step_products --merge DIR/steps.json     # into the package's table (tuning_table)
@@ -67,7 +68,7 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
   v = w.shape[1]
   calls = {"plain": (head_steps(y, False, interpret)["plain"], (x, w))}
   design = block_t = None
-  mem = {}
+  mem, widths = {}, {}
   for pair in pairs:
     f, kw = pair_step(y, pair, interpret, mode)
     d = explain(x, w, y, **kw)
@@ -75,6 +76,7 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
     if mode == "lean":  # (timed as compiled here: one compile gives its temporaries and its calls)
       f = f.lower(x, w).compile()
       mem[",".join(pair)] = round(f.memory_analysis().temp_size_in_bytes / 1e9, 4)
+      widths[",".join(pair)] = d.config.vocab_chunk  # (each pair at the chunk width the op plans for it)
     calls[",".join(pair)] = (f, (x, w))
   t = interleaved(calls, rounds=rounds)
   best = min((k for k in t if k != "plain"), key=t.get)
@@ -83,7 +85,7 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
          "products": best.split(","), "ms": {k: round(s, 3) for k, s in t.items()},
          "source": f"benchmarks/bench_step_products.py, {rounds} alternated rounds"}
   if mem:
-    row.update(temp_gb=mem, temp_bound_gb=round((b * h * 4 + 64 * 10**6) / 1e9, 4),
+    row.update(temp_gb=mem, vocab_chunk=widths, temp_bound_gb=round((b * h * 4 + 64 * 10**6) / 1e9, 4),
                vs_plain={k: round(s / t["plain"], 3) for k, s in t.items() if k != "plain"})
   return row
 

@@ -140,6 +140,66 @@ def test_twin_accumulate_into_c():
     G.gemm(a, b, transpose_a=True, epilogue=G.AddTo(c.astype(BF)), config=TWIN, interpret=True)
 
 
+def _window_cases(rng, start, size=256, m=M, h=K, v=640, config=TWIN, interpret=True):
+  """Lean mode's three chunk products with w's chunk ``[start, start + size)`` read (and dw's added into) in place:
+  (name, call, float64 reference of the result) for w [H, V] ("hv") and [V, H] ("vh"), from ``start`` traced."""
+  kw = dict(config=config, interpret=interpret)
+  x, w, dz = _rand(rng, (m, h)), _rand(rng, (h, v)), _rand(rng, (m, size))
+  acc = jnp.asarray(rng.standard_normal((m, h)), jnp.float32)
+  dw = jnp.asarray(rng.standard_normal((h, v)), BF)
+  x64, w64, dz64, dw64, acc64 = _f64(x), _f64(w), _f64(dz), _f64(dw), np.asarray(acc, np.float64)
+  cols = slice(start, start + size)
+  win = lambda axis: G.Window(jnp.int32(start), size, axis)
+  added = dw64.copy()
+  added[:, cols] += x64.T @ dz64
+  return [
+      ("x.w_c", lambda: G.gemm(x, w, b_window=win(1), **kw), x64 @ w64[:, cols]),
+      ("x.w_cT (vh)", lambda: G.gemm(x, w.T, transpose_b=True, b_window=win(0), **kw), x64 @ w64[:, cols]),
+      ("acc + dz.w_cT", lambda: G.gemm(dz, w, transpose_b=True, b_window=win(1), epilogue=G.AddTo(acc), **kw),
+       acc64 + dz64 @ w64[:, cols].T),
+      ("acc + dz.w_c (vh)", lambda: G.gemm(dz, w.T, b_window=win(0), epilogue=G.AddTo(acc), **kw),
+       acc64 + dz64 @ w64[:, cols].T),
+      ("dw[:, c] += xT.dz", lambda: G.gemm(x, dz, transpose_a=True, epilogue=G.AddTo(dw, window=win(1)), **kw),
+       added),
+      ("dw[c] += dzT.x (vh)", lambda: G.gemm(dz, x, transpose_a=True, epilogue=G.AddTo(dw.T, window=win(0)), **kw),
+       added.T),
+  ]
+
+
+@pytest.mark.parametrize("start", [0, 128, 384])  # 384 = V - 256: the clamped last chunk of a walk over V = 640
+def test_twin_windows_read_and_add_in_place(start):
+  """``b_window`` and ``AddTo(window=...)``: lean mode's chunk products on a window of w (columns of [H, V], rows
+  of [V, H]) from a start the kernel reads at run time, and dw's window added into in place in w's dtype, the rest
+  of dw kept bit for bit; against float64 NumPy, M and H ragged against the tiles."""
+  rng = np.random.default_rng(20 + start)
+  for name, call, ref in _window_cases(rng, start):
+    out = call()
+    if "dw" in name:  # (bf16: the window's entries rounded once, the others untouched)
+      assert out.dtype == BF, name
+      keep = np.ones(ref.shape, bool)
+      keep[(slice(None), slice(start, start + 256)) if "vh" not in name else (slice(start, start + 256),)] = False
+      np.testing.assert_array_equal(_f64(out)[keep], ref[keep])
+      assert _rel(out, ref) < 1e-2, name
+    else:
+      assert _rel(out, ref) < (1e-5 if out.dtype == jnp.float32 else 1e-2), name
+
+
+def test_windows_refused_where_they_cannot_be():
+  """A window longer than its axis, of a size that is no multiple of its start's, along no axis of a 2-D array, or
+  a windowed ``AddTo`` into an array of a third dtype or the wrong width: a ValueError naming it, at trace time."""
+  x, w, dz = jnp.zeros((64, 128), BF), jnp.zeros((128, 640), BF), jnp.zeros((64, 256), BF)
+  for win, match in ((G.Window(0, 768, 1), "window of 768"), (G.Window(0, 200, 1), "multiple of 128"),
+                     (G.Window(0, 256, 2), "axis 2")):
+    with pytest.raises(ValueError, match=match):
+      G.gemm(x, w, b_window=win, config=TWIN, interpret=True)
+  with pytest.raises(ValueError, match="AddTo: c must be float32 or bfloat16"):
+    G.gemm(x, dz, transpose_a=True, epilogue=G.AddTo(jnp.zeros((128, 640), jnp.float16), window=G.Window(0, 256, 1)),
+           config=TWIN, interpret=True)
+  with pytest.raises(ValueError, match="AddTo: c must be"):
+    G.gemm(x, dz, transpose_a=True, epilogue=G.AddTo(jnp.zeros((128, 640), BF), window=G.Window(0, 384, 1)),
+           config=TWIN, interpret=True)
+
+
 def test_twin_row_mask_skips_whole_row_units():
   """``row_mask``: the tiles of the row units whose entry is 0 are skipped whole; with an in-place epilogue
   (``AddTo``) their rows of the output keep their values bit for bit, the other rows get ``C + A·B``, against
@@ -478,6 +538,16 @@ def test_gpu_kernel_lowers_for_cuda(cfg):
       (lambda a, b, l, y: G.gemm(a, b, transpose_b=True, epilogue=G.LogitGrad(l, l, l, l, y, LOSS_PLAIN),
                                  approx_math=True, config=tuning.fit_role("lean_dz", cfg)),
        SDS((m, k), BF), SDS((n, k), BF), vec, y),
+      # the same and the chunk's two products on a window of w [H, 4096] from a traced start, dw's added in place
+      (lambda a, b, l, y, s: G.gemm(a, b, epilogue=G.LogitGrad(l, l, l, l, y, LOSS_PLAIN),
+                                    b_window=G.Window(s, n, 1, 64), config=tuning.fit_role("lean_dz", cfg)),
+       SDS((m, k), BF), SDS((k, 4096), BF), vec, y, SDS((), jnp.int32)),
+      (lambda z, w, c, s: G.gemm(z, w, transpose_b=True, epilogue=G.AddTo(c), b_window=G.Window(s, 1024, 1, 64),
+                                 config=tuning.fit_role("dx_acc", cfg)),
+       SDS((m, 1024), BF), SDS((k, 4096), BF), SDS((m, k), jnp.float32), SDS((), jnp.int32)),
+      (lambda a, z, dw, s: G.gemm(a, z, transpose_a=True, epilogue=G.AddTo(dw, window=G.Window(s, 1024, 0, 64)),
+                                  config=cfg),
+       SDS((m, 1024), BF), SDS((m, k), BF), SDS((4096, k), BF), SDS((), jnp.int32)),
   ]
   for f, *args in cases:
     assert "mosaic_gpu" in _lower(f, *args)
@@ -734,6 +804,19 @@ def test_gpu_products(name, cfg):
   out = G.gemm(a, b, transpose_a=ta, transpose_b=tb, epilogue=G.Store(jnp.float32), config=cfg32)
   assert _rel(out, ref) < 1e-5
   assert _rel(G.gemm(a, b, transpose_a=ta, transpose_b=tb, config=cfg), ref) < 1e-2
+
+
+@pytest.mark.gpu(min_cc=(9, 0))
+@pytest.mark.parametrize("cfg", [None, tuning.PINGPONG_WS, dataclasses.replace(tuning.PINGPONG_WS, cluster="m")],
+                         ids=lambda c: c.short() if c else "table")
+def test_gpu_windows(cfg):
+  """Lean mode's chunk products on windows of w and dw (:func:`_window_cases`) on the real kernel, at a shape of
+  whole CTA tiles: H = 576, chunks of 1024 columns of V = 4096, the last one clamped (start 3072 - 128)."""
+  rng = np.random.default_rng(9)
+  for start in (0, 2944):
+    for name, call, ref in _window_cases(rng, start, size=1024, m=1000, h=576, v=4096, config=cfg, interpret=False):
+      out = call()
+      assert _rel(out, ref) < (1e-5 if out.dtype == jnp.float32 else 1e-2), (name, start)
 
 
 @pytest.mark.gpu(min_cc=(9, 0))

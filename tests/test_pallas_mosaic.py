@@ -989,14 +989,16 @@ def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
                                                      ("hv", True, ("gemm", "xla")), ("vh", False, ("xla", "gemm"))])
 def test_lean_products_on_the_gemm_lower_for_cuda(w_layout, bias, products):
   """Lean mode with its chunk products on the GEMM, lowered for CUDA on CPU: the forward's statistics, then in the
-  one loop over the vocabulary chunks the LogitGrad recompute, dx = dz·w_cᵀ added into the carried float32 dx by a
-  Mosaic GPU call whose one output is that operand (TMA reduce-adds in place: no second B×H float32 buffer), and
-  dw_c = xᵀ·dz in w's dtype; what ``products`` leaves to XLA is a dot of the same shape."""
+  one loop over the vocabulary chunks (three of 768 columns, the last clamped to end at V) the LogitGrad recompute
+  reading w's chunk in place, dx = dz·w_cᵀ added into the carried float32 dx by a Mosaic GPU call whose one output
+  is that operand (TMA reduce-adds in place: no second B×H float32 buffer), and xᵀ·dz added into the chunk's
+  columns of the whole dw, in place too; no copy of w's chunk unless XLA forms dx; what ``products`` leaves to XLA
+  is a dot of the chunk's shape."""
   b, h, v = 1000, 512, 2048
   opts = _math.LossSpec(vocab_size=v, logit_softcap=30.0)
   spec = common.Spec(opts, w_layout, interpret=False)
-  plan = pallas_mosaic.design(b, h, spec, jnp.bfloat16, "lean", Config(products=products)).config
-  assert plan.gemm is not None and plan.stats_gemm, plan
+  plan = pallas_mosaic.design(b, h, spec, jnp.bfloat16, "lean", Config(products=products, vocab_chunk=768)).config
+  assert plan.gemm is not None and plan.stats_gemm and plan.vocab_chunk == 768, plan
   on_dx, on_dw = plan.products
   sds = jax.ShapeDtypeStruct
   args = (sds((b, h), jnp.bfloat16), sds((v, h) if w_layout == "vh" else (h, v), jnp.bfloat16),
@@ -1009,14 +1011,17 @@ def test_lean_products_on_the_gemm_lower_for_cuda(w_layout, bias, products):
   calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
   rows, cw = -(-b // plan.block_t) * plan.block_t, plan.vocab_chunk
   dx_type = f"tensor<{rows}x{h}xf32>"
-  dw_type = f"tensor<{h}x{cw}xbf16>" if w_layout == "hv" else f"tensor<{cw}x{h}xbf16>"
+  chunk_type = f"tensor<{h}x{cw}xbf16>" if w_layout == "hv" else f"tensor<{cw}x{h}xbf16>"
+  w_type = f"tensor<{h}x{v}xbf16>" if w_layout == "hv" else f"tensor<{v}x{h}xbf16>"
   dx_calls = [line for line in calls if line.rstrip().endswith(f"-> {dx_type}")]
-  dw_calls = [line for line in calls if line.rstrip().endswith(f"-> {dw_type}")]
+  dw_calls = [line for line in calls if line.rstrip().endswith(f"-> {w_type}")]
   assert len(calls) == 2 + (on_dx == "gemm") + (on_dw == "gemm"), calls  # + the forward and the recompute
   assert len(dx_calls) == (on_dx == "gemm") and all("output_operand_alias" in line for line in dx_calls), dx_calls
-  assert len(dw_calls) == (on_dw == "gemm"), dw_calls
+  assert len(dw_calls) == (on_dw == "gemm") and all("output_operand_alias" in line for line in dw_calls), dw_calls
   dots = re.findall(r"stablehlo\.dot_general[^\n]*-> (tensor<[^>]*>)", text)
-  assert (dx_type in dots) == (on_dx == "xla") and (dw_type in dots) == (on_dw == "xla"), dots
+  assert (dx_type in dots) == (on_dx == "xla") and (chunk_type in dots) == (on_dw == "xla"), dots
+  slices = re.findall(r"stablehlo\.dynamic_slice[^\n]*-> (tensor<[^>]*>)", text)
+  assert (chunk_type in slices) == (on_dx == "xla" or on_dw == "xla"), slices  # w's chunk copied only for XLA
   assert text.count("stablehlo.while") == 1
 
 

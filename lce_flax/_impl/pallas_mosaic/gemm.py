@@ -139,6 +139,45 @@ def _transforms(dtype, minor_elems: int):
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """``size`` rows (``axis=0``) or columns (``axis=1``) of a 2-D array from ``start`` (an int32 scalar, traced or
+  not): what a kernel reads (:func:`gemm`'s ``b_window``) or adds into (:class:`AddTo`'s ``window``) in place,
+  where a slice would be a copy (a chunk of columns of a row-major array is strided; XLA hands a custom call no
+  strided operand). The kernel takes ``start`` as an int32 [1] GMEM input and offsets its TMA windows by it; the
+  window must lie inside the array and ``start`` be a multiple of ``multiple`` (what Mosaic GPU's layout inference
+  needs to know of a dynamic offset; neither is checked on the device: :mod:`lce_flax._impl.pallas_mosaic.op`
+  clamps its chunks to end at V, a multiple of the GEMM's column tile)."""
+
+  start: Any
+  size: int
+  axis: int
+  multiple: int = 128
+
+  def check(self, name: str, shape) -> tuple[int, int]:
+    """The windowed shape of an array of ``shape``; ``ValueError`` naming ``name`` unless the window can fit."""
+    if self.axis not in (0, 1) or not 0 < self.size <= shape[self.axis] or self.size % self.multiple:
+      raise ValueError(f"gemm: {name} window of {self.size} along axis {self.axis} of {tuple(shape)}: a window is "
+                       f"1 to {shape[self.axis] if self.axis in (0, 1) else '?'} long (a multiple of {self.multiple}), "
+                       "along axis 0 or 1")
+    return (self.size, shape[1]) if self.axis == 0 else (shape[0], self.size)
+
+  def start_array(self):
+    return jnp.asarray(self.start, jnp.int32).reshape(1)
+
+  def of(self, ref, start):
+    """The window of ``ref`` from ``start`` (read from the start input in the kernel)."""
+    start = pl.multiple_of(start, self.multiple)
+    return ref.at[pl.ds(start, self.size)] if self.axis == 0 else ref.at[:, pl.ds(start, self.size)]
+
+
+def _windowed(body, window: Window):
+  """``body`` taking B through ``window``: the kernel's first input is the window's start (int32 [1])."""
+  def f(start_ref, a_ref, b_ref, *refs, **kw):
+    return body(a_ref, window.of(b_ref, start_ref[0]), *refs, **kw)
+  return f
+
+
 # ------------------------------------------------------------------------------------------------ epilogue parts
 
 
@@ -270,7 +309,10 @@ def _store_subtiles(z, t: Tile, out, buf, reduction_op=None):
 class AddTo(Part):
   """``c += acc`` in float32 [M, N], in place: the accumulation of a token-chunked dw. ``c`` is handed to the
   kernel as a mutable ref (:attr:`Part.in_place`), so its buffer is the output (XLA aliases it; a copy is made
-  only where the caller still holds ``c``), and no second M×N float32 buffer exists.
+  only where the caller still holds ``c``), and no second M×N float32 buffer exists. With ``window``
+  (:class:`Window`) ``c`` is a larger array, float32 or the operands' dtype, and the product is added into its
+  window: lean mode's dw, each vocabulary chunk's product added into its columns of the whole dw (zeros before;
+  every column gets one nonzero product, so the rounded sum is the rounded product).
 
   On the GPU each sub-tile of the accumulator goes registers → SMEM → a TMA *reduce-add* into ``c``
   (``cp.reduce.async.bulk.tensor``): the add happens on the way to memory, so the epilogue reads nothing and costs
@@ -278,17 +320,32 @@ class AddTo(Part):
   interpreter has no TMA reductions) reads each sub-tile of ``c`` by TMA into SMEM, adds and stores it back."""
 
   c: Any
+  window: Window | None = None
   in_place = (0,)
 
   def inputs(self, prob, cfg):
-    if self.c.shape != (prob.m, prob.n) or self.c.dtype != F32:
-      raise ValueError(f"AddTo: c must be float32 {(prob.m, prob.n)}, got {self.c.dtype} {self.c.shape}")
-    return (self.c,)
+    if self.window is None:
+      if self.c.shape != (prob.m, prob.n) or self.c.dtype != F32:
+        raise ValueError(f"AddTo: c must be float32 {(prob.m, prob.n)}, got {self.c.dtype} {self.c.shape}")
+      return (self.c,)
+    if self.c.ndim != 2 or self.window.check("AddTo's c", self.c.shape) != (prob.m, prob.n) or (
+        self.c.dtype not in (F32, prob.dtype)):
+      raise ValueError(f"AddTo: c must be float32 or {prob.dtype}, with a window of {(prob.m, prob.n)}, got "
+                       f"{self.c.dtype} {self.c.shape} and {self.window.size} along axis {self.window.axis}")
+    return (self.c, self.window.start_array())
+
+  def _dt(self):
+    return jnp.dtype(self.c.dtype)
+
+  def _target(self, ins):
+    """``c`` as the tiles address it (its window, when it has one)."""
+    return ins[0] if self.window is None else self.window.of(ins[0], ins[1][0])
 
   def smem(self, prob, cfg):
     if not prob.interpret:
-      return Store(F32).smem(prob, cfg)
-    return (plgpu.SMEM((prob.nwg, 2, cfg.epi_m, cfg.epi_n), F32, transforms=_transforms(F32, cfg.epi_n)),
+      return Store(self._dt()).smem(prob, cfg)
+    dt = self._dt()
+    return (plgpu.SMEM((prob.nwg, 2, cfg.epi_m, cfg.epi_n), dt, transforms=_transforms(dt, cfg.epi_n)),
             plgpu.Barrier(num_barriers=2 * prob.nwg))
 
   def _load(self, q, slot, t, c, buf, bars):
@@ -301,12 +358,12 @@ class AddTo(Part):
       return
     # (twin) the first sub-tile of C lands while the K loop runs; slot 0 was last read by the previous tile's
     # second-to-last store, which is done once at most one copy is in flight
-    (c,), (buf, bars) = ins, smem
+    c, (buf, bars) = self._target(ins), smem
     plgpu.wait_smem_to_gmem(0 if len(list(_subtiles(t.cfg))) % 2 else 1, wait_read_only=True)
     self._load(0, 0, t, c, buf, bars)
 
   def apply(self, z, t, ins, outs, smem):
-    (c,) = ins
+    c = self._target(ins)
     if not t.prob.interpret:
       _store_subtiles(z, t, c, smem[0], reduction_op="add")
       return
@@ -318,7 +375,7 @@ class AddTo(Part):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the store that last read the other slot is done
         self._load(q + 1, 1 - slot, t, c, buf, bars)
       plgpu.barrier_wait(bars.at[t.g * 2 + slot])
-      buf[t.g, slot] = buf[t.g, slot] + z[ms, ns]
+      buf[t.g, slot] = (buf[t.g, slot].astype(F32) + z[ms, ns]).astype(buf.dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(buf.at[t.g, slot], c.at[pl.ds(t.row0 + ms.start, t.cfg.epi_m),
                                                        pl.ds(t.col0 + ns.start, t.cfg.epi_n)])
@@ -1272,7 +1329,7 @@ def table_config(role: str, m: int, n: int, k: int, dtype, *, epilogue=None, pro
 
 def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue=None, prologue=None,
          config: GemmConfig | None = None, interpret: bool = False, role: str = "plain", approx_math: bool = False,
-         row_mask=None):
+         row_mask=None, b_window: Window | None = None):
   """``epilogue(prologue(A) · B)``; see the module docstring. Returns the epilogue parts' outputs (a tuple, or the
   one array of a one-output epilogue). ``epilogue``: a :class:`Part` or a tuple of them (default ``Store()``);
   ``config``: a :class:`GemmConfig` (default: :func:`.tuning.select_config` for ``role``, with fewer stages where
@@ -1282,13 +1339,15 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
   epilogue should leave it off. ``row_mask`` (int32 [cdiv(M, row_unit(config, interpret))]): the output tiles of
   the row units whose entry is 0 are skipped whole (nothing loaded, no MMA, no epilogue: their part of an output
   is left unwritten, so it suits epilogues that write in place); a skipped tile costs one read of its entry.
-  The cooperative schedule only."""
+  The cooperative schedule only. ``b_window`` (:class:`Window`): B is that window of ``b`` (as given, before
+  ``transpose_b``), read in place: no copy of a strided slice."""
   _check_operand("a", a, "M" if transpose_a else "K")
   _check_operand("b", b, "K" if transpose_b else "N")
   if a.dtype != b.dtype:
     raise TypeError(f"gemm: operand dtypes differ ({a.dtype} vs {b.dtype})")
   m, k = (a.shape[1], a.shape[0]) if transpose_a else a.shape
-  k2, n = (b.shape[1], b.shape[0]) if transpose_b else b.shape
+  b_shape = b.shape if b_window is None else b_window.check("b", b.shape)
+  k2, n = (b_shape[1], b_shape[0]) if transpose_b else b_shape
   if k != k2:
     raise ValueError(f"gemm: contraction sizes differ: A gives K={k}, B gives K={k2}")
   if prologue is not None and transpose_a:
@@ -1323,20 +1382,23 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
   args = (a, b, *pro_in, *(x for xs in part_in for x in xs))
   if row_mask is not None:
     args += (row_mask.astype(jnp.int32),)
+  if b_window is not None:
+    args = (b_window.start_array(), *args)
+  window = (lambda body: body) if b_window is None else (lambda body: _windowed(body, b_window))
   hooks = dict(prob=prob, cfg=config, parts=parts, prologue=prologue, n_in=n_in, n_out=n_out,
                masked=row_mask is not None)
 
   if interpret:
     pro_smem, part_smem = _smem_types(parts, prologue, prob, config)
     smem = [pro_smem] + part_smem
-    body = functools.partial(_body_twin, n_smem=[len(s) for s in smem], **hooks)
+    body = window(functools.partial(_body_twin, n_smem=[len(s) for s in smem], **hooks))
     kern = plgpu.kernel(body, out_type=out_type, scratch_types=[s for ss in smem for s in ss],
                         grid=(min(3, cdiv(m, config.tile_m) * cdiv(n, config.tile_n)),), grid_names=("sm",),
                         interpret=plgpu.InterpretGPUParams())
   else:
     cs = config.cluster_size()
     body = {"cooperative": _body_ws, "pingpong": _body_pingpong, "pingpong_ws": _body_pingpong_ws}[config.schedule]
-    kern = plgpu.kernel(functools.partial(body, **hooks), out_type=out_type, grid=(_device.num_sms() // cs,),
+    kern = plgpu.kernel(window(functools.partial(body, **hooks)), out_type=out_type, grid=(_device.num_sms() // cs,),
                         grid_names=("sm",), cluster=(cs,), cluster_names=("cluster",),
                         num_threads=2 if config.schedule == "pingpong" else 3,
                         thread_name="wg",

@@ -65,6 +65,7 @@ instead (layout inference and the SMEM budget are checked there), the GPU check 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -277,17 +278,18 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
       raise ValueError(f"token_chunk={chunk} (tokens per chunk of the 'tokens' fast design) must be a multiple of "
                        f"block_t={bt}")
     return _products(dataclasses.replace(tiles, token_chunk=chunk, fast_design=design), c, tokens, hidden, vocab)
-  chunk = c.vocab_chunk or lean_chunk(tokens, hidden, bv * (2 if ws else 1))
+  # the chunk products first: on the GEMM they read and write the chunk in place, which leaves room for wider chunks
+  p = _products(dataclasses.replace(tiles, gemm=_gemm_config(c, "fwd_stats", tokens, hidden, vocab, interpret, ws)),
+                c, tokens, hidden, vocab)
+  chunk = c.vocab_chunk or lean_chunk(tokens, hidden, bv * (2 if ws else 1), in_place=_products_in_place(p))
   if chunk % bv:
     raise ValueError(f"vocab_chunk={chunk} must be a positive multiple of block_v={bv}")
   chunk = min(chunk, (vp // bv) * bv)
   if ws:
     chunk = cdiv(chunk, 2 * bv) * 2 * bv  # whole CTA tiles (2 warpgroups × block_v) per chunk
     chunk = min(chunk, (max(vp, 2 * bv) // (2 * bv)) * 2 * bv)
-  p = dataclasses.replace(tiles, vocab_chunk=chunk,
-                          gemm=_gemm_config(c, "fwd_stats", tokens, hidden, vocab, interpret, ws))
-  p = dataclasses.replace(p, stats_gemm=lean_stats_on_gemm(p, tokens, hidden, vocab))
-  return _products(p, c, tokens, hidden, vocab)
+  p = dataclasses.replace(p, vocab_chunk=chunk)
+  return dataclasses.replace(p, stats_gemm=lean_stats_on_gemm(p, tokens, hidden, vocab))
 
 
 def _gemm_stats_bytes(cfg: GemmConfig, rows: int, vocab: int) -> int:
@@ -297,8 +299,16 @@ def _gemm_stats_bytes(cfg: GemmConfig, rows: int, vocab: int) -> int:
 
 
 def _lean_backward_bytes(p: Plan, rows: int, hidden: int, itemsize: int = 2) -> int:
-  """Lean mode's backward buffers: dz [B, chunk], the float32 dx, the chunk of w and the chunk's dw product."""
-  return rows * p.vocab_chunk * itemsize + rows * hidden * 4 + 2 * hidden * p.vocab_chunk * itemsize
+  """Lean mode's backward buffers: dz [B, chunk], the float32 dx, and where XLA forms a chunk product the chunk of
+  w and the chunk's dw product (on the GEMM both products take the chunk in place: :func:`chunk_window`)."""
+  xla = 0 if _products_in_place(p) else 2 * hidden * p.vocab_chunk * itemsize
+  return rows * p.vocab_chunk * itemsize + rows * hidden * 4 + xla
+
+
+def _products_in_place(p: Plan) -> bool:
+  """Whether both of lean mode's chunk products run on the GEMM, reading w's chunk and adding into dw's in place
+  (:func:`chunk_window`: the chunk's start a multiple of 64, true on the GEMM, whose V is whole column tiles)."""
+  return p.products == ("gemm", "gemm") and p.gemm is not None
 
 
 def lean_stats_on_gemm(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: int = 2) -> bool:
@@ -314,9 +324,14 @@ def lean_stats_on_gemm(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsi
   return _gemm_stats_bytes(p.gemm, rows, vocab) <= room
 
 
-def lean_chunk(num_tokens: int, hidden: int, step: int) -> int:
+def lean_chunk(num_tokens: int, hidden: int, step: int, in_place: bool = False) -> int:
   """Lean mode's vocabulary columns per chunk: the most that keep its buffers within ``LEAN_EXTRA_BYTES`` beside
   the per-token vectors and ``LEAN_RESERVE``; a multiple of ``step`` (the kernel's column tile) in [step, 16384].
+
+  With both chunk products on the GEMM (``in_place``: w's chunk read and dw's chunk added into in place,
+  :func:`chunk_window`; dx added into the float32 dx by TMA reduce-adds; no cuBLAS call) the one buffer is dz
+  [B, chunk]: 3584 columns at llama3-8b's 8192×4096 and gemma2-2b's 8192×2304, 7168 at qwen3-8b's 4096×4096,
+  1792 at gpt2-small's 16384×768. Else:
 
   Per chunk XLA holds three bf16 buffers: dz [B, chunk], the chunk of w it copies for cuBLAS and the chunk's dw
   product (both [H, chunk]: a chunk of columns of an [H, V] head is strided); and its cuBLAS workspace. The x
@@ -325,6 +340,8 @@ def lean_chunk(num_tokens: int, hidden: int, step: int) -> int:
   1792 columns at llama3-8b's 8192×4096, 2304 at gemma2-2b's 8192×2304, 1536 at qwen3-8b's 4096×4096, 768 at
   gpt2-small's 16384×768 (memory measured in ``benchmarks/results/h100-2026-11-24-r6-lean``)."""
   room = LEAN_EXTRA_BYTES - LEAN_RESERVE - 64 * num_tokens
+  if in_place:
+    return min(max(room // (2 * num_tokens) // step * step, step), 16384)
   out = num_tokens * hidden * 2
   if out > CUBLAS_WORKSPACE:  # the workspace goes into the x gradient's buffer
     chunk = room // (2 * (num_tokens + 2 * hidden))
@@ -641,31 +658,35 @@ def run_forward(xp, wp, bp, yp, d: kernels.Dims, p: Plan, opts):
   return (kernels_ws.forward_ws if p.warp_specialized else kernels.forward)(xp, wp, bp, yp, d, p, opts)
 
 
-def product_dx(dz, wp, layout: str, on: str, interpret: bool, *, scale=None, out_dtype=F32, acc=None):
+def product_dx(dz, wp, layout: str, on: str, interpret: bool, *, scale=None, out_dtype=F32, acc=None, window=None):
   """``dz · wᵀ`` ([B, H]; ``dz · w`` for a [V, H] w) accumulated in float32, by the GEMM of :mod:`.gemm`
   (``on="gemm"``) or XLA's (``"xla"``: cuBLAS): in ``out_dtype``, each row times ``scale`` (float32 [B]) when given
   (on the GEMM in its epilogue, before the one rounding); or, given ``acc`` (float32 [B, H]), ``acc + dz · wᵀ`` in
   float32, updated in place either way (the GEMM's TMA reduce-adds, :class:`.gemm.AddTo`; cuBLAS's ``beta = 1``):
-  the lean design's dx over its vocabulary chunks."""
+  the lean design's dx over its vocabulary chunks. ``window`` (:class:`.gemm.Window`, on the GEMM only): ``wp``
+  is the whole head and the product takes its chunk of columns there, read in place."""
   if on == "gemm":
     part = gemm_lib.Store(out_dtype, row_scale=scale) if acc is None else gemm_lib.AddTo(acc)
     return gemm_lib.gemm(dz, wp, transpose_b=layout == "hv", epilogue=part, role="dx" if acc is None else "dx_acc",
-                         interpret=interpret)
+                         interpret=interpret, b_window=window)
   dx = common.grad_x(dz, wp, layout)
   if acc is not None:
     return acc + dx
   return (dx if scale is None else dx * scale[:, None]).astype(out_dtype)
 
 
-def product_dw(x, dz, layout: str, on: str, interpret: bool, out_dtype, acc=None):
+def product_dw(x, dz, layout: str, on: str, interpret: bool, out_dtype, acc=None, window=None):
   """``xᵀ · dz`` ([H, V]; ``dzᵀ · x`` [V, H] for a [V, H] w) accumulated in float32, by the GEMM of :mod:`.gemm`
   (``on="gemm"``) or XLA's (``"xla"``): in ``out_dtype``, or given ``acc`` (float32, w's shape: the "tokens"
   design's dw) ``acc + xᵀ · dz`` in float32, updated in place either way (:class:`.gemm.AddTo`'s TMA reduce-adds;
   cuBLAS's ``beta = 1``). XLA's product is formed in ``out_dtype`` by the dot itself: a float32 product and a
-  convert would leave its float32 buffer to whichever GEMM XLA's autotuner picks."""
+  convert would leave its float32 buffer to whichever GEMM XLA's autotuner picks. ``window`` (on the GEMM only):
+  ``acc`` is the whole dw in its own dtype (zeros in the chunk's columns) and the product is added into its
+  chunk's columns in place (the lean design's)."""
   if on == "gemm":
     a, b = (x, dz) if layout == "hv" else (dz, x)
-    part, role = (gemm_lib.Store(out_dtype), "dw") if acc is None else (gemm_lib.AddTo(acc), "dw_acc")
+    part, role = (gemm_lib.Store(out_dtype), "dw") if acc is None else (gemm_lib.AddTo(acc, window=window),
+                                                                        "dw" if window is not None else "dw_acc")
     return gemm_lib.gemm(a, b, transpose_a=True, epilogue=part, role=role, interpret=interpret)
   if acc is None:
     return common.grad_w(x, dz, layout, out_dtype=out_dtype)
@@ -746,17 +767,26 @@ def _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
     _in_place(d, x, w, spec)
 
   def dz_of(start, lo):
-    w_c = common.slice_vocab(wp, start, cw, spec.w_layout)
+    w_c = common.slice_vocab(wp, start, cw, spec.w_layout)  # (a copy where XLA's kernels need it: dead on the GEMM)
     b_c = None if bp is None else lax.dynamic_slice_in_dim(bp, start, cw)
     local = jnp.where(yp >= 0, yp - start, -1)  # chunk-local target column (-1: none)
     first = jnp.full(yp.shape, lo, jnp.int32)  # (a row vector: the kernels fetch per-row values only)
     if p.gemm is None:
       return dz_chunk(xp, w_c, b_c, local, first, lse_p, coef, a, c, d, p, opts), w_c
     part = gemm_lib.LogitGrad(lse_p, coef, a, c, local, opts, first=first, bias=b_c)
-    return gemm_lib.gemm(xp, w_c, transpose_b=d.w_layout == "vh", epilogue=part, role="lean_dz",
-                         interpret=d.interpret, approx_math=epilogue.APPROX_MATH), w_c
+    return gemm_lib.gemm(xp, wp, transpose_b=d.w_layout == "vh", epilogue=part, role="lean_dz",
+                         interpret=d.interpret, approx_math=epilogue.APPROX_MATH,
+                         b_window=chunk_window(start, cw, d.vp, spec.w_layout)), w_c
 
   return xp, wp, bp, d, dz_of
+
+
+def chunk_window(start, cw: int, vp: int, w_layout: str) -> gemm_lib.Window:
+  """The GEMM's window on w's vocabulary chunk ``[start, start + cw)`` (columns of an [H, V] w, rows of a [V, H]
+  one), read in place. Every chunk start is a multiple of both ``cw`` and ``vp`` (``k·cw`` or the clamped
+  ``vp - cw``), so of their greatest common divisor: a multiple of 64 on the GEMM (V a multiple of its column tile,
+  ``cw`` of ``block_v``)."""
+  return gemm_lib.Window(start, cw, 1 if w_layout == "hv" else 0, math.gcd(cw, vp))
 
 
 def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
@@ -767,6 +797,7 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   vaxis = spec.vocab_axis
   on_dx, on_dw = p.products or ("xla", "xla")
   cw = p.vocab_chunk
+  windowed = math.gcd(cw, d.vp) % 64 == 0  # the GEMM's products read and write the chunk in place (chunk_window)
 
   def step(k, carry):
     dx, dw, db = carry
@@ -774,12 +805,18 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
     # dz is zero in the overlap columns (done by the previous chunk), so that they do not reach dx twice; dw and db
     # hold zeros in the chunk's other columns, so adding the chunk's products completes them exactly.
     dz, w_c = dz_of(start, lo)
-    dw_c = common.slice_vocab(dw, start, cw, spec.w_layout)
-    dw_c = dw_c + product_dw(xp, dz, spec.w_layout, on_dw, d.interpret, dw.dtype)
-    dw = lax.dynamic_update_slice_in_dim(dw, dw_c, start, vaxis)
+    win = chunk_window(start, cw, d.vp, spec.w_layout) if windowed else None
+    if on_dw == "gemm" and windowed:  # added into the chunk's columns of dw in place
+      dw = product_dw(xp, dz, spec.w_layout, on_dw, d.interpret, dw.dtype, acc=dw, window=win)
+    else:
+      dw_c = common.slice_vocab(dw, start, cw, spec.w_layout)
+      dw_c = dw_c + product_dw(xp, dz, spec.w_layout, on_dw, d.interpret, dw.dtype)
+      dw = lax.dynamic_update_slice_in_dim(dw, dw_c, start, vaxis)
     if db is not None:
       db_c = lax.dynamic_slice_in_dim(db, start, cw)
       db = lax.dynamic_update_slice_in_dim(db, db_c + jnp.sum(dz.astype(F32), axis=0), start, 0)
+    if on_dx == "gemm" and windowed:  # w's chunk read in place
+      return product_dx(dz, wp, spec.w_layout, on_dx, d.interpret, acc=dx, window=win), dw, db
     return product_dx(dz, w_c, spec.w_layout, on_dx, d.interpret, acc=dx), dw, db  # (dx updated in place)
 
   carry = (jnp.zeros(xp.shape, F32), jnp.zeros_like(wp), None if bp is None else jnp.zeros(bp.shape, F32))
