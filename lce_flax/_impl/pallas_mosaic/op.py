@@ -314,13 +314,14 @@ def _products_in_place(p: Plan) -> bool:
 def lean_stats_on_gemm(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: int = 2) -> bool:
   """Whether lean mode's forward runs on the GEMM (else the forward kernel of kernels_ws.py, whose statistics are a
   few float32 per row and split): its statistics, 4 float32 per row and 128-column tile, are dead before the
-  backward allocates, so they add nothing where they fit in the backward's buffers or in dw's output (written
-  only by the backward; XLA places them there). At gpt2-small's 16384×768×50304 neither holds (103 MB against
-  78 and 77 MB), and the forward kernel keeps lean mode within B·H·4 + 64 MB."""
+  backward allocates, so they add nothing where they fit in one of the backward's buffers (the float32 dx, dz) or
+  in dw's output (written only by the backward; XLA places them there). At gpt2-small's 16384×768×50304 none
+  holds (103 MB against 50, 59 and 77 MB with the chunk products on the GEMM: the statistics beside them took the
+  step to 154 MB on an H200), and the forward kernel keeps lean mode within B·H·4 + 64 MB."""
   if p.gemm is None:
     return False
   rows = cdiv(max(num_tokens, 1), p.block_t) * p.block_t
-  room = max(_lean_backward_bytes(p, rows, hidden, itemsize), hidden * vocab * itemsize)
+  room = max(rows * hidden * 4, rows * p.vocab_chunk * itemsize, hidden * vocab * itemsize)
   return _gemm_stats_bytes(p.gemm, rows, vocab) <= room
 
 

@@ -165,9 +165,11 @@ def load_table() -> dict:
 def load_steps() -> dict:
   """``{device kind (lower case): [row, ...]}``: the file's ``"steps"``, the fast designs' whole step (forward and
   backward of x and w) timed with each (dx, dw) pair of backward products, in alternation
-  (``benchmarks/bench_step_products.py``). A row: ``"design"``, ``"bucket"`` (tokens, hidden, vocab rounded to
-  powers of two), ``"shape"``, ``"products"`` (the fastest pair), ``"ms"`` (each pair's time, "dx,dw": ms, and the
-  plain head's), ``"source"``."""
+  (``benchmarks/bench_step_products.py``; lean mode's too). A row: ``"design"``, ``"bucket"`` (tokens, hidden,
+  vocab rounded to powers of two), ``"shape"``, ``"products"`` (the fastest pair), ``"ms"`` (each pair's time,
+  "dx,dw": ms, and the plain head's), ``"source"``; lean mode's rows (design ``"recompute"``) also each pair's
+  ``"vocab_chunk"`` (the width the op plans for it: wider on the GEMM, whose chunk products take the chunk in place)
+  and ``"temp_gb"``."""
   return {norm_kind(kind): rows for kind, rows in _read().get("steps", {}).items()}
 
 
@@ -210,13 +212,15 @@ def step_products(design: str, tokens: int, hidden: int, vocab: int, device_kind
   want = list(bucket(tokens, hidden, vocab))
   for measured_on, row in ((kind, row) for kind in _kinds(steps, device_kind) for row in steps[kind]):
     if row["design"] == design and row["bucket"] == want:
-      pair, ms = tuple(row["products"]), row["ms"]
-      rest = ", ".join(("the plain head" if k == "plain" else f"({k.replace(',', ', ')})") + f" {v:.2f}"
+      pair, ms, widths = tuple(row["products"]), row["ms"], row.get("vocab_chunk", {})
+      at = lambda k, widths=widths: f" at {widths[k]} columns a chunk" if k in widths else ""
+      rest = ", ".join(("the plain head" if k == "plain" else f"({k.replace(',', ', ')})") + f" {v:.2f}" + at(k)
                        for k, v in ms.items() if k != ",".join(pair))
       b = "x".join(str(x) for x in row["bucket"])
       same = "" if measured_on == norm_kind(device_kind) else f", the same chip as {device_kind}"
       return pair, (f"the whole step measured fastest with (dx, dw) on ({', '.join(pair)}): "
-                    f"{ms[','.join(pair)]:.2f} ms against {rest} (table: {measured_on}/steps/{design}/{b}{same})")
+                    f"{ms[','.join(pair)]:.2f} ms{at(','.join(pair))} against {rest} "
+                    f"(table: {measured_on}/steps/{design}/{b}{same})")
   return None
 
 
