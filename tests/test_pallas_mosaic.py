@@ -109,6 +109,26 @@ def test_lean_on_the_gemm(opt, w_layout, bias, reduction, products):
   assert ("dx by XLA" in note) == (pair[0] == "xla") and ("dw by XLA" in note) == (pair[1] == "xla"), note
 
 
+@pytest.mark.parametrize("b,h,v,on_xla,in_place", [(8192, 4096, 128256, 1792, 3584), (4096, 4096, 151936, 1536, 7168),
+                                                    (8192, 2304, 256000, 2304, 3584), (16384, 768, 50304, 768, 1792)],
+                         ids=["llama3-8b", "qwen3-8b", "gemma2-2b", "gpt2-small"])
+def test_lean_chunk_width_follows_its_products(b, h, v, on_xla, in_place):
+  """Lean mode's chunk width at the LLM heads: with both chunk products on the GEMM (w's chunk read and dw's added
+  into in place) dz [B, c] is the one buffer beside the float32 dx, so the chunk is the widest CTA-tile multiple
+  whose dz fits the 64 MB with the O(B) vectors and the reserve (the next would not); a pair with an XLA product
+  keeps the narrower width of XLA's copies; the forward's statistics stay off the GEMM where no one buffer of the
+  backward holds them (gpt2-small), and the memory bound drops the copies' 2·H·c."""
+  plan = lambda products: op.plan(b, h, v, Config(products=products), mode="lean")
+  pg, px, pm = plan("gemm"), plan("xla"), plan(("gemm", "xla"))
+  assert (pg.products, pg.vocab_chunk, px.vocab_chunk, pm.vocab_chunk) == (("gemm", "gemm"), in_place, on_xla, on_xla)
+  step = 2 * pg.block_v
+  fits = lambda c: b * c * 2 + 64 * b + op.LEAN_RESERVE <= op.LEAN_EXTRA_BYTES
+  assert in_place % step == 0 and fits(in_place) and not fits(in_place + step)
+  assert pg.stats_gemm == (h != 768) and px.stats_gemm == (h != 768)
+  same_width = dataclasses.replace(px, vocab_chunk=in_place)
+  assert op.memory_bytes(same_width, b, h, v, 2) - op.memory_bytes(pg, b, h, v, 2) == 2 * h * in_place * 2
+
+
 def test_lean_products_follow_the_measured_step(monkeypatch):
   """Lean mode's chunk products run on the pair its whole step measured fastest with at the head's bucket (a
   ``steps`` row of the design "recompute"), and explain() says so; without one, XLA's for both; a fast design's
@@ -121,7 +141,8 @@ def test_lean_products_follow_the_measured_step(monkeypatch):
   step = lambda design, pair: {"design": design, "bucket": list(tuning.bucket(b, h, v)), "shape": [1000, h, v],
                                "products": list(pair), "source": "test",
                                "ms": {"gemm,gemm": 50.1, "gemm,xla": 51.0, "xla,gemm": 50.8, "xla,xla": 52.0,
-                                      "plain": 40.0}}
+                                      "plain": 40.0},
+                               "vocab_chunk": {"gemm,gemm": 2048, "gemm,xla": 512, "xla,gemm": 512, "xla,xla": 512}}
   sds = jax.ShapeDtypeStruct
   args = lambda n: (sds((n, h), jnp.bfloat16), sds((h, v), jnp.bfloat16), sds((n,), jnp.int32))
   monkeypatch.setattr(tuning, "load_steps", lambda: {kind: [step("logits", ("gemm", "gemm"))]})
@@ -131,7 +152,8 @@ def test_lean_products_follow_the_measured_step(monkeypatch):
   d = explain(*args(1000), impl="pallas_mosaic", mode="lean", interpret=True)
   assert d.config.products == ("gemm", "gemm"), d.config
   note = next(n for n in d.notes if "lean kernels on the persistent GEMM" in n)
-  assert "(dx, dw) on (gemm, gemm): 50.10 ms against" in note and f"{kind}/steps/recompute/1024x512x2048" in note
+  assert "(dx, dw) on (gemm, gemm): 50.10 ms at 2048 columns a chunk against" in note, note
+  assert "(xla, xla) 52.00 at 512 columns a chunk" in note and f"{kind}/steps/recompute/1024x512x2048" in note
   assert explain(*args(4000), impl="pallas_mosaic", mode="lean", interpret=True).config.products == ("xla", "xla")
   d = explain(*args(1000), impl="pallas_mosaic", mode="lean", interpret=True, config=Config(products="xla"))
   assert d.config.products == ("xla", "xla") and not any("whole step" in n for n in d.notes)

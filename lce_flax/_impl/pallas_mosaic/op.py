@@ -34,12 +34,15 @@ Backward (recompute, bounded memory)
   :attr:`Config.gemm`, else the dz kernel of :mod:`.kernels_ws`) recomputes the chunk's logit tiles and writes the
   logit gradient ``dz`` [B, chunk] in the input dtype (its epilogue is the factored form of
   :func:`lce_flax._math.dlogits`, see :func:`.epilogue.row_coefficients`), then
-  two XLA matmuls give ``dw[chunk] += xᵀ dz`` (into zeros: complete after one chunk) and ``dx += dz wᵀ[chunk]``
-  (float32 accumulator); dz is zero in the clamped last chunk's columns that the chunk before did.
+  two matmuls give ``dw[chunk] += xᵀ dz`` (into zeros: complete after one chunk) and ``dx += dz wᵀ[chunk]``
+  (float32 accumulator); dz is zero in the clamped last chunk's columns that the chunk before did. Each matmul is
+  XLA's or the GEMM's (:attr:`Config.products`; the tuning table's whole-step rows choose); the GEMM reads w's
+  chunk and adds into dw's in place (:func:`chunk_window`).
   FLOPs 2·B·H·V (forward) + 2·B·H·V (recompute) + 4·B·H·V (gradients) = 8·B·H·V.
   Extra memory: the float32 dx (B·H·4; each chunk's product is added into it in place, one loop over all chunks),
-  dz (B·chunk·2 bytes: 28 MiB at B=8192, chunk 1792), XLA's copy of the chunk of w and the chunk's dw product
-  (H·chunk·2 each), its cuBLAS workspace; :func:`lean_chunk` keeps them within B·H·4 + 64 MB.
+  dz (B·chunk·2 bytes: 28 MiB at B=8192, chunk 1792), and where XLA forms a product its copy of the chunk of w and
+  the chunk's dw product (H·chunk·2 each) and its cuBLAS workspace; :func:`lean_chunk` keeps them within
+  B·H·4 + 64 MB (so with both products in place the chunks are wider: 3584 columns at llama3-8b).
 
 Fast mode (``mode="fast"``, 6·B·H·V, a bounded buffer; :mod:`.fast`)
   The forward kernel also writes every logit tile, shifted by its row max, in the input dtype, plus the maxima
