@@ -4,7 +4,10 @@ Triton (with their tiling and split-K), Mosaic calls, while loops and
 conditionals (each a device→host read of its predicate), copies of large buffers, the temp memory and (with
 ``--buffers``) the buffers XLA's buffer assignment holds at the peak (from its dump, ``--xla_dump_to``).
 
-  python benchmarks/probe_hlo.py --shape llama3-8b-32k --out DIR [--mode lean] [--buffers]
+  python benchmarks/probe_hlo.py --shape llama3-8b-32k --out DIR [--mode lean] [--buffers] [--products xla,gemm]
+
+``--products DX,DW`` runs ``impl="pallas_mosaic"`` with ``PallasMosaicConfig(products=(DX, DW))`` (the backward
+products' owners) instead of the op's own choice, and names the outputs after it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import shapes as shapes_lib  # noqa: E402
-from lce_flax import linear_cross_entropy  # noqa: E402
+from lce_flax import PallasMosaicConfig, linear_cross_entropy  # noqa: E402
 
 
 def main():
@@ -32,6 +35,7 @@ def main():
   ap.add_argument("--out", required=True)
   ap.add_argument("--mode", default=None, help="fast or lean (default: the op's own choice)")
   ap.add_argument("--buffers", action="store_true", help="also report the buffers live at the peak")
+  ap.add_argument("--products", default=None, metavar="DX,DW", help="impl=pallas_mosaic with these products")
   a = ap.parse_args()
   dump = tempfile.mkdtemp() if a.buffers else None
   if dump:  # read when the backend starts (below, at the first compile)
@@ -40,11 +44,14 @@ def main():
   b, h, v = shape.B, shape.H, shape.V
   sds = jax.ShapeDtypeStruct
   args = (sds((b, h), jnp.bfloat16), sds((h, v), jnp.bfloat16), sds((b,), jnp.int32))
-  f = lambda x, w, y: linear_cross_entropy(x, w, y, reduction="sum", mode=a.mode)
+  kw = {}
+  if a.products:
+    kw = dict(impl="pallas_mosaic", config=PallasMosaicConfig(products=tuple(a.products.split(","))))
+  f = lambda x, w, y: linear_cross_entropy(x, w, y, reduction="sum", mode=a.mode, **kw)
   compiled = jax.jit(jax.grad(f, (0, 1))).lower(*args).compile()
   text = compiled.as_text()
   os.makedirs(a.out, exist_ok=True)
-  name = a.shape + (f"-{a.mode}" if a.mode else "")
+  name = a.shape + (f"-{a.mode}" if a.mode else "") + (f"-{a.products.replace(',', '-')}" if a.products else "")
   with open(os.path.join(a.out, f"{name}.hlo.txt"), "w") as fh:
     fh.write(text)
   gemms = [ln.strip()[:400] for ln in text.splitlines() if "custom_call_target=\"__cublas" in ln]
@@ -63,7 +70,7 @@ def main():
     return n * {"bf16": 2, "f32": 4, "s32": 4, "f16": 2}.get(m.group(1), 4)
 
   report = dict(
-      device=jax.devices()[0].device_kind, jax=jax.__version__, shape=a.shape, mode=a.mode,
+      device=jax.devices()[0].device_kind, jax=jax.__version__, shape=a.shape, mode=a.mode, products=a.products,
       temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
       gemms=gemms, triton_gemms=triton,
       gemm_beta=[re.search(r'"beta":([\d.]+)', g).group(1) if '"beta"' in g else None for g in gemms],
