@@ -185,11 +185,13 @@ def test_twin_windows_read_and_add_in_place(start):
 
 
 def test_windows_refused_where_they_cannot_be():
-  """A window longer than its axis, of a size that is no multiple of its start's, along no axis of a 2-D array, or
-  a windowed ``AddTo`` into an array of a third dtype or the wrong width: a ValueError naming it, at trace time."""
+  """A window longer than its axis, of a size that is no multiple of its start's, along no axis of a 2-D array, from
+  a static start past the array's end or off its multiple, or a windowed ``AddTo`` into an array of a third dtype
+  or the wrong width: a ValueError naming it, at trace time (a traced start is the caller's to keep in range)."""
   x, w, dz = jnp.zeros((64, 128), BF), jnp.zeros((128, 640), BF), jnp.zeros((64, 256), BF)
   for win, match in ((G.Window(0, 768, 1), "window of 768"), (G.Window(0, 200, 1), "multiple of 128"),
-                     (G.Window(0, 256, 2), "axis 2")):
+                     (G.Window(0, 256, 2), "axis 2"), (G.Window(512, 256, 1), r"window from 512.*in \[0, 384\]"),
+                     (G.Window(64, 256, 1), "window from 64.*multiple of 128")):
     with pytest.raises(ValueError, match=match):
       G.gemm(x, w, b_window=win, config=TWIN, interpret=True)
   with pytest.raises(ValueError, match="AddTo: c must be float32 or bfloat16"):

@@ -78,6 +78,7 @@ from typing import Any
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -160,6 +161,11 @@ class Window:
       raise ValueError(f"gemm: {name} window of {self.size} along axis {self.axis} of {tuple(shape)}: a window is "
                        f"1 to {shape[self.axis] if self.axis in (0, 1) else '?'} long (a multiple of {self.multiple}), "
                        "along axis 0 or 1")
+    if isinstance(self.start, (int, np.integer)) and (
+        self.start % self.multiple or not 0 <= self.start <= shape[self.axis] - self.size):
+      raise ValueError(f"gemm: {name} window from {self.start}: the start of a window of {self.size} along axis "
+                       f"{self.axis} of {tuple(shape)} is a multiple of {self.multiple} in [0, "
+                       f"{shape[self.axis] - self.size}]")
     return (self.size, shape[1]) if self.axis == 0 else (shape[0], self.size)
 
   def start_array(self):
