@@ -117,7 +117,7 @@ def test_lean_chunk_width_follows_its_products(b, h, v, on_xla, in_place):
   into in place) dz [B, c] is the one buffer beside the float32 dx, so the chunk is the widest CTA-tile multiple
   whose dz fits the 64 MB with the O(B) vectors and the reserve (the next would not); a pair with an XLA product
   keeps the narrower width of XLA's copies; the forward's statistics stay off the GEMM where no one buffer of the
-  backward holds them (gpt2-small), and the memory bound drops the copies' 2·H·c."""
+  backward holds them (gpt2-small), and the memory bound drops the copies' 2·H·c and XLA's cuBLAS workspace."""
   plan = lambda products: op.plan(b, h, v, Config(products=products), mode="lean")
   pg, px, pm = plan("gemm"), plan("xla"), plan(("gemm", "xla"))
   assert (pg.products, pg.vocab_chunk, px.vocab_chunk, pm.vocab_chunk) == (("gemm", "gemm"), in_place, on_xla, on_xla)
@@ -126,7 +126,10 @@ def test_lean_chunk_width_follows_its_products(b, h, v, on_xla, in_place):
   assert in_place % step == 0 and fits(in_place) and not fits(in_place + step)
   assert pg.stats_gemm == (h != 768) and px.stats_gemm == (h != 768)
   same_width = dataclasses.replace(px, vocab_chunk=in_place)
-  assert op.memory_bytes(same_width, b, h, v, 2) - op.memory_bytes(pg, b, h, v, 2) == 2 * h * in_place * 2
+  # (and no cuBLAS workspace: no XLA GEMM runs)
+  assert op.memory_bytes(same_width, b, h, v, 2) - op.memory_bytes(pg, b, h, v, 2) == (
+      2 * h * in_place * 2 + op.CUBLAS_WORKSPACE)
+  assert op.memory_bytes(pg, b, h, v, 2) <= b * h * 4 + op.LEAN_EXTRA_BYTES + 2 * 4 * v  # (+ a bias's two vectors)
 
 
 def test_lean_products_follow_the_measured_step(monkeypatch):

@@ -498,14 +498,16 @@ def memory_bytes(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsize: in
   With stored exponentials (``probs``, :func:`stores_probs`) there are no maxima and no bias sums per row block, the
   reference logits of every token are one [B, 256] float32 product, and the repair of rows past the exponentials'
   range writes into the stored tiles (O(B) flags and factors).
-  Every design also calls XLA's GEMMs, whose cuBLAS workspace (``CUBLAS_WORKSPACE``, 32 MiB) XLA counts as temp.
+  Every design but lean mode with both chunk products in place (:func:`_products_in_place`) also calls XLA's GEMMs,
+  whose cuBLAS workspace (``CUBLAS_WORKSPACE``, 32 MiB) XLA counts as temp.
   """
   bt, bv, bk = p.block_t, p.block_v, p.block_k
   bp, hp = cdiv(num_tokens, bt) * bt, cdiv(hidden, bk) * bk
   mult = bv if p.fast_design else 64  # the stores need whole tiles; a bias pads to 64 columns (see prepare)
   vp = max(cdiv(vocab, mult) * mult, bv * (2 if p.warp_specialized else 1))
   stats = 16 * p.num_splits * (2 if p.warp_specialized else 1) * bp  # the forward's partial statistics
-  mem = 2 * vp * 4 + CUBLAS_WORKSPACE  # float32 bias and dbias
+  cublas = 0 if p.fast_design is None and _products_in_place(p) else CUBLAS_WORKSPACE
+  mem = 2 * vp * 4 + cublas  # float32 bias and dbias, XLA's cuBLAS workspace
   mem += bp * hp * itemsize if (bp, hp) != (num_tokens, hidden) else 0
   mem += 2 * hp * vp * itemsize if (hp, vp) != (hidden, vocab) else 0  # padded w and its padded gradient
   nvt = vp // bv if p.fast_design and not probs else 0
