@@ -704,6 +704,27 @@ def test_gpu_per_shard_tokens_design_adds_dw_in_place(monkeypatch):
   assert len(tied) == 1, tied
 
 
+def test_gpu_per_shard_lean_takes_its_chunks_in_place(monkeypatch):
+  """Lean mode with both chunk products on the GEMM in the per-shard body, V split over the tensor axis (lowered for
+  an abstract H100 mesh): over this shard's 512 columns in chunks of 256, the recompute and dx read the chunk of the
+  local w in place (no slice of w is formed) and each chunk's dw goes into the local dw by a Mosaic GPU call whose
+  output is its operand, inside the manual computation."""
+  from lce_flax._impl.pallas_mosaic import op as mosaic_op
+  from lce_flax.options import LossOptions
+  _as_gpu(monkeypatch, "pallas_mosaic")
+  b, h, v = 1024, 256, 1024
+  cfg = mosaic_op.Config(products="gemm", vocab_chunk=256)
+  lines = _per_shard_cuda_lines(LossOptions(impl="pallas_mosaic", interpret=False, mode="lean", config=cfg), b, h, v,
+                                ("tensor",))
+  start = next(i for i, line in enumerate(lines) if "sdy.manual_computation" in line)
+  calls = [i for i, line in enumerate(lines) if "custom_call @mosaic_gpu" in line]
+  dw_in_place = [i for i in calls if "output_operand_alias" in lines[i] and lines[i].rstrip().endswith(
+      f"-> tensor<{h}x{v // 2}xbf16>")]
+  assert len(dw_in_place) == 1 and dw_in_place[0] > start, [lines[i][-80:] for i in calls]
+  slices = [line for line in lines if "stablehlo.dynamic_slice" in line and line.rstrip().endswith("x256xbf16>")]
+  assert not slices, slices
+
+
 def test_auto_uneven_token_split():
   """12 tokens constrained over 8 devices: the partitioner keeps the op's tokens unpadded; the loss is exact (and
   the rule refuses an uneven split rather than counting padding as tokens)."""
