@@ -11,10 +11,10 @@ GPU's power limit, the order can differ (``benchmarks/probe_clocks.py``). So per
               ``gemm,gemm``, ``gemm,xla``, ``xla,gemm``, ``xla,xla`` (the design the op picks at that shape)
 
 and writes a row of the table's ``"steps"`` (:func:`lce_flax._impl.pallas_mosaic.tuning.load_steps`): the design,
-the bucket, the fastest pair and every time. With ``--mode lean`` the same for lean mode (design "recompute"),
-whose pair is each vocabulary chunk's dx (added into the float32 dx) and dw, with each step's compiled temporaries
-(``temp_gb``: lean mode is held to B·H·4 + 64 MB) and its chunk width (``vocab_chunk``: the op plans wider chunks
-for the pair on the GEMM, whose products take the chunk in place).
+the bucket, the fastest pair, every time and each step's compiled temporaries (``temp_gb``). With ``--mode lean``
+the same for lean mode (design "recompute"), whose pair is each vocabulary chunk's dx (added into the float32 dx)
+and dw, with its bound (lean mode is held to B·H·4 + 64 MB) and each pair's chunk width (``vocab_chunk``: the op
+plans wider chunks for the pair on the GEMM, whose products take the chunk in place).
 
     python3 -m benchmarks.bench_step_products [--shapes llama3-8b,qwen3-8b] [--rounds 7] [--mode lean] [--out DIR]
     python3 -m benchmarks.bench_step_products --merge DIR/steps.json     # into the package's table (tuning_table)
@@ -62,7 +62,8 @@ def pair_step(y, pair, interpret: bool, mode: str = "fast"):
 
 
 def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=PAIRS) -> dict:
-  """One shape's times and its ``steps`` row (lean mode's with each pair's temporaries), of the ``pairs`` timed."""
+  """One shape's times and its ``steps`` row with each pair's compiled temporaries (lean mode's also with each
+  pair's chunk width and its bound), of the ``pairs`` timed."""
   x, w, y = bench.make_inputs(SHAPES[name])
   b, h = x.shape
   v = w.shape[1]
@@ -73,9 +74,9 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
     f, kw = pair_step(y, pair, interpret, mode)
     d = explain(x, w, y, **kw)
     design, block_t = d.config.fast_design or d.name, d.config.block_t
-    if mode == "lean":  # (timed as compiled here: one compile gives its temporaries and its calls)
-      f = f.lower(x, w).compile()
-      mem[",".join(pair)] = round(f.memory_analysis().temp_size_in_bytes / 1e9, 4)
+    f = f.lower(x, w).compile()  # (timed as compiled here: one compile gives its temporaries and its calls)
+    mem[",".join(pair)] = round(f.memory_analysis().temp_size_in_bytes / 1e9, 4)
+    if mode == "lean":
       widths[",".join(pair)] = d.config.vocab_chunk  # (each pair at the chunk width the op plans for it)
     calls[",".join(pair)] = (f, (x, w))
   t = interleaved(calls, rounds=rounds)
@@ -84,9 +85,9 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
   row = {"design": design, "bucket": list(tuning.bucket(rows, h, v)), "shape": [b, h, v], "name": name,
          "products": best.split(","), "ms": {k: round(s, 3) for k, s in t.items()},
          "source": f"benchmarks/bench_step_products.py, {rounds} alternated rounds"}
-  if mem:
-    row.update(temp_gb=mem, vocab_chunk=widths, temp_bound_gb=round((b * h * 4 + 64 * 10**6) / 1e9, 4),
-               vs_plain={k: round(s / t["plain"], 3) for k, s in t.items() if k != "plain"})
+  row.update(temp_gb=mem, vs_plain={k: round(s / t["plain"], 3) for k, s in t.items() if k != "plain"})
+  if mode == "lean":
+    row.update(vocab_chunk=widths, temp_bound_gb=round((b * h * 4 + 64 * 10**6) / 1e9, 4))
   return row
 
 
