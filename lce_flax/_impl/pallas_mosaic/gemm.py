@@ -46,8 +46,14 @@ with a clear error: hand such a w in as [V, H], which only needs H to be a multi
   ``dz = exp(z - lse)·coef - [col = label]·a`` of the rows, so ``dx = dz·wᵀ`` needs no separate pass over B×V.
 * epilogue: a tuple of parts, each applied to the float32 accumulator of a warpgroup tile:
   :class:`Store` (write it in a dtype, through double-buffered SMEM sub-tiles and TMA),
-  :class:`AddTo` (``C += acc`` in float32, in place, by TMA reduce-adds: the token-chunked dw),
+  :class:`AddTo` (``C += acc`` in float32, in place, by TMA reduce-adds: the token-chunked dw; or into a window
+  of a larger C, in its dtype: lean mode's dw per vocabulary chunk),
   :class:`RowStats` (the softmax-cross-entropy row statistics of each tile, merged by :func:`merge_row_stats`).
+
+**Windows** (:class:`Window`). ``b_window`` makes B a window of ``b`` along one axis from a start known only at
+run time (an int32 input the kernel reads once; every TMA copy of B is offset by it), so lean mode's loop over
+vocabulary chunks reads each chunk of w where it lies: a chunk of columns of an [H, V] w is strided, and XLA would
+hand a custom call a copy of it.
 
 **Barriers.** Pallas (warpgroup semantics) adds a warpgroup barrier before and after every SMEM store from
 registers and before every TMA load a warpgroup issues, in case one of its threads reads what another writes.
