@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A device's own tuning rows for the op's GEMMs, measured on that device (one GPU):
 #
-#   bash benchmarks/device_rows.sh OUT [STAGES]          STAGES: any of "forward sweep steps check"
+#   bash benchmarks/device_rows.sh OUT [STAGES]          STAGES: any of "forward sweep steps lean check"
 #                                                         (default: "sweep steps check")
 #
 #   forward the forward's rows: bench_gemm.py --sweep of the bare x·w (PRODUCTS=fwd), then its loss-work roles
@@ -12,6 +12,8 @@
 #           OUT/sweep/gemm_tuning.json and is merged into this tree's table
 #   steps   bench_step_products.py: the fast step with each pair of backward products (ours or XLA's) against the
 #           plain head, on the table as merged; OUT/steps/steps.json merged too
+#   lean    bench_step_products.py --mode lean: lean mode's step with each pair of chunk products (each at the
+#           width the op plans for it) against the plain head; OUT/lean/steps.json merged (design "recompute")
 #   check   bench_step_products.py --check: the plain head against auto as the merged table picks it
 #
 # OUT/gemm_tuning.json is the table as merged: to land the rows, merge the stages' files of OUT into the package's
@@ -49,10 +51,14 @@ for stage in $STAGES; do
     steps)
       $PY -m benchmarks.bench_step_products --shapes "$SHAPES" --rounds "$ROUNDS" --out "$OUT/steps" || status=1
       [ -f "$OUT/steps/steps.json" ] && $PY -m benchmarks.tuning_table "$OUT/steps/steps.json" ;;
+    lean)
+      $PY -m benchmarks.bench_step_products --mode lean --shapes "$SHAPES" --rounds "$ROUNDS" --out "$OUT/lean" \
+        || status=1
+      [ -f "$OUT/lean/steps.json" ] && $PY -m benchmarks.tuning_table "$OUT/lean/steps.json" ;;
     check)
       $PY -m benchmarks.bench_step_products --check --shapes "$SHAPES" --rounds "$ROUNDS" --out "$OUT/check" \
         || status=1 ;;
-    *) echo "unknown stage $stage (expected forward, sweep, steps, check)"; exit 2 ;;
+    *) echo "unknown stage $stage (expected forward, sweep, steps, lean, check)"; exit 2 ;;
   esac
 done
 cp "$TABLE" "$OUT/gemm_tuning.json"
