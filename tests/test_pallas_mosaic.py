@@ -132,6 +132,20 @@ def test_lean_chunk_width_follows_its_products(b, h, v, on_xla, in_place):
   assert op.memory_bytes(pg, b, h, v, 2) <= b * h * 4 + op.LEAN_EXTRA_BYTES + 2 * 4 * v  # (+ a bias's two vectors)
 
 
+@pytest.mark.parametrize("v", [1000, 1088])
+def test_lean_products_on_the_gemm_beside_the_forward_kernels(v):
+  """Chunk products asked on the GEMM where the forward cannot run on it (V not whole 128-column tiles): a [V, H] w
+  of V = 1000 is padded to 1000 rows (8-row multiples), whose chunk starts share no multiple of 64 with the chunk
+  width, so the products take XLA's copy of each chunk; V = 1088 (a multiple of 64) lets them read it in place.
+  Against the float64 oracle either way."""
+  cfg = Config(block_t=64, vocab_chunk=256, products="gemm")
+  check(config=cfg, h=192, v=v, batch_shape=(67,), options=OPTIONS["plain"], w_layout="vh", bias=False,
+        reduction="sum", seed=70)
+  p = op.plan(67, 192, v, cfg, interpret=True, mode="lean")
+  assert p.gemm is None and p.products == ("gemm", "gemm")
+  assert (op.chunk_window(0, p.vocab_chunk, v, "vh") is None) == (v == 1000)
+
+
 def test_lean_products_follow_the_measured_step(monkeypatch):
   """Lean mode's chunk products run on the pair its whole step measured fastest with at the head's bucket (a
   ``steps`` row of the design "recompute"), and explain() says so; without one, XLA's for both; a fast design's

@@ -787,12 +787,14 @@ def _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   return xp, wp, bp, d, dz_of
 
 
-def chunk_window(start, cw: int, vp: int, w_layout: str) -> gemm_lib.Window:
+def chunk_window(start, cw: int, vp: int, w_layout: str) -> gemm_lib.Window | None:
   """The GEMM's window on w's vocabulary chunk ``[start, start + cw)`` (columns of an [H, V] w, rows of a [V, H]
   one), read in place. Every chunk start is a multiple of both ``cw`` and ``vp`` (``k·cw`` or the clamped
-  ``vp - cw``), so of their greatest common divisor: a multiple of 64 on the GEMM (V a multiple of its column tile,
-  ``cw`` of ``block_v``)."""
-  return gemm_lib.Window(start, cw, 1 if w_layout == "hv" else 0, math.gcd(cw, vp))
+  ``vp - cw``), so of their greatest common divisor, which the kernel's layouts need to be a multiple of 64: true
+  on the GEMM (V a multiple of its column tile, ``cw`` of ``block_v``); None where it is not (a padded "vh" w of
+  8-row multiples with the chunk products asked on the GEMM: they then take XLA's copy of the chunk)."""
+  g = math.gcd(cw, vp)
+  return gemm_lib.Window(start, cw, 1 if w_layout == "hv" else 0, g) if g % 64 == 0 else None
 
 
 def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
@@ -803,7 +805,6 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   vaxis = spec.vocab_axis
   on_dx, on_dw = p.products or ("xla", "xla")
   cw = p.vocab_chunk
-  windowed = math.gcd(cw, d.vp) % 64 == 0  # the GEMM's products read and write the chunk in place (chunk_window)
 
   def step(k, carry):
     dx, dw, db = carry
@@ -811,8 +812,8 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
     # dz is zero in the overlap columns (done by the previous chunk), so that they do not reach dx twice; dw and db
     # hold zeros in the chunk's other columns, so adding the chunk's products completes them exactly.
     dz, w_c = dz_of(start, lo)
-    win = chunk_window(start, cw, d.vp, spec.w_layout) if windowed else None
-    if on_dw == "gemm" and windowed:  # added into the chunk's columns of dw in place
+    win = chunk_window(start, cw, d.vp, spec.w_layout)  # (the GEMM's products read and write the chunk in place)
+    if on_dw == "gemm" and win is not None:  # added into the chunk's columns of dw in place
       dw = product_dw(xp, dz, spec.w_layout, on_dw, d.interpret, dw.dtype, acc=dw, window=win)
     else:
       dw_c = common.slice_vocab(dw, start, cw, spec.w_layout)
@@ -821,7 +822,7 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
     if db is not None:
       db_c = lax.dynamic_slice_in_dim(db, start, cw)
       db = lax.dynamic_update_slice_in_dim(db, db_c + jnp.sum(dz.astype(F32), axis=0), start, 0)
-    if on_dx == "gemm" and windowed:  # w's chunk read in place
+    if on_dx == "gemm" and win is not None:  # w's chunk read in place
       return product_dx(dz, wp, spec.w_layout, on_dx, d.interpret, acc=dx, window=win), dw, db
     return product_dx(dz, w_c, spec.w_layout, on_dx, d.interpret, acc=dx), dw, db  # (dx updated in place)
 
