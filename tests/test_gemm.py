@@ -182,6 +182,16 @@ def test_twin_windows_read_and_add_in_place(start):
       assert _rel(out, ref) < 1e-2, name
     else:
       assert _rel(out, ref) < (1e-5 if out.dtype == jnp.float32 else 1e-2), name
+  # a float32 C takes a window too (the sum in float32, the other columns untouched)
+  x, dz = _rand(rng, (M, K)), _rand(rng, (M, 256))
+  c = jnp.asarray(rng.standard_normal((K, 640)), jnp.float32)
+  out = G.gemm(x, dz, transpose_a=True, epilogue=G.AddTo(c, window=G.Window(jnp.int32(start), 256, 1)), config=TWIN,
+               interpret=True)
+  want = np.asarray(c, np.float64).copy()
+  want[:, start:start + 256] += _f64(x).T @ _f64(dz)
+  assert out.dtype == jnp.float32 and _rel(out, want) < 1e-5
+  np.testing.assert_array_equal(np.delete(np.asarray(out), np.s_[start:start + 256], axis=1),
+                                np.delete(np.asarray(c), np.s_[start:start + 256], axis=1))
 
 
 def test_windows_refused_where_they_cannot_be():
