@@ -44,7 +44,7 @@ from benchmarks import bench, tuning_table  # noqa: E402
 from benchmarks.bench_floors import SHAPES, head_steps  # noqa: E402
 from benchmarks.bench_gemm import interleaved, save_probe  # noqa: E402
 from lce_flax import PallasMosaicConfig, explain, linear_cross_entropy  # noqa: E402
-from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
+from lce_flax._impl.pallas_mosaic import op, tuning  # noqa: E402
 
 PAIRS = (("gemm", "gemm"), ("gemm", "xla"), ("xla", "gemm"), ("xla", "xla"))
 
@@ -87,7 +87,7 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
          "source": f"benchmarks/bench_step_products.py, {rounds} alternated rounds"}
   row.update(temp_gb=mem, vs_plain={k: round(s / t["plain"], 3) for k, s in t.items() if k != "plain"})
   if mode == "lean":
-    row.update(vocab_chunk=widths, temp_bound_gb=round((b * h * 4 + 64 * 10**6) / 1e9, 4))
+    row.update(vocab_chunk=widths, temp_bound_gb=round((b * h * 4 + op.LEAN_EXTRA_BYTES) / 1e9, 4))
   return row
 
 
