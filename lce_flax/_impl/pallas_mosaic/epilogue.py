@@ -84,9 +84,14 @@ def bcast_cols(v, shape):
 EXP_CLAMP = 80.0
 
 
+def _masked(zc, valid):
+  """The tile ``zc`` with -inf in its columns outside ``valid`` (None: all are valid)."""
+  return zc if valid is None else jnp.where(valid, zc, -jnp.inf)
+
+
 def row_max(zc, valid):
   """The rows' max of the tile ``zc`` [bt, bv] over its ``valid`` columns (None: all): -inf where none is."""
-  return (zc if valid is None else jnp.where(valid, zc, -jnp.inf)).max(axis=1)
+  return _masked(zc, valid).max(axis=1)
 
 
 def row_zeros(m):
@@ -107,8 +112,8 @@ def capped_stats(zc, valid, opts, ref=None, m=None):
   max per row (times ``exp(c - max)``, its exponent clamped at EXP_CLAMP): one exp per element, no multiply. A
   tile more than EXP_CLAMP below ``ref`` (its exponentials ≤ e^-80 of the row's, or flushed to 0) sums to
   ~nothing either way, the row's own entry at ``ref`` outweighing it."""
-  masked = zc if valid is None else jnp.where(valid, zc, -jnp.inf)
-  m = masked.max(axis=1) if m is None else m
+  masked = _masked(zc, valid)
+  m = masked.max(axis=1) if m is None else m  # (row_max's, on the masked tile formed here anyway)
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a fully masked row: exp(-inf - 0) = 0, not NaN
   shift = m_safe if ref is None else ref_shift(ref, m_safe)
   e = exp_shifted(masked, shift)
@@ -116,7 +121,7 @@ def capped_stats(zc, valid, opts, ref=None, m=None):
   if ref is not None:
     s = s * to_max(shift, m_safe)
   if not opts.needs_logit_sum:
-    zsum = s * 0.0  # (zeros in the rows' layout: see row_zeros)
+    zsum = row_zeros(m)
   else:
     zsum = (zc if valid is None else jnp.where(valid, zc, 0.0)).sum(axis=1)
   return m, s, zsum, e

@@ -603,8 +603,7 @@ class RowStats(Part):
     s = functools.reduce(jnp.add, sums)
     if r_smem is not None:
       s = s * epilogue.to_max(shift, m_safe)
-    # (no Σzc asked: zeros in the rows' layout, see epilogue.capped_stats)
-    zsum = functools.reduce(jnp.add, zsums) if zsums else s * 0.0
+    zsum = functools.reduce(jnp.add, zsums) if zsums else epilogue.row_zeros(m)  # (no Σzc asked)
     m, s, zsum = self._past_n(m, s, zsum, t, whole)
     self._put_stats(m, s, tgt, zsum, t, st, st_smem, issued)
 
@@ -634,7 +633,7 @@ class RowStats(Part):
     plgpu.wait_smem_to_gmem(since, wait_read_only=True)  # the previous tile's statistics have left st_smem
     st_smem[t.g, 0] = m
     st_smem[t.g, 1] = s
-    st_smem[t.g, 2] = s * 0.0 if tgt is None else tgt  # (zeros in the rows' layout, as zsum's)
+    st_smem[t.g, 2] = epilogue.row_zeros(m) if tgt is None else tgt
     st_smem[t.g, 3] = zsum
     plgpu.commit_smem()
     for q in range(4):
