@@ -16,6 +16,8 @@
 #   SWEEP_TIME_S   0     >0 also runs the sweep preset (~5 min; a run of its own fits best)
 #   BENCH_ARGS     extra arguments of bench.py's llm and llm32k runs (e.g. "--passes fwdbwd --order shape")
 #   LLM32K_TIME_S  0     >0 also runs the llm32k preset (32768 tokens) with LLM32K_IMPLS (plain_bf16,plain_f32,auto)
+#                  and LLM32K_MODES (default: MODES)
+#   PEERS32K_TIME_S 0    >0 also runs the PyTorch peers (PEERS32K, default PEERS) at the llm32k preset
 #   TESTS          0     1 first runs the GPU tests (pytest -m gpu)
 #   PY             python3
 # Each stage runs under a hard `timeout` 40 s past its time limit (KILL 10 s later).
@@ -56,9 +58,16 @@ timeout -k 10 -s TERM $((PEERS_TIME_S + 40)) $PY -m benchmarks.bench_torch_peers
 LLM32K_TIME_S=${LLM32K_TIME_S:-0}
 if [ "$LLM32K_TIME_S" -gt 0 ]; then
   timeout -k 10 -s TERM $((LLM32K_TIME_S + 40)) $PY -m benchmarks.bench --preset llm32k \
-    --impls "${LLM32K_IMPLS:-plain_bf16,plain_f32,auto}" --time-limit-s "$LLM32K_TIME_S" --out "$OUT" --no-report \
-    ${BENCH_ARGS:-} \
+    --impls "${LLM32K_IMPLS:-plain_bf16,plain_f32,auto}" --modes "${LLM32K_MODES:-${MODES:-fast,lean}}" \
+    --time-limit-s "$LLM32K_TIME_S" --out "$OUT" --no-report ${BENCH_ARGS:-} \
     2>&1 | quiet | tee -a "$LOG"
+fi
+
+PEERS32K_TIME_S=${PEERS32K_TIME_S:-0}
+if [ "$PEERS32K_TIME_S" -gt 0 ]; then
+  timeout -k 10 -s TERM $((PEERS32K_TIME_S + 40)) $PY -m benchmarks.bench_torch_peers --preset llm32k \
+    --impls "${PEERS32K:-${PEERS:-torch_compile,cce,liger_flce,torch_eager}}" --passes "${PEERS_PASSES:-fwdbwd}" \
+    --time-limit-s "$PEERS32K_TIME_S" --out "$OUT" 2>&1 | tee -a "$LOG"
 fi
 
 if [ "$SWEEP_TIME_S" -gt 0 ]; then
