@@ -320,7 +320,7 @@ def test_blocks_backward_held_in_order(remat, dtype):
 
 @pytest.mark.parametrize("head", ["fused", "plain"])
 def test_head_grads_held_within_the_top_blocks(head):
-  """``head_grads_within=K`` (off by default: K = 0) changes no number: the loss and every parameter's gradient
+  """``head_grads_within=K`` (the model's default K = 0) changes no number: the loss and every parameter's gradient
   equal those of the same model without it (K = 0), for K = 1 and K = num_layers, on one device and on a data=2
   mesh (float32, ragged 13-token sequences, both heads). And it moves the head's gradient reduction: in the
   trainer's step compiled for two devices (data parallel), without it the head kernel's gradient is all-reduced with
@@ -761,6 +761,23 @@ def test_pgle_trains_the_same_steps(cache_dir, tmp_path, straight):
   for bad in (["--pgle", "-1"], ["--pgle", "2", "--num-processes", "2"]):
     with pytest.raises(SystemExit):
       lm_main.parse_args(bad)
+
+
+def test_gpu_presets_hold_the_head_grads_at_the_top_block():
+  """The GPU presets (gpu, headroom) hold the backward at the top block for the head's reduced gradients and let
+  XLA keep two collectives in flight; the cpu preset leaves both to XLA. The user's flags come after the preset's
+  options, so the same key (or ``--head-grads-within``) overrides them."""
+  step_options = lambda argv: lm_train.compiler_options(lm_main.parse_args(argv).compiler_option)
+  limit = "xla_gpu_experimental_parallel_collective_overlap_limit"
+  for preset in ("gpu", "headroom"):
+    assert lm_train.model_config(lm_main.parse_args(["--preset", preset])).head_grads_within == 1
+    assert step_options(["--preset", preset]) == {limit: 2}
+    assert step_options(["--preset", preset, "--compiler-option", f"{limit}=1", "--compiler-option", "a=b"]) == {
+        limit: 1, "a": "b"}
+    assert lm_train.model_config(lm_main.parse_args(["--preset", preset, "--head-grads-within", "0"])
+                                 ).head_grads_within == 0
+  assert lm_train.model_config(lm_main.parse_args([])).head_grads_within == 0 and step_options([]) == {}
+  assert lm_model.ModelConfig(300, 16, 32, 1, 2, 64).head_grads_within == 0
 
 
 def test_compiler_option_flags():

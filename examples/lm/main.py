@@ -36,23 +36,30 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 # Everything a flag can leave unset comes from the preset. No preset sets an option of the fused head: it runs
 # LossOptions(impl=--impl), and impl="auto" chooses the implementation and its chunking for the device and shape.
+# The GPU presets hold the backward at the top block until the head's gradients are reduced and let XLA keep two
+# collectives in flight (HOLD_HEAD_GRADS): the head's reduce-scatter then overlaps the body's backward instead of
+# running after the step's last kernel, measured faster on two and four H200s (docs/multi_gpu.md).
+HOLD_HEAD_GRADS = dict(head_grads_within=1,
+                       xla_options=("xla_gpu_experimental_parallel_collective_overlap_limit=2",))
 PRESETS: dict[str, dict[str, Any]] = {
     # sized to train in well under three minutes on two cores (tokenizer included)
     "cpu": dict(vocab_size=32768, d_model=128, num_layers=2, num_heads=4, d_ff=512, seq_len=128, batch_size=8,
                 steps=250, lr=3e-3, warmup=20, eval_every=50, eval_batches=4, save_every=50, dtype="float32",
-                remat=False, mem_budget_gib=2.0, max_batch_limit=1024, bench_steps=2, sample_tokens=24),
+                remat=False, mem_budget_gib=2.0, max_batch_limit=1024, bench_steps=2, sample_tokens=24,
+                head_grads_within=0, xla_options=()),
     # the head dominates memory: 128k vocabulary, remat'd blocks, so the [tokens, V] logits of the plain head are
     # most of what a step keeps alive
     "gpu": dict(vocab_size=131072, d_model=1024, num_layers=8, num_heads=16, d_ff=4096, seq_len=1024, batch_size=16,
                 steps=300, lr=1e-3, warmup=30, eval_every=100, eval_batches=8, save_every=100, dtype="bfloat16",
-                remat=True, mem_budget_gib=None, max_batch_limit=4096, bench_steps=5, sample_tokens=48),
+                remat=True, mem_budget_gib=None, max_batch_limit=4096, bench_steps=5, sample_tokens=48,
+                **HOLD_HEAD_GRADS),
     # the headroom a user buys on one 80 GB GPU: V = 256000 (Gemma's vocabulary) and 65536 tokens a step. The plain
     # head does not fit (its step needed 53.6 GiB at 32768 tokens on an H100, so about twice that here); the fused
     # head's needed 14.1 GiB at 32768 tokens
     "headroom": dict(vocab_size=256000, d_model=1024, num_layers=4, num_heads=16, d_ff=4096, seq_len=1024,
                      batch_size=64, steps=100, lr=1e-3, warmup=10, eval_every=50, eval_batches=4, save_every=50,
                      dtype="bfloat16", remat=True, mem_budget_gib=None, max_batch_limit=1024, bench_steps=3,
-                     sample_tokens=32),
+                     sample_tokens=32, **HOLD_HEAD_GRADS),
 }
 
 
@@ -77,10 +84,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--layer-grads-in-order", action=argparse.BooleanOptionalAction, default=True,
                  help="each block's parameter gradients complete before the backward moves to the block below "
                  "(examples/lm/model.py: _in_order)")
-  p.add_argument("--head-grads-within", type=int, default=0, metavar="K",
-                 help="K > 0: the head's parameter gradients are complete (on a data-parallel mesh: all-reduced) "
+  p.add_argument("--head-grads-within", type=int, metavar="K",
+                 help="K > 0: the head's parameter gradients are complete (on a data-parallel mesh: reduced) "
                  "before the backward leaves the top K blocks, so their reduction overlaps those blocks' backward; "
-                 "0: XLA places it (measured faster on four GPUs; examples/lm/model.py: _hold_open)")
+                 "0: XLA places it, after the step's last kernel (examples/lm/model.py: _hold_open). Default: the "
+                 "preset's (gpu and headroom: 1, with XLA's limit of collectives in flight raised to 2; cpu: 0)")
   p.add_argument("--embed-grads", choices=EMBED_GRADS, default="gather",
                  help="the embedding table's gradient on a mesh that splits the tokens: gather (the rows' gradients "
                  "all-gathered, B·H elements; measured faster on four GPUs) or reduce (each device's [V, H] table "
@@ -108,7 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "one may be -1). Default: data parallel over the devices that divide the batch")
   p.add_argument("--compiler-option", action="append", metavar="KEY=VALUE",
                  help="an XLA option for compiling the train step (repeatable), e.g. "
-                 "xla_gpu_enable_analytical_sol_latency_estimator=true (a cost model for the scheduler)")
+                 "xla_gpu_enable_analytical_sol_latency_estimator=true (a cost model for the scheduler); given after "
+                 "the preset's (gpu and headroom: xla_gpu_experimental_parallel_collective_overlap_limit=2), so the "
+                 "same KEY overrides it")
   p.add_argument("--pgle", type=int, default=0, metavar="N",
                  help="profile-guided scheduling: the first N steps run under JAX's profiler, then the step is "
                  "compiled again with what it measured, so that XLA's scheduler places the gradients' all-reduces by "
@@ -145,6 +155,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   for k, v in PRESETS[args.preset].items():
     if getattr(args, k, None) is None:
       setattr(args, k, v)
+  args.compiler_option = [*args.xla_options, *(args.compiler_option or [])]  # the user's last: theirs win
   for k in ("steps", "batch_size", "seq_len", "vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
     if getattr(args, k) < 1:
       p.error(f"--{k.replace('_', '-')}={getattr(args, k)} must be >= 1")

@@ -43,9 +43,9 @@ class ModelConfig:
   dtype: str = "float32"
   remat: bool = False
   layer_grads_in_order: bool = True  # see :func:`_in_order`
-  # > 0: the head's parameter gradients are complete (on a data-parallel mesh: all-reduced) before the backward
+  # > 0: the head's parameter gradients are complete (on a data-parallel mesh: reduced) before the backward
   # leaves the top ``head_grads_within`` blocks, so their reduction overlaps those blocks' backward (see
-  # :func:`_hold_open`); 0 (measured faster): XLA places it
+  # :func:`_hold_open`); 0: XLA places it (the trainer's GPU presets take 1, examples/lm/main.py)
   head_grads_within: int = 0
   # how the embedding table's gradient is formed on a mesh that splits the tokens: "reduce" (each device
   # scatter-adds its rows' gradients into a [V, H] table, then the tables are all-reduced) or "gather" (the rows'
@@ -308,8 +308,10 @@ def _hold_open_bwd(_, cts):
 # backward hands the token a value of its parameter gradients: so the gradient of ``x`` moves down past this point
 # only once the head's parameter gradients are complete (on a data-parallel mesh, reduced over the data axes). Left to
 # itself, XLA's GPU scheduler starts the head's gradient all-reduce (at the trainer's gpu preset 256 MiB) after the
-# step's last kernel; with this point one or two blocks below the top it runs during those blocks' backward. On four
-# GPUs that step was the slower one (docs/multi_gpu.md), so the model leaves it off unless asked.
+# step's last kernel; with this point one or two blocks below the top it runs during those blocks' backward. With the
+# head's gradient all-reduced (replicated head) that step was the slower one on four H100s; with it reduce-scattered
+# (``split_head``) and two collectives in flight, the faster one on two and four H200s (docs/multi_gpu.md), which is
+# why the trainer's GPU presets hold it at the top block.
 _hold_open = jax.custom_vjp(_hold_open)
 _hold_open.defvjp(_hold_open_fwd, _hold_open_bwd)
 
