@@ -194,6 +194,46 @@ def test_twin_windows_read_and_add_in_place(start):
                                 np.delete(np.asarray(c), np.s_[start:start + 256], axis=1))
 
 
+def _token_window_cases(rng, start, size=256, m=640, h=K, v=640, config=TWIN, interpret=True):
+  """The same products on a block of the tokens ``[start, start + size)`` read (and dx's rows added into) in place,
+  beside w's chunk of the same start and size: (name, call, float64 reference) for the logits of the block, xᵀ·dz of
+  the block added into a float32 [H, chunk] (its contraction the windowed axis), and dx's rows."""
+  kw = dict(config=config, interpret=interpret)
+  x, w, dz = _rand(rng, (m, h)), _rand(rng, (h, v)), _rand(rng, (size, size))
+  acc = jnp.asarray(rng.standard_normal((m, h)), jnp.float32)
+  c = jnp.asarray(rng.standard_normal((h, size)), jnp.float32)
+  x64, w64, dz64, acc64, c64 = _f64(x), _f64(w), _f64(dz), np.asarray(acc, np.float64), np.asarray(c, np.float64)
+  block = slice(start, start + size)
+  win = lambda axis: G.Window(jnp.int32(start), size, axis)
+  rows_added = acc64.copy()
+  rows_added[block] += dz64 @ w64[:, block].T
+  return [
+      ("x_t.w", lambda: G.gemm(x, w, a_window=win(0), **kw), x64[block] @ w64),
+      ("x_t.w_c", lambda: G.gemm(x, w, a_window=win(0), b_window=win(1), **kw), x64[block] @ w64[:, block]),
+      ("x_t.w_cT (vh)", lambda: G.gemm(x, w.T, transpose_b=True, a_window=win(0), b_window=win(0), **kw),
+       x64[block] @ w64[:, block]),
+      ("c + x_tT.dz", lambda: G.gemm(x, dz, transpose_a=True, a_window=win(0), epilogue=G.AddTo(c), **kw),
+       c64 + x64[block].T @ dz64),
+      ("dx[t] += dz.w_cT", lambda: G.gemm(dz, w, transpose_b=True, b_window=win(1),
+                                           epilogue=G.AddTo(acc, window=win(0)), **kw), rows_added),
+  ]
+
+
+@pytest.mark.parametrize("start", [0, 128, 384])
+def test_twin_token_windows(start):
+  """``a_window``: a block of x's rows as the GEMM's M (the block's logits, with w's chunk as well, both layouts) or
+  as its contraction (xᵀ·dz of the block, added into a float32 C), and dx's rows added into in place, the other
+  rows kept bit for bit; against float64 NumPy, H ragged against the tiles."""
+  rng = np.random.default_rng(40 + start)
+  for name, call, ref in _token_window_cases(rng, start):
+    out = call()
+    assert _rel(out, ref) < (1e-5 if out.dtype == jnp.float32 else 1e-2), name
+    if name.startswith("dx"):
+      keep = np.ones(ref.shape[0], bool)
+      keep[start:start + 256] = False
+      np.testing.assert_array_equal(_f64(out)[keep], ref[keep])
+
+
 def test_windows_refused_where_they_cannot_be():
   """A window longer than its axis, of a size that is no multiple of its start's, along no axis of a 2-D array, from
   a static start past the array's end or off its multiple, or a windowed ``AddTo`` into an array of a third dtype
@@ -204,6 +244,8 @@ def test_windows_refused_where_they_cannot_be():
                      (G.Window(64, 256, 1), "window from 64.*multiple of 128")):
     with pytest.raises(ValueError, match=match):
       G.gemm(x, w, b_window=win, config=TWIN, interpret=True)
+  with pytest.raises(ValueError, match=r"gemm: a window of 128 along axis 0 of \(64, 128\)"):
+    G.gemm(x, w, a_window=G.Window(0, 128, 0), config=TWIN, interpret=True)
   with pytest.raises(ValueError, match="AddTo: c must be float32 or bfloat16"):
     G.gemm(x, dz, transpose_a=True, epilogue=G.AddTo(jnp.zeros((128, 640), jnp.float16), window=G.Window(0, 256, 1)),
            config=TWIN, interpret=True)
@@ -560,6 +602,19 @@ def test_gpu_kernel_lowers_for_cuda(cfg):
       (lambda a, z, dw, s: G.gemm(a, z, transpose_a=True, epilogue=G.AddTo(dw, window=G.Window(s, 1024, 0, 64)),
                                   config=cfg),
        SDS((m, 1024), BF), SDS((m, k), BF), SDS((4096, k), BF), SDS((), jnp.int32)),
+      # a block of 512 of 2048 tokens: its logits on w's chunk, its xᵀ·dz into a float32 C, dx's rows added into
+      (lambda a, b, l, y, s, t: G.gemm(a, b, epilogue=G.LogitGrad(l, l, l, l, y, LOSS_PLAIN),
+                                       a_window=G.Window(t, 512, 0), b_window=G.Window(s, n, 1, 64),
+                                       config=tuning.fit_role("lean_dz", cfg)),
+       SDS((2048, k), BF), SDS((k, 4096), BF), SDS((512,), jnp.float32), SDS((512,), jnp.int32),
+       SDS((), jnp.int32), SDS((), jnp.int32)),
+      (lambda a, z, c, t: G.gemm(a, z, transpose_a=True, a_window=G.Window(t, 512, 0), epilogue=G.AddTo(c),
+                                 config=tuning.fit_role("dw_acc", cfg)),
+       SDS((2048, k), BF), SDS((512, 1024), BF), SDS((k, 1024), jnp.float32), SDS((), jnp.int32)),
+      (lambda z, w, c, s, t: G.gemm(z, w, transpose_b=True, epilogue=G.AddTo(c, window=G.Window(t, 512, 0)),
+                                    b_window=G.Window(s, 1024, 1, 64), config=tuning.fit_role("dx_acc", cfg)),
+       SDS((512, 1024), BF), SDS((k, 4096), BF), SDS((2048, k), jnp.float32), SDS((), jnp.int32),
+       SDS((), jnp.int32)),
   ]
   for f, *args in cases:
     assert "mosaic_gpu" in _lower(f, *args)
@@ -822,11 +877,16 @@ def test_gpu_products(name, cfg):
 @pytest.mark.parametrize("cfg", [None, tuning.PINGPONG_WS, dataclasses.replace(tuning.PINGPONG_WS, cluster="m")],
                          ids=lambda c: c.short() if c else "table")
 def test_gpu_windows(cfg):
-  """Lean mode's chunk products on windows of w and dw (:func:`_window_cases`) on the real kernel, at a shape of
-  whole CTA tiles: H = 576, chunks of 1024 columns of V = 4096, the last one clamped (start 3072 - 128)."""
+  """Lean mode's chunk products on windows of w and dw (:func:`_window_cases`) and on blocks of the tokens
+  (:func:`_token_window_cases`) on the real kernel, at a shape of whole CTA tiles: H = 576, chunks of 1024 columns
+  of V = 4096 (blocks of 1024 of 4096 tokens), the last one clamped (start 3072 - 128)."""
   rng = np.random.default_rng(9)
   for start in (0, 2944):
     for name, call, ref in _window_cases(rng, start, size=1024, m=1000, h=576, v=4096, config=cfg, interpret=False):
+      out = call()
+      assert _rel(out, ref) < (1e-5 if out.dtype == jnp.float32 else 1e-2), (name, start)
+    for name, call, ref in _token_window_cases(rng, start, size=1024, m=4096, h=576, v=4096, config=cfg,
+                                               interpret=False):
       out = call()
       assert _rel(out, ref) < (1e-5 if out.dtype == jnp.float32 else 1e-2), (name, start)
 

@@ -53,7 +53,8 @@ with a clear error: hand such a w in as [V, H], which only needs H to be a multi
 **Windows** (:class:`Window`). ``b_window`` makes B a window of ``b`` along one axis from a start known only at
 run time (an int32 input the kernel reads once; every TMA copy of B is offset by it), so lean mode's loop over
 vocabulary chunks reads each chunk of w where it lies: a chunk of columns of an [H, V] w is strided, and XLA would
-hand a custom call a copy of it.
+hand a custom call a copy of it. ``a_window`` does the same for A (a block of x's tokens, as the M rows of the
+logits or as the contraction of ``xᵀ·dz``).
 
 **Barriers.** Pallas (warpgroup semantics) adds a warpgroup barrier before and after every SMEM store from
 registers and before every TMA load a warpgroup issues, in case one of its threads reads what another writes.
@@ -149,7 +150,8 @@ def _transforms(dtype, minor_elems: int):
 @dataclasses.dataclass(frozen=True)
 class Window:
   """``size`` rows (``axis=0``) or columns (``axis=1``) of a 2-D array from ``start`` (an int32 scalar, traced or
-  not): what a kernel reads (:func:`gemm`'s ``b_window``) or adds into (:class:`AddTo`'s ``window``) in place,
+  not): what a kernel reads (:func:`gemm`'s ``a_window``, ``b_window``) or adds into (:class:`AddTo`'s ``window``)
+  in place,
   where a slice would be a copy (a chunk of columns of a row-major array is strided; XLA hands a custom call no
   strided operand). The kernel takes ``start`` as an int32 [1] GMEM input and offsets its TMA windows by it; the
   window must lie inside the array and ``start`` be a multiple of ``multiple`` (what Mosaic GPU's layout inference
@@ -183,10 +185,20 @@ class Window:
     return ref.at[pl.ds(start, self.size)] if self.axis == 0 else ref.at[:, pl.ds(start, self.size)]
 
 
-def _windowed(body, window: Window):
-  """``body`` taking B through ``window``: the kernel's first input is the window's start (int32 [1])."""
-  def f(start_ref, a_ref, b_ref, *refs, **kw):
-    return body(a_ref, window.of(b_ref, start_ref[0]), *refs, **kw)
+def _windowed(body, a_window: Window | None, b_window: Window | None):
+  """``body`` taking A and B through their windows (None: as they are): the kernel's first inputs are the windows'
+  starts (int32 [1] each, A's first)."""
+  if a_window is None and b_window is None:
+    return body
+  n = (a_window is not None) + (b_window is not None)
+
+  def f(*refs, **kw):
+    starts, (a_ref, b_ref, *rest) = list(refs[:n]), refs[n:]
+    if a_window is not None:
+      a_ref = a_window.of(a_ref, starts.pop(0)[0])
+    if b_window is not None:
+      b_ref = b_window.of(b_ref, starts.pop(0)[0])
+    return body(a_ref, b_ref, *rest, **kw)
   return f
 
 
@@ -1340,7 +1352,7 @@ def table_config(role: str, m: int, n: int, k: int, dtype, *, epilogue=None, pro
 
 def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue=None, prologue=None,
          config: GemmConfig | None = None, interpret: bool = False, role: str = "plain", approx_math: bool = False,
-         row_mask=None, b_window: Window | None = None):
+         row_mask=None, a_window: Window | None = None, b_window: Window | None = None):
   """``epilogue(prologue(A) · B)``; see the module docstring. Returns the epilogue parts' outputs (a tuple, or the
   one array of a one-output epilogue). ``epilogue``: a :class:`Part` or a tuple of them (default ``Store()``);
   ``config``: a :class:`GemmConfig` (default: :func:`.tuning.select_config` for ``role``, with fewer stages where
@@ -1351,12 +1363,13 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
   the row units whose entry is 0 are skipped whole (nothing loaded, no MMA, no epilogue: their part of an output
   is left unwritten, so it suits epilogues that write in place); a skipped tile costs one read of its entry.
   The cooperative schedule only. ``b_window`` (:class:`Window`): B is that window of ``b`` (as given, before
-  ``transpose_b``), read in place: no copy of a strided slice."""
+  ``transpose_b``), read in place: no copy of a strided slice; ``a_window`` the same for A."""
   _check_operand("a", a, "M" if transpose_a else "K")
   _check_operand("b", b, "K" if transpose_b else "N")
   if a.dtype != b.dtype:
     raise TypeError(f"gemm: operand dtypes differ ({a.dtype} vs {b.dtype})")
-  m, k = (a.shape[1], a.shape[0]) if transpose_a else a.shape
+  a_shape = a.shape if a_window is None else a_window.check("a", a.shape)
+  m, k = (a_shape[1], a_shape[0]) if transpose_a else a_shape
   b_shape = b.shape if b_window is None else b_window.check("b", b.shape)
   k2, n = (b_shape[1], b_shape[0]) if transpose_b else b_shape
   if k != k2:
@@ -1393,9 +1406,8 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
   args = (a, b, *pro_in, *(x for xs in part_in for x in xs))
   if row_mask is not None:
     args += (row_mask.astype(jnp.int32),)
-  if b_window is not None:
-    args = (b_window.start_array(), *args)
-  window = (lambda body: body) if b_window is None else (lambda body: _windowed(body, b_window))
+  args = (*(win.start_array() for win in (a_window, b_window) if win is not None), *args)
+  window = functools.partial(_windowed, a_window=a_window, b_window=b_window)
   hooks = dict(prob=prob, cfg=config, parts=parts, prologue=prologue, n_in=n_in, n_out=n_out,
                masked=row_mask is not None)
 
