@@ -16,7 +16,9 @@ width and at the narrower widths whose recompute fills the GPU's waves best (the
 SMs: llama3-8b's 1792 columns make 448 CTA tiles of 256×128, 3.4 waves on 132 SMs), each with its wave efficiency
 (tiles ÷ the whole waves they take) and its compiled temporaries against lean's bound (``--chunks W1,W2``: at those
 widths instead, wider ones too; ``--chunk-products gemm,xla``: each width once per owner of the chunk's
-products); with ``--products``, what XLA's products allow lean mode at wider chunks: per chunk of 1, 2, 4 and 8
+products; ``--token-blocks T1,T2``: beside them, lean mode in blocks of T tokens within each chunk, named ``tbT``,
+each at the width the op plans for its blocks: ``PallasMosaicConfig(token_block=T)``); with ``--products``, what
+XLA's products allow lean mode at wider chunks: per chunk of 1, 2, 4 and 8
 times the op's width, the three products lean runs for it (the chunk's logits x·w_c,
 ``dx += dz·w_cᵀ`` into a float32 carry, ``dw_c = xᵀ·dz`` into dw) timed in one loop, beside XLA's whole forward
 product x·w and the plain head's forward and backward (``bench.py``'s ``plain_bf16``): a lean step
@@ -58,7 +60,7 @@ from lce_flax._impl.pallas_mosaic import Config, op, tuning  # noqa: E402
 from lce_flax._impl.pallas_mosaic import gemm as G  # noqa: E402
 
 LOOP = 8  # chunks timed in one jitted loop (each contender over the same columns)
-SHAPES = {**shapes.HEADS, "tiny": (128, 64, 512)}
+SHAPES = {**shapes.HEADS, "tiny": (128, 64, 512), "tiny-tall": (384, 64, 512)}  # (CPU checks of the harness)
 
 
 def chunk_inputs(b: int, h: int, v: int, interpret: bool):
@@ -175,11 +177,12 @@ def products_row(name: str, x, w, y, cw: int, rounds: int) -> dict:
           "chunk_bytes": {str(c): b * c * x.dtype.itemsize for c in widths}}
 
 
-def lean_step(y, width: int, interpret: bool, products: str | None = None):
-  """The jitted forward and backward (x and w) of lean mode on the GEMM with ``width`` columns per chunk; its two
-  chunk products on ``products`` ("gemm" or "xla" for both, "DX/DW" for a pair such as "gemm/xla"; None: as the
-  op picks)."""
-  cfg = Config(vocab_chunk=width, products=tuple(products.split("/")) if products and "/" in products else products)
+def lean_step(y, width: int | None, interpret: bool, products: str | None = None, token_block: int | None = None):
+  """The jitted forward and backward (x and w) of lean mode on the GEMM with ``width`` columns per chunk (None: as
+  the op plans); its two chunk products on ``products`` ("gemm" or "xla" for both, "DX/DW" for a pair such as
+  "gemm/xla"; None: as the op picks); in blocks of ``token_block`` tokens within each chunk when given."""
+  cfg = Config(vocab_chunk=width, products=tuple(products.split("/")) if products and "/" in products else products,
+               token_block=token_block)
   loss = lambda x, w: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", config=cfg,
                                            interpret=interpret)
   return jax.jit(jax.value_and_grad(loss, (0, 1)))
@@ -195,6 +198,8 @@ def main(argv=None) -> int:
                   "too) instead of the narrower wave-aligned ones, beside the op's own")
   ap.add_argument("--chunk-products", default=None, metavar="ON1,ON2", help="with --widths: each width once per "
                   "given owner of the chunk's two products (gemm, xla, or a dx/dw pair: gemm/xla), named WIDTH:ON")
+  ap.add_argument("--token-blocks", default=None, metavar="T1,T2", help="with --widths: lean mode in blocks of these "
+                  "many tokens within each chunk too (both chunk products on the GEMM, the op's width for them)")
   ap.add_argument("--products", action="store_true", help="XLA's chunk products at 1-8x the chunk width, against "
                   "the plain head")
   ap.add_argument("--interpret", action="store_true")
@@ -251,6 +256,10 @@ def main(argv=None) -> int:
         base = f"{cw}:{ons[0]}"
       else:
         fns, base = {w_: (lean_step(y, w_, a.interpret), (x, w)) for w_ in widths}, cw
+      for tb in (int(t) for t in (a.token_blocks or "").split(",") if t):  # each at the width planned for it
+        c = op.plan(b, h, v, Config(products="gemm", token_block=tb), interpret=a.interpret, mode="lean").vocab_chunk
+        widths[f"tb{tb}"] = round(chunk_efficiency(tb, h, c, kind, _device.num_sms()), 3)
+        fns[f"tb{tb}"] = (lean_step(y, None, a.interpret, "gemm", tb), (x, w))
       # each width's compiled temporaries: what the chunk costs in memory (lean's bound is B·H·4 + 64 MB)
       temp = {w_: f.lower(*fa).compile().memory_analysis().temp_size_in_bytes for w_, (f, fa) in fns.items()}
       ref = {w_: f(*fa) for w_, (f, fa) in fns.items()}

@@ -146,6 +146,48 @@ def test_lean_products_on_the_gemm_beside_the_forward_kernels(v):
   assert (op.chunk_window(0, p.vocab_chunk, v, "vh") is None) == (v == 1000)
 
 
+@pytest.mark.parametrize("w_layout,bias,options,reduction,where,batch", [
+    ("hv", False, "plain", "sum", False, 300), ("vh", True, "all", "mean", True, 300),
+    ("hv", True, "softcap", "none", False, 257), ("vh", False, "smoothing", "none", True, 384)])
+def test_lean_token_blocks_against_the_oracle(w_layout, bias, options, reduction, where, batch):
+  """``token_block``: each vocabulary chunk's backward in blocks of the tokens (x's block and dx's rows read and
+  added into in place, the chunk's dw accumulated in float32 over the blocks), the last block clamped to end at the
+  padded B (its rows done before given dz = 0) and the last chunk clamped to end at V; against the float64 oracle
+  with every option, a bias, ignored tokens and per-token cotangents."""
+  cfg = Config(block_t=64, vocab_chunk=256, products="gemm", token_block=128)
+  check(config=cfg, h=192, v=1152, batch_shape=(batch,), options=OPTIONS[options], w_layout=w_layout, bias=bias,
+        reduction=reduction, where=where, seed=90 + batch)
+  p = op.plan(batch, 192, 1152, cfg, interpret=True, mode="lean")
+  assert p.token_block == 128 and p.gemm is not None and p.products == ("gemm", "gemm")
+
+
+def test_lean_token_blocks_plan():
+  """``token_block`` widens lean mode's chunk where B is well above H (dz [block, chunk] and the chunk's float32 dw
+  with its rounded sum in place of dz [B, chunk], within the same 64 MB), says so in explain(), runs as one block
+  where it holds every token, and is refused off the GEMM's products, off block_t multiples and in fast mode."""
+  from lce_flax import explain
+
+  b, h, v = 32768, 4096, 128256
+  p = op.plan(b, h, v, Config(products="gemm", token_block=4096), mode="lean")
+  fits = lambda c: 4096 * c * 2 + h * c * 6 + 64 * b + op.LEAN_RESERVE <= op.LEAN_EXTRA_BYTES
+  step = 2 * p.block_v
+  assert p.token_block == 4096 and p.vocab_chunk == 1536 and fits(1536) and not fits(1536 + step)
+  assert op.plan(b, h, v, Config(products="gemm"), mode="lean").vocab_chunk == 768
+  assert op.memory_bytes(p, b, h, v, 2) <= b * h * 4 + op.LEAN_EXTRA_BYTES
+  assert op.plan(1000, 512, 2048, Config(products="gemm", token_block=1024), mode="lean").token_block is None
+  for cfg, match in ((Config(products="gemm", token_block=100), "multiple of block_t=128"),
+                     (Config(products="xla", token_block=1024), "products='gemm'"),
+                     (Config(products=("gemm", "xla"), token_block=1024), "products='gemm'")):
+    with pytest.raises(ValueError, match=match):
+      op.plan(4096, 512, 2048, cfg, mode="lean")
+  with pytest.raises(ValueError, match="token_block=1024: blocks of tokens within each vocabulary chunk"):
+    op.plan(4096, 512, 2048, Config(token_block=1024), mode="fast")
+  sds = jax.ShapeDtypeStruct
+  d = explain(sds((4096, 512), jnp.bfloat16), sds((512, 2048), jnp.bfloat16), sds((4096,), jnp.int32),
+              impl="pallas_mosaic", mode="lean", config=Config(products="gemm", token_block=1024))
+  assert "each in blocks of 1024 tokens" in d.chunking, d.chunking
+
+
 def test_lean_products_follow_the_measured_step(monkeypatch):
   """Lean mode's chunk products run on the pair its whole step measured fastest with at the head's bucket (a
   ``steps`` row of the design "recompute"), and explain() says so; without one, XLA's for both; a fast design's
@@ -918,6 +960,29 @@ def test_gpu_lean_products_compiled(products, w_layout):
 
 
 @pytest.mark.gpu(min_cc=(9, 0))
+@pytest.mark.parametrize("w_layout", ["hv", "vh"])
+def test_gpu_lean_token_blocks_compiled(w_layout):
+  """Lean mode in blocks of the tokens (``token_block``), compiled: every option, a bias, ragged rows, several
+  blocks (the last clamped) in several chunks (the last clamped), against the float64 oracle."""
+  check(config=Config(products="gemm", vocab_chunk=1536, token_block=384), mode="lean", h=512, v=5120,
+        batch_shape=(1000,), options=OPTIONS["all"], bias=True, w_layout=w_layout, interpret=False)
+
+
+@pytest.mark.gpu(min_cc=(9, 0))
+@pytest.mark.parametrize("b,h,v", [(32768, 4096, 128256), (32768, 2304, 256000)],
+                         ids=["llama3-8b-32k", "gemma2-2b-32k"])
+def test_gpu_lean_token_blocks_memory(b, h, v):
+  """Lean mode in blocks of 4096 tokens at 32768 tokens holds at most B·H·4 + 64 MB of temporaries, as planned
+  (dz [block, chunk], the chunk's float32 dw and its rounded sum beside the float32 dx)."""
+  sds = jax.ShapeDtypeStruct
+  args = (sds((b, h), jnp.bfloat16), sds((h, v), jnp.bfloat16), sds((b,), jnp.int32))
+  cfg = Config(products="gemm", token_block=4096)
+  f = lambda x, w, y: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", reduction="sum", config=cfg)
+  temp = jax.jit(jax.grad(f, (0, 1))).lower(*args).compile().memory_analysis().temp_size_in_bytes
+  assert temp <= b * h * 4 + 64 * 10**6, (temp, b * h * 4 + 64 * 10**6)
+
+
+@pytest.mark.gpu(min_cc=(9, 0))
 @pytest.mark.parametrize("design", ["logits", "tokens", "lean"])
 def test_gpu_fast_memory_within_its_bound(design):
   """The compiled step's temporaries stay near the design's :func:`.op.memory_bytes` (which explain() reports; an
@@ -1062,6 +1127,42 @@ def test_lean_products_on_the_gemm_lower_for_cuda(w_layout, bias, products):
   slices = re.findall(r"stablehlo\.dynamic_slice[^\n]*-> (tensor<[^>]*>)", text)
   assert (chunk_type in slices) == (on_dx == "xla" or on_dw == "xla"), slices  # w's chunk copied only for XLA
   assert text.count("stablehlo.while") == 1
+
+
+@pytest.mark.parametrize("w_layout,bias", [("hv", True), ("vh", False)])
+def test_lean_token_blocks_lower_for_cuda(w_layout, bias):
+  """Lean mode in blocks of the tokens, lowered for CUDA on CPU: one loop over the vocabulary chunks holding one over
+  the token blocks, in which the recompute reads x's block and w's chunk in place, dx's product adds into dx's rows
+  in place (the carried float32 dx its one output) and dw's into the chunk's float32 [H, chunk] (its one output);
+  no copy of x's block or of w's chunk."""
+  b, h, v = 4000, 512, 2048
+  opts = _math.LossSpec(vocab_size=v)
+  spec = common.Spec(opts, w_layout, interpret=False)
+  cfg = Config(products="gemm", vocab_chunk=768, token_block=1024)
+  plan = pallas_mosaic.design(b, h, spec, jnp.bfloat16, "lean", cfg).config
+  assert plan.gemm is not None and plan.token_block == 1024 and plan.vocab_chunk == 768, plan
+  sds = jax.ShapeDtypeStruct
+  args = (sds((b, h), jnp.bfloat16), sds((v, h) if w_layout == "vh" else (h, v), jnp.bfloat16),
+          sds((v,), jnp.float32) if bias else None, sds((b,), jnp.int32))
+
+  def f(x, w, bias, y):
+    return jnp.sum(base.lean(x, w, bias, y, spec, pallas_mosaic, plan).loss)
+
+  text = jax.jit(jax.grad(f, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  rows = -(-b // plan.block_t) * plan.block_t
+  dx_calls = [line for line in calls if line.rstrip().endswith(f"-> tensor<{rows}x{h}xf32>")]
+  dw_type = f"tensor<{h}x768xf32>" if w_layout == "hv" else f"tensor<768x{h}xf32>"
+  dw_calls = [line for line in calls if line.rstrip().endswith(f"-> {dw_type}")]
+  assert len(calls) == 4, calls  # the forward's statistics, the recompute, dx's and dw's products
+  assert len(dx_calls) == 1 and len(dw_calls) == 1, calls
+  assert all("output_operand_alias" in line for line in dx_calls + dw_calls), calls
+  assert "stablehlo.dot_general" not in text
+  slices = re.findall(r"stablehlo\.dynamic_slice[^\n]*-> (tensor<[^>]*>)", text)
+  chunk_type = f"tensor<{h}x768xbf16>" if w_layout == "hv" else f"tensor<768x{h}xbf16>"
+  assert f"tensor<1024x{h}xbf16>" not in slices, slices
+  assert slices.count(chunk_type) == 1, slices  # dw's own columns (their sum with the chunk's), not w's chunk
+  assert text.count("stablehlo.while") == 2
 
 
 @pytest.mark.parametrize("cap", [None, 30.0])

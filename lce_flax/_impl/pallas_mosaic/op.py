@@ -42,7 +42,9 @@ Backward (recompute, bounded memory)
   Extra memory: the float32 dx (B·H·4; each chunk's product is added into it in place, one loop over all chunks),
   dz (B·chunk·2 bytes: 28 MiB at B=8192, chunk 1792), and where XLA forms a product its copy of the chunk of w and
   the chunk's dw product (H·chunk·2 each) and its cuBLAS workspace; :func:`lean_chunk` keeps them within
-  B·H·4 + 64 MB (so with both products in place the chunks are wider: 3584 columns at llama3-8b).
+  B·H·4 + 64 MB (so with both products in place the chunks are wider: 3584 columns at llama3-8b). With
+  ``Config.token_block`` each chunk runs in blocks of the tokens, its dw accumulated over them in float32
+  (:func:`_blocked_step`): wider chunks where B is well above H.
 
 Fast mode (``mode="fast"``, 6·B·H·V, a bounded buffer; :mod:`.fast`)
   The forward kernel also writes every logit tile, shifted by its row max, in the input dtype, plus the maxima
@@ -123,6 +125,12 @@ class Config:
       XLA's faster at its shape (:func:`.tuning.xla_faster`), else ``"xla"``; in the "tokens" design dx on
       XLA and each chunk's dw added into the float32 dw on the GEMM (TMA reduce-adds into the carried buffer, in
       place: :class:`.gemm.AddTo`).
+    token_block: lean: tokens per block of an inner loop over the tokens within each vocabulary chunk (a multiple
+      of ``block_t``; needs both chunk products on the GEMM). Each block's dz [block, chunk] and its products are
+      formed in turn, x's block and dx's rows read and added into in place (:class:`.gemm.Window`), and the chunk's
+      dw accumulated over the blocks in a float32 [H, chunk] buffer: with B well above H the chunks are then wider
+      for the same memory, so the B×H float32 dx makes fewer round trips (one per chunk). None: one block of all
+      the tokens (the chunk's dw complete after one product).
     stored: what the fast forward stores of each tile: ``"exponentials"`` (``exp(zc - r)`` against a reference logit
       r per row: the backward's products take them as they are, no pass over B×V; :mod:`.fast`) or
       ``"shifted"`` (logits shifted by their row max, turned into dz in place by a dz pass); None: exponentials
@@ -143,6 +151,7 @@ class Config:
   gemm: bool | None = None
   products: str | None = None
   stored: str | None = None
+  token_block: int | None = None
 
 
 PRODUCTS = ("gemm", "xla")
@@ -168,6 +177,7 @@ class Plan:
   products: tuple[str, str] | None = None  # (dx, dw) each on "gemm" or "xla"
   stored: str | None = None  # fast designs: Config.stored as asked (None: where it applies; see stores_probs)
   products_step: str | None = None  # the table's line on the whole step whose fastest pair ``products`` is (or None)
+  token_block: int | None = None  # lean: tokens per block of the backward's inner loop (None: all at once)
 
   @property
   def token_cotangents(self) -> bool:
@@ -231,7 +241,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   """
   c = config or Config()
   common.check_positive(c, ("block_t", "block_v", "block_k", "num_stages", "num_splits", "vocab_chunk",
-                             "token_chunk"))
+                             "token_chunk", "token_block"))
   common.check_loop(c, mode, "pallas_mosaic")
   ws = (not interpret) if c.warp_specialized is None else bool(c.warp_specialized)
   if ws and interpret:
@@ -265,6 +275,9 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   if ws:
     splits = min(splits, cdiv(vp, 2 * bv))
   tiles = Plan(bt, bv, bk, stages, splits, sem, ws)
+  if mode == "fast" and c.token_block is not None:
+    raise ValueError(f"token_block={c.token_block}: blocks of tokens within each vocabulary chunk are lean mode's "
+                     "(the fast designs' own token loop is token_chunk)")
   if mode == "fast":
     products_pair(c.products)  # (a clear error for a bad one)
     tiles = dataclasses.replace(tiles, gemm=_gemm_config(c, "fwd_store", tokens, hidden, vocab, interpret, ws),
@@ -284,15 +297,31 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   # the chunk products first: on the GEMM they read and write the chunk in place, which leaves room for wider chunks
   p = _products(dataclasses.replace(tiles, gemm=_gemm_config(c, "fwd_stats", tokens, hidden, vocab, interpret, ws)),
                 c, tokens, hidden, vocab)
-  chunk = c.vocab_chunk or lean_chunk(tokens, hidden, bv * (2 if ws else 1), in_place=_products_in_place(p))
+  block = _token_block(c.token_block, p, tokens, bt)
+  chunk = c.vocab_chunk or lean_chunk(tokens, hidden, bv * (2 if ws else 1), in_place=_products_in_place(p),
+                                      token_block=block)
   if chunk % bv:
     raise ValueError(f"vocab_chunk={chunk} must be a positive multiple of block_v={bv}")
   chunk = min(chunk, (vp // bv) * bv)
   if ws:
     chunk = cdiv(chunk, 2 * bv) * 2 * bv  # whole CTA tiles (2 warpgroups × block_v) per chunk
     chunk = min(chunk, (max(vp, 2 * bv) // (2 * bv)) * 2 * bv)
-  p = dataclasses.replace(p, vocab_chunk=chunk)
+  p = dataclasses.replace(p, vocab_chunk=chunk, token_block=block)
   return dataclasses.replace(p, stats_gemm=lean_stats_on_gemm(p, tokens, hidden, vocab))
+
+
+def _token_block(asked: int | None, p: Plan, tokens: int, bt: int) -> int | None:
+  """Lean mode's tokens per block (``Config.token_block``) as it runs: None where one block would hold them all;
+  ``ValueError`` unless a multiple of ``block_t`` with both chunk products on the GEMM reading x in place."""
+  if asked is None:
+    return None
+  if asked % bt:
+    raise ValueError(f"token_block={asked} must be a multiple of block_t={bt}")
+  if not _products_in_place(p):
+    raise ValueError(f"token_block={asked}: blocks of tokens need lean mode's chunk products and its recompute on "
+                     f"the GEMM, which reads x's block in place (products='gemm' and gemm=True; here products="
+                     f"{p.products}, gemm={p.gemm is not None})")
+  return asked if asked < cdiv(tokens, bt) * bt else None
 
 
 def _gemm_stats_bytes(cfg: GemmConfig, rows: int, vocab: int) -> int:
@@ -303,7 +332,10 @@ def _gemm_stats_bytes(cfg: GemmConfig, rows: int, vocab: int) -> int:
 
 def _lean_backward_bytes(p: Plan, rows: int, hidden: int, itemsize: int = 2) -> int:
   """Lean mode's backward buffers: dz [B, chunk], the float32 dx, and where XLA forms a chunk product the chunk of
-  w and the chunk's dw product (on the GEMM both products take the chunk in place: :func:`chunk_window`)."""
+  w and the chunk's dw product (on the GEMM both products take the chunk in place: :func:`chunk_window`); with
+  token blocks dz [block, chunk] and the chunk's float32 dw with its rounded sum (:func:`lean_chunk`)."""
+  if p.token_block is not None:
+    return p.vocab_chunk * (p.token_block * itemsize + hidden * (4 + itemsize)) + rows * hidden * 4
   xla = 0 if _products_in_place(p) else 2 * hidden * p.vocab_chunk * itemsize
   return rows * p.vocab_chunk * itemsize + rows * hidden * 4 + xla
 
@@ -328,14 +360,18 @@ def lean_stats_on_gemm(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsi
   return _gemm_stats_bytes(p.gemm, rows, vocab) <= room
 
 
-def lean_chunk(num_tokens: int, hidden: int, step: int, in_place: bool = False) -> int:
+def lean_chunk(num_tokens: int, hidden: int, step: int, in_place: bool = False, token_block: int | None = None
+               ) -> int:
   """Lean mode's vocabulary columns per chunk: the most that keep its buffers within ``LEAN_EXTRA_BYTES`` beside
   the per-token vectors and ``LEAN_RESERVE``; a multiple of ``step`` (the kernel's column tile) in [step, 16384].
 
   With both chunk products on the GEMM (``in_place``: w's chunk read and dw's chunk added into in place,
   :func:`chunk_window`; dx added into the float32 dx by TMA reduce-adds; no cuBLAS call) the one buffer is dz
   [B, chunk]: 3584 columns at llama3-8b's 8192×4096 and gemma2-2b's 8192×2304, 7168 at qwen3-8b's 4096×4096,
-  1792 at gpt2-small's 16384×768. Else:
+  1792 at gpt2-small's 16384×768. With blocks of ``token_block`` tokens the buffers are dz [block, chunk], the
+  chunk's float32 dw [H, chunk] and the rounded sum that updates dw's columns (H·chunk·2, counted should XLA not
+  form it inside the update): 1536 columns at llama3-8b's 32768×4096 in blocks of 4096 tokens, against 768 without.
+  Else:
 
   Per chunk XLA holds three bf16 buffers: dz [B, chunk], the chunk of w it copies for cuBLAS and the chunk's dw
   product (both [H, chunk]: a chunk of columns of an [H, V] head is strided); and its cuBLAS workspace. The x
@@ -344,6 +380,8 @@ def lean_chunk(num_tokens: int, hidden: int, step: int, in_place: bool = False) 
   1792 columns at llama3-8b's 8192×4096, 2304 at gemma2-2b's 8192×2304, 1536 at qwen3-8b's 4096×4096, 768 at
   gpt2-small's 16384×768 (memory measured in ``benchmarks/results/h100-2026-11-24-r6-lean``)."""
   room = LEAN_EXTRA_BYTES - LEAN_RESERVE - 64 * num_tokens
+  if token_block is not None:
+    return min(max(room // (2 * token_block + 6 * hidden) // step * step, step), 16384)
   if in_place:
     return min(max(room // (2 * num_tokens) // step * step, step), 16384)
   out = num_tokens * hidden * 2
@@ -542,6 +580,9 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
       tiles += f", dz pass in {p.block_t}×{p.gemm.tile_n} blocks"
   if p.fast_design is None:
     name, chunking = "recompute", f"{tiles}; backward: vocabulary chunks of {p.vocab_chunk} columns"
+    if p.token_block is not None:
+      chunking += (f", each in blocks of {p.token_block} tokens (x's block and dx's rows read and added into in "
+                   "place, the chunk's dw accumulated over the blocks in float32)")
   elif p.fast_design == "logits":
     name, chunking = "logits", f"{tiles}; the logits of all {num_tokens} tokens stored at once (no chunk loop)"
   else:
@@ -664,15 +705,17 @@ def run_forward(xp, wp, bp, yp, d: kernels.Dims, p: Plan, opts):
   return (kernels_ws.forward_ws if p.warp_specialized else kernels.forward)(xp, wp, bp, yp, d, p, opts)
 
 
-def product_dx(dz, wp, layout: str, on: str, interpret: bool, *, scale=None, out_dtype=F32, acc=None, window=None):
+def product_dx(dz, wp, layout: str, on: str, interpret: bool, *, scale=None, out_dtype=F32, acc=None, window=None,
+               rows=None):
   """``dz · wᵀ`` ([B, H]; ``dz · w`` for a [V, H] w) accumulated in float32, by the GEMM of :mod:`.gemm`
   (``on="gemm"``) or XLA's (``"xla"``: cuBLAS): in ``out_dtype``, each row times ``scale`` (float32 [B]) when given
   (on the GEMM in its epilogue, before the one rounding); or, given ``acc`` (float32 [B, H]), ``acc + dz · wᵀ`` in
   float32, updated in place either way (the GEMM's TMA reduce-adds, :class:`.gemm.AddTo`; cuBLAS's ``beta = 1``):
   the lean design's dx over its vocabulary chunks. ``window`` (:class:`.gemm.Window`, on the GEMM only): ``wp``
-  is the whole head and the product takes its chunk of columns there, read in place."""
+  is the whole head and the product takes its chunk of columns there, read in place; ``rows`` (on the GEMM, with
+  ``acc``): dz is a block of the tokens, added into those rows of ``acc``."""
   if on == "gemm":
-    part = gemm_lib.Store(out_dtype, row_scale=scale) if acc is None else gemm_lib.AddTo(acc)
+    part = gemm_lib.Store(out_dtype, row_scale=scale) if acc is None else gemm_lib.AddTo(acc, window=rows)
     return gemm_lib.gemm(dz, wp, transpose_b=layout == "hv", epilogue=part, role="dx" if acc is None else "dx_acc",
                          interpret=interpret, b_window=window)
   dx = common.grad_x(dz, wp, layout)
@@ -681,19 +724,22 @@ def product_dx(dz, wp, layout: str, on: str, interpret: bool, *, scale=None, out
   return (dx if scale is None else dx * scale[:, None]).astype(out_dtype)
 
 
-def product_dw(x, dz, layout: str, on: str, interpret: bool, out_dtype, acc=None, window=None):
+def product_dw(x, dz, layout: str, on: str, interpret: bool, out_dtype, acc=None, window=None, rows=None):
   """``xᵀ · dz`` ([H, V]; ``dzᵀ · x`` [V, H] for a [V, H] w) accumulated in float32, by the GEMM of :mod:`.gemm`
   (``on="gemm"``) or XLA's (``"xla"``): in ``out_dtype``, or given ``acc`` (float32, w's shape: the "tokens"
   design's dw) ``acc + xᵀ · dz`` in float32, updated in place either way (:class:`.gemm.AddTo`'s TMA reduce-adds;
   cuBLAS's ``beta = 1``). XLA's product is formed in ``out_dtype`` by the dot itself: a float32 product and a
   convert would leave its float32 buffer to whichever GEMM XLA's autotuner picks. ``window`` (on the GEMM only):
   ``acc`` is the whole dw in its own dtype (zeros in the chunk's columns) and the product is added into its
-  chunk's columns in place (the lean design's)."""
+  chunk's columns in place (the lean design's). ``rows`` (on the GEMM): dz is that block of x's tokens, the
+  product's contraction, read in place (the lean design's token blocks, into a float32 ``acc``)."""
   if on == "gemm":
     a, b = (x, dz) if layout == "hv" else (dz, x)
     part, role = (gemm_lib.Store(out_dtype), "dw") if acc is None else (gemm_lib.AddTo(acc, window=window),
                                                                         "dw" if window is not None else "dw_acc")
-    return gemm_lib.gemm(a, b, transpose_a=True, epilogue=part, role=role, interpret=interpret)
+    a_win, b_win = (rows, None) if layout == "hv" else (None, rows)
+    return gemm_lib.gemm(a, b, transpose_a=True, epilogue=part, role=role, interpret=interpret, a_window=a_win,
+                         b_window=b_win)
   if acc is None:
     return common.grad_w(x, dz, layout, out_dtype=out_dtype)
   return acc + common.grad_w(x, dz, layout)
@@ -757,9 +803,10 @@ def _chunk(k, vp: int, cw: int):
 
 
 def _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
-  """The padded operands, their Dims, and ``dz_of(start, lo)``: the logit gradient [rows, vocab_chunk] of the
-  columns from ``start`` (recomputed by the dz kernel) for the given lse and per-token cotangents, zero in the
-  chunk's first ``lo`` columns."""
+  """The padded operands, their Dims, and ``dz_of(start, lo, block=None)``: the logit gradient [rows, vocab_chunk]
+  of the columns from ``start`` (recomputed by the dz kernel) for the given lse and per-token cotangents, zero in
+  the chunk's first ``lo`` columns; given ``block = (rows, first)`` (a :class:`.gemm.Window` of the tokens and a
+  row count, on the GEMM) the [block, vocab_chunk] gradient of that block's tokens, zero in its first rows."""
   opts = spec.opts
   xp, wp, bp, yp, d = prepare(x, w, bias, labels, spec, p)
   pad = d.b - x.shape[0]
@@ -772,16 +819,23 @@ def _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   if p.gemm is not None:
     _in_place(d, x, w, spec)
 
-  def dz_of(start, lo):
+  def dz_of(start, lo, block=None):
     w_c = common.slice_vocab(wp, start, cw, spec.w_layout)  # (a copy where XLA's kernels need it: dead on the GEMM)
     b_c = None if bp is None else lax.dynamic_slice_in_dim(bp, start, cw)
     local = jnp.where(yp >= 0, yp - start, -1)  # chunk-local target column (-1: none)
-    first = jnp.full(yp.shape, lo, jnp.int32)  # (a row vector: the kernels fetch per-row values only)
+    rows = (lse_p, coef, a, c, local)
+    if block is not None:  # the block's rows; those done by the block before: lse = +inf, zero factors (dz = 0)
+      win, done = block
+      live = jnp.arange(win.size) >= done
+      rows = tuple(jnp.where(live, lax.dynamic_slice_in_dim(t, win.start, win.size), fill)
+                   for t, fill in zip(rows, (jnp.inf, 0.0, 0.0, 0.0, -1)))
+    first = jnp.full(rows[0].shape, lo, jnp.int32)  # (a row vector: the kernels fetch per-row values only)
     if p.gemm is None:
-      return dz_chunk(xp, w_c, b_c, local, first, lse_p, coef, a, c, d, p, opts), w_c
-    part = gemm_lib.LogitGrad(lse_p, coef, a, c, local, opts, first=first, bias=b_c)
+      return dz_chunk(xp, w_c, b_c, rows[4], first, *rows[:4], d, p, opts), w_c
+    part = gemm_lib.LogitGrad(*rows[:4], rows[4], opts, first=first, bias=b_c)
     return gemm_lib.gemm(xp, wp, transpose_b=d.w_layout == "vh", epilogue=part, role="lean_dz",
                          interpret=d.interpret, approx_math=epilogue.APPROX_MATH,
+                         a_window=None if block is None else block[0],
                          b_window=chunk_window(start, cw, d.vp, spec.w_layout)), w_c
 
   return xp, wp, bp, d, dz_of
@@ -826,10 +880,46 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
       return product_dx(dz, wp, spec.w_layout, on_dx, d.interpret, acc=dx, window=win), dw, db
     return product_dx(dz, w_c, spec.w_layout, on_dx, d.interpret, acc=dx), dw, db  # (dx updated in place)
 
+  if p.token_block is not None:
+    step = _blocked_step(xp, wp, d, spec, p, dz_of)
   carry = (jnp.zeros(xp.shape, F32), jnp.zeros_like(wp), None if bp is None else jnp.zeros(bp.shape, F32))
   dx, dw, db = lax.fori_loop(0, cdiv(d.vp, cw), step, carry)
   dw = dw[:h, :v] if spec.w_layout == "hv" else dw[:v, :h]
   return dx[:b, :h], dw.astype(w.dtype), None if bias is None else db[:v]
+
+
+def _blocked_step(xp, wp, d: kernels.Dims, spec: common.Spec, p: Plan, dz_of):
+  """The step over one vocabulary chunk with blocks of ``p.token_block`` tokens (both products on the GEMM): per
+  block, dz [block, chunk] (the recompute reading x's block and w's chunk in place), its dx added into dx's rows and
+  its dw into the chunk's float32 dw; then the chunk's dw rounded into dw's columns. The last block is clamped to
+  end at the padded B, its rows done by the block before given dz = 0, as the last chunk's columns are."""
+  cw, bt, layout = p.vocab_chunk, p.token_block, spec.w_layout
+  vaxis = spec.vocab_axis
+
+  def step(k, carry):
+    dx, dw, db = carry
+    start, lo = _chunk(k, d.vp, cw)
+    win = chunk_window(start, cw, d.vp, layout)
+
+    def block(j, inner):
+      dx, dw_c, db_c = inner
+      first_row, done = _chunk(j, d.b, bt)
+      rows = gemm_lib.Window(first_row, bt, 0, math.gcd(bt, d.b))
+      dz, _ = dz_of(start, lo, (rows, done))
+      dw_c = product_dw(xp, dz, layout, "gemm", d.interpret, F32, acc=dw_c, rows=rows)
+      dx = product_dx(dz, wp, layout, "gemm", d.interpret, acc=dx, window=win, rows=rows)
+      return dx, dw_c, None if db_c is None else db_c + jnp.sum(dz.astype(F32), axis=0)
+
+    dw_c = jnp.zeros((d.h, cw) if layout == "hv" else (cw, d.h), F32)
+    dx, dw_c, db_c = lax.fori_loop(0, cdiv(d.b, bt), block, (dx, dw_c, None if db is None else jnp.zeros(cw, F32)))
+    # dw's columns of the clamped last chunk that the chunk before did: dw_c is zero there, and the sum keeps them
+    old = common.slice_vocab(dw, start, cw, layout)
+    dw = lax.dynamic_update_slice_in_dim(dw, (old.astype(F32) + dw_c).astype(dw.dtype), start, vaxis)
+    if db is not None:
+      db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, cw) + db_c, start, 0)
+    return dx, dw, db
+
+  return step
 
 
 def stats(x, w, bias, labels, spec: common.Spec, plan: Plan) -> _math.RowStats:
