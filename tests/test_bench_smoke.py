@@ -1485,3 +1485,25 @@ def test_ncu_forward_run_logged_streams_and_cuts_off(tmp_path):
   p = ncu_forward.run_logged([sys.executable, "-c", code], "cut", log, timeout=2)
   assert time.time() - t0 < 20 and p.returncode == -9 and p.stdout == "started\n"
   assert "===== cut: rc -9" in log.getvalue()
+
+
+def test_lowering_digest_names_what_changed(tmp_path):
+  """benchmarks/lowering_digest.py lowers each case for CUDA on CPU: two processes of the same code give the same
+  digests (no source locations in them), and ``--against`` a file whose digest of one case differs exits 1 naming
+  that case. (Each run is a process of its own: Mosaic GPU numbers the kernels it lowers within a process.)"""
+  import json
+  import subprocess
+  import sys
+
+  out = tmp_path / "digests.json"
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  run = lambda *args: subprocess.run([sys.executable, "-m", "benchmarks.lowering_digest", *args], cwd=root, env=env,
+                                     capture_output=True, text=True, timeout=600)
+  assert run("--out", str(out)).returncode == 0
+  got = json.loads(out.read_text())["digests"]
+  assert {"fast_logits", "fast_tokens", "lean_xla", "lean_gemm", "gemm_store", "gemm_dw_window"} <= set(got)
+  got["lean_gemm"] = "0" * 16
+  out.write_text(json.dumps({"digests": got}))
+  res = run("--against", str(out))
+  assert res.returncode == 1 and "changed: lean_gemm\n" in res.stdout, res.stdout + res.stderr
