@@ -805,8 +805,9 @@ def _chunk(k, vp: int, cw: int):
 def _dz_chunks(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
   """The padded operands, their Dims, and ``dz_of(start, lo, block=None)``: the logit gradient [rows, vocab_chunk]
   of the columns from ``start`` (recomputed by the dz kernel) for the given lse and per-token cotangents, zero in
-  the chunk's first ``lo`` columns; given ``block = (rows, first)`` (a :class:`.gemm.Window` of the tokens and a
-  row count, on the GEMM) the [block, vocab_chunk] gradient of that block's tokens, zero in its first rows."""
+  the chunk's first ``lo`` columns; given ``block = (window, done)`` (on the GEMM: a :class:`.gemm.Window` of the
+  tokens, and how many of its first rows the block before did) the [block, vocab_chunk] gradient of that block's
+  tokens, zero in those rows."""
   opts = spec.opts
   xp, wp, bp, yp, d = prepare(x, w, bias, labels, spec, p)
   pad = d.b - x.shape[0]
