@@ -1089,6 +1089,22 @@ def test_warp_specialized_kernels_lower_for_cuda(w_layout, bias):
     jax.jit(bad).trace(*big).lower(lowering_platforms=("cuda",))
 
 
+def _lean_lowered(b, h, v, w_layout, bias, cfg, softcap=None):
+  """Lean mode's gradient of x and w planned with ``cfg`` and lowered for CUDA on CPU: (plan, StableHLO text, the
+  lines of its Mosaic GPU calls)."""
+  spec = common.Spec(_math.LossSpec(vocab_size=v, logit_softcap=softcap), w_layout, interpret=False)
+  plan = pallas_mosaic.design(b, h, spec, jnp.bfloat16, "lean", cfg).config
+  sds = jax.ShapeDtypeStruct
+  args = (sds((b, h), jnp.bfloat16), sds((v, h) if w_layout == "vh" else (h, v), jnp.bfloat16),
+          sds((v,), jnp.float32) if bias else None, sds((b,), jnp.int32))
+
+  def f(x, w, bias, y):
+    return jnp.sum(base.lean(x, w, bias, y, spec, pallas_mosaic, plan).loss)
+
+  text = jax.jit(jax.grad(f, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return plan, text, [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+
+
 @pytest.mark.parametrize("w_layout,bias,products", [("hv", False, "gemm"), ("vh", True, "gemm"),
                                                      ("hv", True, ("gemm", "xla")), ("vh", False, ("xla", "gemm"))])
 def test_lean_products_on_the_gemm_lower_for_cuda(w_layout, bias, products):
@@ -1099,20 +1115,9 @@ def test_lean_products_on_the_gemm_lower_for_cuda(w_layout, bias, products):
   columns of the whole dw, in place too; no copy of w's chunk unless XLA forms dx; what ``products`` leaves to XLA
   is a dot of the chunk's shape."""
   b, h, v = 1000, 512, 2048
-  opts = _math.LossSpec(vocab_size=v, logit_softcap=30.0)
-  spec = common.Spec(opts, w_layout, interpret=False)
-  plan = pallas_mosaic.design(b, h, spec, jnp.bfloat16, "lean", Config(products=products, vocab_chunk=768)).config
+  plan, text, calls = _lean_lowered(b, h, v, w_layout, bias, Config(products=products, vocab_chunk=768), 30.0)
   assert plan.gemm is not None and plan.stats_gemm and plan.vocab_chunk == 768, plan
   on_dx, on_dw = plan.products
-  sds = jax.ShapeDtypeStruct
-  args = (sds((b, h), jnp.bfloat16), sds((v, h) if w_layout == "vh" else (h, v), jnp.bfloat16),
-          sds((v,), jnp.float32) if bias else None, sds((b,), jnp.int32))
-
-  def f(x, w, bias, y):
-    return jnp.sum(base.lean(x, w, bias, y, spec, pallas_mosaic, plan).loss)
-
-  text = jax.jit(jax.grad(f, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
   rows, cw = -(-b // plan.block_t) * plan.block_t, plan.vocab_chunk
   dx_type = f"tensor<{rows}x{h}xf32>"
   chunk_type = f"tensor<{h}x{cw}xbf16>" if w_layout == "hv" else f"tensor<{cw}x{h}xbf16>"
@@ -1136,20 +1141,9 @@ def test_lean_token_blocks_lower_for_cuda(w_layout, bias):
   in place (the carried float32 dx its one output) and dw's into the chunk's float32 [H, chunk] (its one output);
   no copy of x's block or of w's chunk."""
   b, h, v = 4000, 512, 2048
-  opts = _math.LossSpec(vocab_size=v)
-  spec = common.Spec(opts, w_layout, interpret=False)
-  cfg = Config(products="gemm", vocab_chunk=768, token_block=1024)
-  plan = pallas_mosaic.design(b, h, spec, jnp.bfloat16, "lean", cfg).config
+  plan, text, calls = _lean_lowered(b, h, v, w_layout, bias, Config(products="gemm", vocab_chunk=768,
+                                                                     token_block=1024))
   assert plan.gemm is not None and plan.token_block == 1024 and plan.vocab_chunk == 768, plan
-  sds = jax.ShapeDtypeStruct
-  args = (sds((b, h), jnp.bfloat16), sds((v, h) if w_layout == "vh" else (h, v), jnp.bfloat16),
-          sds((v,), jnp.float32) if bias else None, sds((b,), jnp.int32))
-
-  def f(x, w, bias, y):
-    return jnp.sum(base.lean(x, w, bias, y, spec, pallas_mosaic, plan).loss)
-
-  text = jax.jit(jax.grad(f, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
   rows = -(-b // plan.block_t) * plan.block_t
   dx_calls = [line for line in calls if line.rstrip().endswith(f"-> tensor<{rows}x{h}xf32>")]
   dw_type = f"tensor<{h}x768xf32>" if w_layout == "hv" else f"tensor<768x{h}xf32>"
