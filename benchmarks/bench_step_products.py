@@ -14,9 +14,13 @@ and writes a row of the table's ``"steps"`` (:func:`lce_flax._impl.pallas_mosaic
 the bucket, the fastest pair, every time and each step's compiled temporaries (``temp_gb``). With ``--mode lean``
 the same for lean mode (design "recompute"), whose pair is each vocabulary chunk's dx (added into the float32 dx)
 and dw, with its bound (lean mode is held to B·H·4 + 64 MB) and each pair's chunk width (``vocab_chunk``: the op
-plans wider chunks for the pair on the GEMM, whose products take the chunk in place).
+plans wider chunks for the pair on the GEMM, whose products take the chunk in place); ``--widths W1,W2`` times each
+pair at those narrower widths too (those below the width the op plans for it, whole CTA tiles: a width whose
+products fill the GPU's waves better can be the faster), and the row keeps each pair's fastest width (its time,
+``vocab_chunk`` and ``temp_gb``; every width's time in ``width_ms``), which the op then runs with that pair.
 
     python3 -m benchmarks.bench_step_products [--shapes llama3-8b,qwen3-8b] [--rounds 7] [--mode lean] [--out DIR]
+    python3 -m benchmarks.bench_step_products --mode lean --widths 3072,3328 --shapes llama3-8b,gemma2-2b
     python3 -m benchmarks.bench_step_products --merge DIR/steps.json     # into the package's table (tuning_table)
     python3 -m benchmarks.bench_step_products --check [--shapes ...]     # then: plain against auto, as it now runs
     python3 -m benchmarks.bench_step_products --check --logit-softcap 30 --shapes gemma2-2b   # both heads capped
@@ -56,14 +60,16 @@ def fast_step(y, config: PallasMosaicConfig, interpret: bool, mode: str = "fast"
   return jax.jit(jax.value_and_grad(lambda x, w: linear_cross_entropy(x, w, y, **kw), (0, 1))), kw
 
 
-def pair_step(y, pair, interpret: bool, mode: str = "fast"):
-  """:func:`fast_step` with the backward products ``pair`` (``PallasMosaicConfig.products``)."""
-  return fast_step(y, PallasMosaicConfig(products=pair), interpret, mode)
+def pair_step(y, pair, interpret: bool, mode: str = "fast", vocab_chunk: int | None = None):
+  """:func:`fast_step` with the backward products ``pair`` (``PallasMosaicConfig.products``), lean mode's chunks
+  of ``vocab_chunk`` columns when given."""
+  return fast_step(y, PallasMosaicConfig(products=pair, vocab_chunk=vocab_chunk), interpret, mode)
 
 
-def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=PAIRS) -> dict:
+def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=PAIRS, widths_asked=()) -> dict:
   """One shape's times and its ``steps`` row with each pair's compiled temporaries (lean mode's also with each
-  pair's chunk width and its bound), of the ``pairs`` timed."""
+  pair's chunk width and its bound), of the ``pairs`` timed; in lean mode each pair also at the ``widths_asked``
+  below its own, keeping its fastest."""
   x, w, y = bench.make_inputs(SHAPES[name])
   b, h = x.shape
   v = w.shape[1]
@@ -74,12 +80,25 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
     f, kw = pair_step(y, pair, interpret, mode)
     d = explain(x, w, y, **kw)
     design, block_t = d.config.fast_design or d.name, d.config.block_t
-    f = f.lower(x, w).compile()  # (timed as compiled here: one compile gives its temporaries and its calls)
-    mem[",".join(pair)] = round(f.memory_analysis().temp_size_in_bytes / 1e9, 4)
-    if mode == "lean":
-      widths[",".join(pair)] = d.config.vocab_chunk  # (each pair at the chunk width the op plans for it)
-    calls[",".join(pair)] = (f, (x, w))
+    own, step = d.config.vocab_chunk, d.config.block_v * (2 if d.config.warp_specialized else 1)
+    tried = [None] + sorted({c for c in widths_asked if mode == "lean" and c < own and c % step == 0}, reverse=True)
+    for c in tried:  # (each pair at the chunk width the op plans for it, then at the narrower ones asked)
+      key = ",".join(pair) + ("" if c is None else f"@{c}")
+      g = f if c is None else pair_step(y, pair, interpret, mode, c)[0]
+      g = g.lower(x, w).compile()  # (timed as compiled here: one compile gives its temporaries and its calls)
+      mem[key] = round(g.memory_analysis().temp_size_in_bytes / 1e9, 4)
+      if mode == "lean":
+        widths[key] = own if c is None else c
+      calls[key] = (g, (x, w))
   t = interleaved(calls, rounds=rounds)
+  width_ms = {}
+  for key in [k for k in t if "@" in k]:  # each pair's fastest width stands for it
+    pair_key = key.split("@")[0]
+    width_ms.setdefault(pair_key, {str(widths[pair_key]): round(t[pair_key], 3)})
+    width_ms[pair_key][str(widths[key])] = round(t[key], 3)
+    ms_key, mem_key, width_key = t.pop(key), mem.pop(key), widths.pop(key)
+    if ms_key < t[pair_key]:
+      t[pair_key], mem[pair_key], widths[pair_key] = ms_key, mem_key, width_key
   best = min((k for k in t if k != "plain"), key=t.get)
   rows = -(-b // block_t) * block_t  # (the op's rows: tokens padded to its row tile, as its lookup takes them)
   row = {"design": design, "bucket": list(tuning.bucket(rows, h, v)), "shape": [b, h, v], "name": name,
@@ -88,6 +107,8 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
   row.update(temp_gb=mem, vs_plain={k: round(s / t["plain"], 3) for k, s in t.items() if k != "plain"})
   if mode == "lean":
     row.update(vocab_chunk=widths, temp_bound_gb=round((b * h * 4 + op.LEAN_EXTRA_BYTES) / 1e9, 4))
+  if width_ms:
+    row["width_ms"] = width_ms
   return row
 
 
@@ -165,6 +186,8 @@ def main(argv=None) -> int:
                   "the plain head, with each step's extra memory (rows into DIR/results.json)")
   ap.add_argument("--mode", choices=("fast", "lean"), default="fast", help="the op's mode whose steps rows to "
                   "time (lean: design \"recompute\", each chunk's products)")
+  ap.add_argument("--widths", metavar="W1,W2", help="with --mode lean: each pair also at these chunk widths (those "
+                  "below its own), the row keeping its fastest")
   ap.add_argument("--logit-softcap", type=float, default=None, help="with --check: both heads cap their logits "
                   "(Gemma 2's head: 30)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_step_products"))
@@ -173,6 +196,8 @@ def main(argv=None) -> int:
     raise SystemExit("--logit-softcap goes with --check")
   if a.mode == "lean" and (a.check or a.chunks):
     raise SystemExit("--mode lean times the steps rows only (not --check or --chunks)")
+  if a.widths and a.mode != "lean":
+    raise SystemExit("--widths goes with --mode lean (the fast designs have no vocabulary chunks)")
   if a.merge:
     print(tuning_table.merge(a.merge))
     return 0
@@ -183,7 +208,8 @@ def main(argv=None) -> int:
       r = chunk_row(name, [int(c) for c in a.chunks.split(",")], a.rounds, a.interpret)
     else:
       r = (check_row(name, a.rounds, a.interpret, a.logit_softcap) if a.check
-           else step_row(name, a.rounds, a.interpret, a.mode))
+           else step_row(name, a.rounds, a.interpret, a.mode,
+                         widths_asked=[int(c) for c in (a.widths or "").split(",") if c]))
     rows.append(r)
     print(json.dumps(r), flush=True)
     save_probe(a.out, rows, a.rounds)

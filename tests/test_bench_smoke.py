@@ -1039,6 +1039,31 @@ def test_bench_step_products_lean_row(monkeypatch):
   assert tuning.step_products("logits", 256, 64, 960, kind) is None
 
 
+def test_bench_step_products_lean_widths(monkeypatch):
+  """bench_step_products --mode lean --widths on the CPU: a pair timed at its own chunk width and at the narrower
+  whole-tile widths asked (not at one off the tiles), the row keeping its fastest width's time, width and
+  temporaries, every width's time in ``width_ms``; lean mode then runs the chosen pair at that width, where it is
+  whole tiles within the memory its own width fits (else at its own)."""
+  from benchmarks import bench_step_products
+  from lce_flax._impl.pallas_mosaic import gemm, op, tuning
+
+  r = bench_step_products.step_row("tiny", 1, True, "lean", pairs=(("gemm", "gemm"),), widths_asked=[384, 100])
+  own = op.plan(256, 64, 960, op.Config(products="gemm"), interpret=True, mode="lean").vocab_chunk
+  assert set(r["width_ms"]) == {"gemm,gemm"} and set(r["width_ms"]["gemm,gemm"]) == {str(own), "384"}
+  assert set(r["ms"]) == {"gemm,gemm", "plain"} and set(r["vocab_chunk"]) == set(r["temp_gb"]) == {"gemm,gemm"}
+  fastest = min(r["width_ms"]["gemm,gemm"], key=r["width_ms"]["gemm,gemm"].get)
+  assert r["vocab_chunk"]["gemm,gemm"] == int(fastest) and r["ms"]["gemm,gemm"] == r["width_ms"]["gemm,gemm"][fastest]
+  # (read back at V = 1024 of the same bucket, where lean mode runs on the GEMM: V whole 128-column tiles)
+  kind, own = "NVIDIA H100 80GB HBM3", op.plan(256, 64, 1024, op.Config(products="gemm"), interpret=True,
+                                               mode="lean").vocab_chunk
+  monkeypatch.setattr(gemm, "_device_kind", lambda: kind)
+  for width, runs in ((384, 384), (300, own), (own + 128, own)):
+    row = {**r, "vocab_chunk": {"gemm,gemm": width}}
+    monkeypatch.setattr(tuning, "load_steps", lambda row=row: {tuning.norm_kind(kind): [row]})
+    p = op.plan(256, 64, 1024, interpret=True, mode="lean")
+    assert p.products == ("gemm", "gemm") and p.vocab_chunk == runs, (width, p.vocab_chunk)
+
+
 def test_bench_step_products_chunk_row():
   """bench_step_products --chunks on the CPU: the "tokens" design at a chunk beside the plain head, each step's
   extra memory from its compiled step, the ratio taken from the same medians."""

@@ -298,8 +298,8 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   p = _products(dataclasses.replace(tiles, gemm=_gemm_config(c, "fwd_stats", tokens, hidden, vocab, interpret, ws)),
                 c, tokens, hidden, vocab)
   block = _token_block(c.token_block, p, tokens, bt)
-  chunk = c.vocab_chunk or lean_chunk(tokens, hidden, bv * (2 if ws else 1), in_place=_products_in_place(p),
-                                      token_block=block)
+  chunk = c.vocab_chunk or _measured_chunk(p, tokens, hidden, vocab, block) or lean_chunk(
+      tokens, hidden, bv * (2 if ws else 1), in_place=_products_in_place(p), token_block=block)
   if chunk % bv:
     raise ValueError(f"vocab_chunk={chunk} must be a positive multiple of block_v={bv}")
   chunk = min(chunk, (vp // bv) * bv)
@@ -308,6 +308,18 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
     chunk = min(chunk, (max(vp, 2 * bv) // (2 * bv)) * 2 * bv)
   p = dataclasses.replace(p, vocab_chunk=chunk, token_block=block)
   return dataclasses.replace(p, stats_gemm=lean_stats_on_gemm(p, tokens, hidden, vocab))
+
+
+def _measured_chunk(p: Plan, tokens: int, hidden: int, vocab: int, block: int | None) -> int | None:
+  """The chunk width lean mode's whole step measured fastest at with the pair the tuning table chose for it (its
+  ``steps`` row, :func:`.tuning.step_chunk`), where the row chose the pair, the width is a multiple of the kernels'
+  CTA tile and fits the memory (at most :func:`lean_chunk`'s); else None (the width by memory alone)."""
+  if p.products_step is None or block is not None:
+    return None
+  rows, step = cdiv(tokens, p.block_t) * p.block_t, p.block_v * (2 if p.warp_specialized else 1)
+  width = tuning.step_chunk("recompute", rows, hidden, vocab, gemm_lib._device_kind(), p.products)
+  most = lean_chunk(tokens, hidden, step, in_place=_products_in_place(p))
+  return width if width is not None and width % step == 0 and width <= most else None
 
 
 def _token_block(asked: int | None, p: Plan, tokens: int, bt: int) -> int | None:

@@ -208,19 +208,36 @@ def step_products(design: str, tokens: int, hidden: int, vocab: int, device_kind
   what counts: the heads run at the GPU's power limit, where a GEMM's time depends on what runs around it, and
   the bare products timed alone favoured ours at shapes whose step ran faster with dx on XLA's
   (``benchmarks/results/step-products-h100-2026-11-28/``)."""
+  found = _step_row(design, tokens, hidden, vocab, device_kind)
+  if found is None:
+    return None
+  measured_on, row = found
+  pair, ms, widths = tuple(row["products"]), row["ms"], row.get("vocab_chunk", {})
+  at = lambda k: f" at {widths[k]} columns a chunk" if k in widths else ""
+  rest = ", ".join(("the plain head" if k == "plain" else f"({k.replace(',', ', ')})") + f" {v:.2f}" + at(k)
+                   for k, v in ms.items() if k != ",".join(pair))
+  b = "x".join(str(x) for x in row["bucket"])
+  same = "" if measured_on == norm_kind(device_kind) else f", the same chip as {device_kind}"
+  return pair, (f"the whole step measured fastest with (dx, dw) on ({', '.join(pair)}): "
+                f"{ms[','.join(pair)]:.2f} ms{at(','.join(pair))} against {rest} "
+                f"(table: {measured_on}/steps/{design}/{b}{same})")
+
+
+def step_chunk(design: str, tokens: int, hidden: int, vocab: int, device_kind: str, pair) -> int | None:
+  """The vocabulary chunk width at which the whole step of ``design`` ran with the (dx, dw) ``pair`` at this
+  head's bucket (a lean ``steps`` row's ``"vocab_chunk"``, the fastest of the widths timed for that pair), or
+  None."""
+  found = _step_row(design, tokens, hidden, vocab, device_kind)
+  return None if found is None else found[1].get("vocab_chunk", {}).get(",".join(pair))
+
+
+def _step_row(design: str, tokens: int, hidden: int, vocab: int, device_kind: str):
+  """(measured_on, row): the ``steps`` row of ``design`` at this head's bucket, the device's own kind's first."""
   steps = load_steps()
   want = list(bucket(tokens, hidden, vocab))
   for measured_on, row in ((kind, row) for kind in _kinds(steps, device_kind) for row in steps[kind]):
     if row["design"] == design and row["bucket"] == want:
-      pair, ms, widths = tuple(row["products"]), row["ms"], row.get("vocab_chunk", {})
-      at = lambda k, widths=widths: f" at {widths[k]} columns a chunk" if k in widths else ""
-      rest = ", ".join(("the plain head" if k == "plain" else f"({k.replace(',', ', ')})") + f" {v:.2f}" + at(k)
-                       for k, v in ms.items() if k != ",".join(pair))
-      b = "x".join(str(x) for x in row["bucket"])
-      same = "" if measured_on == norm_kind(device_kind) else f", the same chip as {device_kind}"
-      return pair, (f"the whole step measured fastest with (dx, dw) on ({', '.join(pair)}): "
-                    f"{ms[','.join(pair)]:.2f} ms{at(','.join(pair))} against {rest} "
-                    f"(table: {measured_on}/steps/{design}/{b}{same})")
+      return measured_on, row
   return None
 
 
