@@ -151,9 +151,8 @@ def _transforms(dtype, minor_elems: int):
 class Window:
   """``size`` rows (``axis=0``) or columns (``axis=1``) of a 2-D array from ``start`` (an int32 scalar, traced or
   not): what a kernel reads (:func:`gemm`'s ``a_window``, ``b_window``) or adds into (:class:`AddTo`'s ``window``)
-  in place,
-  where a slice would be a copy (a chunk of columns of a row-major array is strided; XLA hands a custom call no
-  strided operand). The kernel takes ``start`` as an int32 [1] GMEM input and offsets its TMA windows by it; the
+  in place, where a slice would be a copy (a chunk of columns of a row-major array is strided; XLA hands a custom
+  call no strided operand). The kernel takes ``start`` as an int32 [1] GMEM input and offsets its TMA windows by it; the
   window must lie inside the array and ``start`` be a multiple of ``multiple`` (what Mosaic GPU's layout inference
   needs to know of a dynamic offset; neither is checked on the device: :mod:`lce_flax._impl.pallas_mosaic.op`
   clamps its chunks to end at V, a multiple of the GEMM's column tile)."""
