@@ -883,12 +883,9 @@ def _grads(x, w, bias, labels, lse, g_loss, g_lse, spec, p):
     if on_dw == "gemm" and win is not None:  # added into the chunk's columns of dw in place
       dw = product_dw(xp, dz, spec.w_layout, on_dw, d.interpret, dw.dtype, acc=dw, window=win)
     else:
-      dw_c = common.slice_vocab(dw, start, cw, spec.w_layout)
-      dw_c = dw_c + product_dw(xp, dz, spec.w_layout, on_dw, d.interpret, dw.dtype)
-      dw = lax.dynamic_update_slice_in_dim(dw, dw_c, start, vaxis)
+      dw = _add_into(dw, product_dw(xp, dz, spec.w_layout, on_dw, d.interpret, dw.dtype), start, vaxis)
     if db is not None:
-      db_c = lax.dynamic_slice_in_dim(db, start, cw)
-      db = lax.dynamic_update_slice_in_dim(db, db_c + jnp.sum(dz.astype(F32), axis=0), start, 0)
+      db = _add_into(db, jnp.sum(dz.astype(F32), axis=0), start, 0)
     if on_dx == "gemm" and win is not None:  # w's chunk read in place
       return product_dx(dz, wp, spec.w_layout, on_dx, d.interpret, acc=dx, window=win), dw, db
     return product_dx(dz, w_c, spec.w_layout, on_dx, d.interpret, acc=dx), dw, db  # (dx updated in place)
@@ -907,7 +904,6 @@ def _blocked_step(xp, wp, d: kernels.Dims, spec: common.Spec, p: Plan, dz_of):
   its dw into the chunk's float32 dw; then the chunk's dw rounded into dw's columns. The last block is clamped to
   end at the padded B, its rows done by the block before given dz = 0, as the last chunk's columns are."""
   cw, bt, layout = p.vocab_chunk, p.token_block, spec.w_layout
-  vaxis = spec.vocab_axis
 
   def step(k, carry):
     dx, dw, db = carry
@@ -925,14 +921,19 @@ def _blocked_step(xp, wp, d: kernels.Dims, spec: common.Spec, p: Plan, dz_of):
 
     dw_c = jnp.zeros((d.h, cw) if layout == "hv" else (cw, d.h), F32)
     dx, dw_c, db_c = lax.fori_loop(0, cdiv(d.b, bt), block, (dx, dw_c, None if db is None else jnp.zeros(cw, F32)))
-    # dw's columns of the clamped last chunk that the chunk before did: dw_c is zero there, and the sum keeps them
-    old = common.slice_vocab(dw, start, cw, layout)
-    dw = lax.dynamic_update_slice_in_dim(dw, (old.astype(F32) + dw_c).astype(dw.dtype), start, vaxis)
-    if db is not None:
-      db = lax.dynamic_update_slice_in_dim(db, lax.dynamic_slice_in_dim(db, start, cw) + db_c, start, 0)
-    return dx, dw, db
+    # (dw's columns of the clamped last chunk that the chunk before did: dw_c is zero there, and the sum keeps them)
+    dw = _add_into(dw, dw_c, start, spec.vocab_axis)
+    return dx, dw, None if db is None else _add_into(db, db_c, start, 0)
 
   return step
+
+
+def _add_into(acc, part, start, axis: int):
+  """``acc`` with ``part`` added into its slice from ``start`` along ``axis``, the sum rounded to ``acc``'s dtype:
+  a chunk's products into the columns of dw and dbias (zeros there before, or, in the clamped last chunk's overlap,
+  the chunk before's values beside zeros of this one, so the rounded sum is exact)."""
+  old = lax.dynamic_slice_in_dim(acc, start, part.shape[axis], axis)
+  return lax.dynamic_update_slice_in_dim(acc, (old + part).astype(acc.dtype), start, axis)
 
 
 def stats(x, w, bias, labels, spec: common.Spec, plan: Plan) -> _math.RowStats:
