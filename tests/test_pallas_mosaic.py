@@ -164,15 +164,24 @@ def test_lean_token_blocks_against_the_oracle(w_layout, bias, options, reduction
 def test_lean_token_blocks_plan():
   """``token_block`` widens lean mode's chunk where B is well above H (dz [block, chunk] and the chunk's float32 dw
   with its rounded sum in place of dz [B, chunk], within the same 64 MB), says so in explain(), runs as one block
-  where it holds every token, and is refused off the GEMM's products, off block_t multiples and in fast mode."""
+  where it holds every token, is on by default from 32768 tokens with both products on the GEMM, and is refused
+  off the GEMM's products, off block_t multiples and in fast mode."""
   from lce_flax import explain
 
   b, h, v = 32768, 4096, 128256
   p = op.plan(b, h, v, Config(products="gemm", token_block=4096), mode="lean")
-  fits = lambda c: 4096 * c * 2 + h * c * 6 + 64 * b + op.LEAN_RESERVE <= op.LEAN_EXTRA_BYTES
+  fits_in = lambda bt, c: bt * c * 2 + h * c * 6 + 64 * b + op.LEAN_RESERVE <= op.LEAN_EXTRA_BYTES
+  fits = lambda c: fits_in(4096, c)
   step = 2 * p.block_v
   assert p.token_block == 4096 and p.vocab_chunk == 1536 and fits(1536) and not fits(1536 + step)
-  assert op.plan(b, h, v, Config(products="gemm"), mode="lean").vocab_chunk == 768
+  # one block of them all (asked for by a block of at least B tokens): 768 columns
+  assert op.plan(b, h, v, Config(products="gemm", token_block=b), mode="lean").vocab_chunk == 768
+  # not asked: blocks of LEAN_TOKEN_BLOCK from LEAN_BLOCKED_TOKENS tokens on with both products on the GEMM
+  d = op.plan(b, h, v, Config(products="gemm"), mode="lean")
+  assert (op.LEAN_BLOCKED_TOKENS, op.LEAN_TOKEN_BLOCK) == (32768, 8192)
+  assert d.token_block == 8192 and d.vocab_chunk == 1280 and fits_in(8192, 1280) and not fits_in(8192, 1280 + step)
+  assert op.plan(b - 128, h, v, Config(products="gemm"), mode="lean").token_block is None
+  assert op.plan(b, h, v, Config(products="xla"), mode="lean").token_block is None
   assert op.memory_bytes(p, b, h, v, 2) <= b * h * 4 + op.LEAN_EXTRA_BYTES
   assert op.plan(1000, 512, 2048, Config(products="gemm", token_block=1024), mode="lean").token_block is None
   for cfg, match in ((Config(products="gemm", token_block=100), "multiple of block_t=128"),

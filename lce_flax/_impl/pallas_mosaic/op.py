@@ -129,8 +129,9 @@ class Config:
       of ``block_t``; needs both chunk products on the GEMM). Each block's dz [block, chunk] and its products are
       formed in turn, x's block and dx's rows read and added into in place (:class:`.gemm.Window`), and the chunk's
       dw accumulated over the blocks in a float32 [H, chunk] buffer: with B well above H the chunks are then wider
-      for the same memory, so the B×H float32 dx makes fewer round trips (one per chunk). None: one block of all
-      the tokens (the chunk's dw complete after one product).
+      for the same memory, so the B×H float32 dx makes fewer round trips (one per chunk). At least the tokens:
+      one block of them all (the chunk's dw complete after one product). None: blocks of ``LEAN_TOKEN_BLOCK``
+      (8192) from ``LEAN_BLOCKED_TOKENS`` (32768) tokens on where both chunk products are on the GEMM, else one.
     stored: what the fast forward stores of each tile: ``"exponentials"`` (``exp(zc - r)`` against a reference logit
       r per row: the backward's products take them as they are, no pass over B×V; :mod:`.fast`) or
       ``"shifted"`` (logits shifted by their row max, turned into dz in place by a dz pass); None: exponentials
@@ -190,6 +191,11 @@ class Plan:
 # else XLA holds at the peak.
 LEAN_EXTRA_BYTES = 64 * 10**6
 LEAN_RESERVE = 4 * 2**20
+# Lean mode's default blocks of tokens within each vocabulary chunk (Config.token_block): from 32768 tokens on, in
+# blocks of 8192, which measured 1.018x (llama3-8b) and 1.019x (gemma2-2b) as fast as one block at 32768 tokens on
+# an H200, where blocks of 4096 measured 1.02x and 0.93x (benchmarks/results/h200-2026-11-29-lean-blocks).
+LEAN_BLOCKED_TOKENS = 32768
+LEAN_TOKEN_BLOCK = 8192
 TOKEN_CHUNK_MIN = 8192
 TOKEN_CHUNK_BYTES = 2**30
 
@@ -324,9 +330,11 @@ def _measured_chunk(p: Plan, tokens: int, hidden: int, vocab: int, block: int | 
 
 def _token_block(asked: int | None, p: Plan, tokens: int, bt: int) -> int | None:
   """Lean mode's tokens per block (``Config.token_block``) as it runs: None where one block would hold them all;
-  ``ValueError`` unless a multiple of ``block_t`` with both chunk products on the GEMM reading x in place."""
+  ``ValueError`` unless a multiple of ``block_t`` with both chunk products on the GEMM reading x in place. Not
+  asked: ``LEAN_TOKEN_BLOCK`` from ``LEAN_BLOCKED_TOKENS`` tokens on with both products in place, else None."""
   if asked is None:
-    return None
+    blocked = _products_in_place(p) and tokens >= LEAN_BLOCKED_TOKENS and LEAN_TOKEN_BLOCK % bt == 0
+    return LEAN_TOKEN_BLOCK if blocked else None
   if asked % bt:
     raise ValueError(f"token_block={asked} must be a multiple of block_t={bt}")
   if not _products_in_place(p):
