@@ -17,7 +17,8 @@ SMs: llama3-8b's 1792 columns make 448 CTA tiles of 256×128, 3.4 waves on 132 S
 (tiles ÷ the whole waves they take) and its compiled temporaries against lean's bound (``--chunks W1,W2``: at those
 widths instead, wider ones too; ``--chunk-products gemm,xla``: each width once per owner of the chunk's
 products; ``--token-blocks T1,T2``: beside them, lean mode in blocks of T tokens within each chunk, named ``tbT``,
-each at the width the op plans for its blocks: ``PallasMosaicConfig(token_block=T)``); with ``--products``, what
+each at the width the op plans for its blocks: ``PallasMosaicConfig(token_block=T)``; and ``tb_all``, the same
+pair in one block of all the tokens); with ``--products``, what
 XLA's products allow lean mode at wider chunks: per chunk of 1, 2, 4 and 8
 times the op's width, the three products lean runs for it (the chunk's logits x·w_c,
 ``dx += dz·w_cᵀ`` into a float32 carry, ``dw_c = xᵀ·dz`` into dw) timed in one loop, beside XLA's whole forward
@@ -256,10 +257,14 @@ def main(argv=None) -> int:
         base = f"{cw}:{ons[0]}"
       else:
         fns, base = {w_: (lean_step(y, w_, a.interpret), (x, w)) for w_ in widths}, cw
-      for tb in (int(t) for t in (a.token_blocks or "").split(",") if t):  # each at the width planned for it
+      blocks = [int(t) for t in (a.token_blocks or "").split(",") if t]
+      # each at the width planned for it; "tb_all": the same pair in one block of all the tokens (token_block=B),
+      # so the blocks' gain is told apart from the pair's
+      for tb in [*blocks, b] if blocks else []:
         c = op.plan(b, h, v, Config(products="gemm", token_block=tb), interpret=a.interpret, mode="lean").vocab_chunk
-        widths[f"tb{tb}"] = round(chunk_efficiency(tb, h, c, kind, _device.num_sms()), 3)
-        fns[f"tb{tb}"] = (lean_step(y, None, a.interpret, "gemm", tb), (x, w))
+        name_tb = "tb_all" if tb == b else f"tb{tb}"
+        widths[name_tb] = round(chunk_efficiency(min(tb, b), h, c, kind, _device.num_sms()), 3)
+        fns[name_tb] = (lean_step(y, None, a.interpret, "gemm", tb), (x, w))
       # each width's compiled temporaries: what the chunk costs in memory (lean's bound is B·H·4 + 64 MB)
       temp = {w_: f.lower(*fa).compile().memory_analysis().temp_size_in_bytes for w_, (f, fa) in fns.items()}
       ref = {w_: f(*fa) for w_, (f, fa) in fns.items()}

@@ -745,11 +745,13 @@ def test_bench_lean_widths(tmp_path):
   (row,) = [r for r in json.loads((tmp_path / "bench_lean.json").read_text())["rows"] if r["kind"] == "widths"]
   assert set(row["ms"]) == {"512:xla", "512:gemm", "256:xla", "256:gemm"} and row["default"] == "512:xla"
   assert row["max_grad_rel_diff"] < 1e-2
-  # --token-blocks: lean mode in blocks of 128 of 384 tokens beside the op's own step, the same gradients
+  # --token-blocks: lean mode in blocks of 128 of 384 tokens beside the op's own step and the same pair in one
+  # block (tb_all), the same gradients
   assert bench_lean.main(["--interpret", "--shapes", "tiny-tall", "--rounds", "1", "--widths", "--chunks", "256",
                           "--token-blocks", "128", "--out", str(tmp_path)]) == 0
   (row,) = [r for r in json.loads((tmp_path / "bench_lean.json").read_text())["rows"] if r["kind"] == "widths"]
-  assert set(row["ms"]) == {"512", "256", "tb128"} and row["max_grad_rel_diff"] < 1e-2 and row["temp_bytes"]["tb128"]
+  assert set(row["ms"]) == {"512", "256", "tb128", "tb_all"} and row["max_grad_rel_diff"] < 1e-2
+  assert row["temp_bytes"]["tb128"] and row["temp_bytes"]["tb_all"]
   # llama3-8b's lean chunk on a 256×256 cluster tile: 32 × 7 = 224 tiles on 66 clusters: 4 waves, 3.39 used
   cfg = tuning.GemmConfig(wg_split="m", cluster="n")
   assert bench_lean.wave_efficiency(cfg, 8192, 1792, 132) == 8192 * 1792 / (4 * 66 * 256 * 256)
