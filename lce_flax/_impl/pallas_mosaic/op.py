@@ -192,8 +192,10 @@ class Plan:
 LEAN_EXTRA_BYTES = 64 * 10**6
 LEAN_RESERVE = 4 * 2**20
 # Lean mode's default blocks of tokens within each vocabulary chunk (Config.token_block): from 32768 tokens on, in
-# blocks of 8192, which measured 1.018x (llama3-8b) and 1.019x (gemma2-2b) as fast as one block at 32768 tokens on
-# an H200, where blocks of 4096 measured 1.02x and 0.93x (benchmarks/results/h200-2026-11-29-lean-blocks).
+# blocks of 8192, which measured 1.018x (llama3-8b) and 1.019x (gemma2-2b) as fast at 32768 tokens on an H200 as
+# one block with XLA's chunk products (the op's pair there then), where blocks of 4096 measured 1.02x and 0.93x
+# (benchmarks/results/h200-2026-11-29-lean-blocks; the steps rows of h200-2026-11-29-lean-32k-rows then chose the
+# GEMM's pair with these blocks at both heads).
 LEAN_BLOCKED_TOKENS = 32768
 LEAN_TOKEN_BLOCK = 8192
 TOKEN_CHUNK_MIN = 8192
