@@ -17,7 +17,8 @@ and dw, with its bound (lean mode is held to B·H·4 + 64 MB) and each pair's ch
 plans wider chunks for the pair on the GEMM, whose products take the chunk in place); ``--widths W1,W2`` times each
 pair at those narrower widths too (those below the width the op plans for it, whole CTA tiles: a width whose
 products fill the GPU's waves better can be the faster), and the row keeps each pair's fastest width (its time,
-``vocab_chunk`` and ``temp_gb``; every width's time in ``width_ms``), which the op then runs with that pair.
+``vocab_chunk`` and ``temp_gb``; every width's time in ``width_ms``; the blocks of tokens each pair ran within its
+chunks in ``token_block``), which the op then runs with that pair where it runs the same blocks.
 
     python3 -m benchmarks.bench_step_products [--shapes llama3-8b,qwen3-8b] [--rounds 7] [--mode lean] [--out DIR]
     python3 -m benchmarks.bench_step_products --mode lean --widths 3072,3328 --shapes llama3-8b,gemma2-2b
@@ -75,12 +76,13 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
   v = w.shape[1]
   calls = {"plain": (head_steps(y, False, interpret)["plain"], (x, w))}
   design = block_t = None
-  mem, widths = {}, {}
+  mem, widths, blocks = {}, {}, {}
   for pair in pairs:
     f, kw = pair_step(y, pair, interpret, mode)
     d = explain(x, w, y, **kw)
     design, block_t = d.config.fast_design or d.name, d.config.block_t
     own, step = d.config.vocab_chunk, d.config.block_v * (2 if d.config.warp_specialized else 1)
+    blocks[",".join(pair)] = d.config.token_block  # (each width of the pair runs the blocks it runs)
     tried = [None] + sorted({c for c in widths_asked if mode == "lean" and c < own and c % step == 0}, reverse=True)
     for c in tried:  # (each pair at the chunk width the op plans for it, then at the narrower ones asked)
       key = ",".join(pair) + ("" if c is None else f"@{c}")
@@ -106,7 +108,8 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
          "source": f"benchmarks/bench_step_products.py, {rounds} alternated rounds"}
   row.update(temp_gb=mem, vs_plain={k: round(s / t["plain"], 3) for k, s in t.items() if k != "plain"})
   if mode == "lean":
-    row.update(vocab_chunk=widths, temp_bound_gb=round((b * h * 4 + op.LEAN_EXTRA_BYTES) / 1e9, 4))
+    row.update(vocab_chunk=widths, token_block=blocks,
+               temp_bound_gb=round((b * h * 4 + op.LEAN_EXTRA_BYTES) / 1e9, 4))
   if width_ms:
     row["width_ms"] = width_ms
   return row

@@ -1053,6 +1053,7 @@ def test_bench_step_products_lean_widths(monkeypatch):
   own = op.plan(256, 64, 960, op.Config(products="gemm"), interpret=True, mode="lean").vocab_chunk
   assert set(r["width_ms"]) == {"gemm,gemm"} and set(r["width_ms"]["gemm,gemm"]) == {str(own), "384"}
   assert set(r["ms"]) == {"gemm,gemm", "plain"} and set(r["vocab_chunk"]) == set(r["temp_gb"]) == {"gemm,gemm"}
+  assert r["token_block"] == {"gemm,gemm": None}  # (256 tokens: one block)
   fastest = min(r["width_ms"]["gemm,gemm"], key=r["width_ms"]["gemm,gemm"].get)
   assert r["vocab_chunk"]["gemm,gemm"] == int(fastest) and r["ms"]["gemm,gemm"] == r["width_ms"]["gemm,gemm"][fastest]
   # (read back at V = 1024 of the same bucket, where lean mode runs on the GEMM: V whole 128-column tiles)

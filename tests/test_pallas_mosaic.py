@@ -197,6 +197,40 @@ def test_lean_token_blocks_plan():
   assert "each in blocks of 1024 tokens" in d.chunking, d.chunking
 
 
+def test_lean_measured_width_follows_its_blocks(monkeypatch):
+  """A lean ``steps`` row's chunk width runs where its step ran the blocks of tokens the op runs: at 32768 tokens
+  (blocks of 8192) a width measured with blocks of 8192 runs, within the memory those blocks allow; one measured in
+  a single block (or in a row that does not say: a row before blocks) or with other blocks does not, nor one past
+  the memory or off the CTA tile: the width by memory alone runs instead."""
+  from lce_flax._impl.pallas_mosaic import gemm, tuning
+
+  kind, (b, h, v) = "NVIDIA H200", (32768, 4096, 128256)
+  monkeypatch.setattr(gemm, "_device_kind", lambda: kind)
+
+  def rows(width, blocks):
+    r = {"design": "recompute", "bucket": list(tuning.bucket(b, h, v)), "shape": [b, h, v], "source": "test",
+         "products": ["gemm", "gemm"], "ms": {"gemm,gemm": 1.0, "xla,xla": 1.1, "plain": 0.7},
+         "vocab_chunk": {"gemm,gemm": width, "xla,xla": 512}}
+    return {tuning.norm_kind(kind): [r if blocks == "absent" else {**r, "token_block": {"gemm,gemm": blocks}}]}
+
+  monkeypatch.setattr(tuning, "load_steps", lambda: rows(1024, "absent"))
+  own = op.plan(b, h, v, mode="lean")
+  assert own.products == ("gemm", "gemm") and own.token_block == 8192
+  step = 2 * own.block_v
+  assert own.vocab_chunk == op.lean_chunk(b, h, step, in_place=True, token_block=8192) == 1280
+  for width, blocks, runs in ((1024, 8192, 1024), (1280, 8192, 1280), (1024, None, 1280), (1024, 4096, 1280),
+                              (1024, "absent", 1280), (1280 + step, 8192, 1280), (1000, 8192, 1280)):
+    table = rows(width, blocks)
+    monkeypatch.setattr(tuning, "load_steps", lambda table=table: table)
+    p = op.plan(b, h, v, mode="lean")
+    assert (p.products, p.token_block, p.vocab_chunk) == (("gemm", "gemm"), 8192, runs), (width, blocks)
+  # the package's own rows at 32768 tokens say the blocks they ran
+  monkeypatch.undo()
+  for r in tuning.load_steps()["nvidia h200"]:
+    if r["design"] == "recompute" and r["bucket"][0] >= op.LEAN_BLOCKED_TOKENS:
+      assert r["token_block"]["gemm,gemm"] == op.LEAN_TOKEN_BLOCK, r["name"]
+
+
 def test_lean_products_follow_the_measured_step(monkeypatch):
   """Lean mode's chunk products run on the pair its whole step measured fastest with at the head's bucket (a
   ``steps`` row of the design "recompute"), and explain() says so; without one, XLA's for both; a fast design's

@@ -320,13 +320,14 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
 
 def _measured_chunk(p: Plan, tokens: int, hidden: int, vocab: int, block: int | None) -> int | None:
   """The chunk width lean mode's whole step measured fastest at with the pair the tuning table chose for it (its
-  ``steps`` row, :func:`.tuning.step_chunk`), where the row chose the pair, the width is a multiple of the kernels'
-  CTA tile and fits the memory (at most :func:`lean_chunk`'s); else None (the width by memory alone)."""
-  if p.products_step is None or block is not None:
+  ``steps`` row, :func:`.tuning.step_chunk`), where the row chose the pair, its step ran the same blocks of tokens
+  (``block``), and the width is a multiple of the kernels' CTA tile that fits the memory (at most
+  :func:`lean_chunk`'s with those blocks); else None (the width by memory alone)."""
+  if p.products_step is None:
     return None
   rows, step = cdiv(tokens, p.block_t) * p.block_t, p.block_v * (2 if p.warp_specialized else 1)
-  width = tuning.step_chunk("recompute", rows, hidden, vocab, gemm_lib._device_kind(), p.products)
-  most = lean_chunk(tokens, hidden, step, in_place=_products_in_place(p))
+  width = tuning.step_chunk("recompute", rows, hidden, vocab, gemm_lib._device_kind(), p.products, block)
+  most = lean_chunk(tokens, hidden, step, in_place=_products_in_place(p), token_block=block)
   return width if width is not None and width % step == 0 and width <= most else None
 
 

@@ -168,8 +168,8 @@ def load_steps() -> dict:
   (``benchmarks/bench_step_products.py``; lean mode's too). A row: ``"design"``, ``"bucket"`` (tokens, hidden,
   vocab rounded to powers of two), ``"shape"``, ``"products"`` (the fastest pair), ``"ms"`` (each pair's time,
   "dx,dw": ms, and the plain head's), ``"source"``; lean mode's rows (design ``"recompute"``) also each pair's
-  ``"vocab_chunk"`` (the width the op plans for it: wider on the GEMM, whose chunk products take the chunk in place)
-  and ``"temp_gb"``."""
+  ``"vocab_chunk"`` (the width the op plans for it: wider on the GEMM, whose chunk products take the chunk in place),
+  ``"temp_gb"`` and, where a pair ran blocks of tokens within each chunk, ``"token_block"``."""
   return {norm_kind(kind): rows for kind, rows in _read().get("steps", {}).items()}
 
 
@@ -223,12 +223,19 @@ def step_products(design: str, tokens: int, hidden: int, vocab: int, device_kind
                 f"(table: {measured_on}/steps/{design}/{b}{same})")
 
 
-def step_chunk(design: str, tokens: int, hidden: int, vocab: int, device_kind: str, pair) -> int | None:
+def step_chunk(design: str, tokens: int, hidden: int, vocab: int, device_kind: str, pair,
+               token_block: int | None = None) -> int | None:
   """The vocabulary chunk width at which the whole step of ``design`` ran with the (dx, dw) ``pair`` at this
-  head's bucket (a lean ``steps`` row's ``"vocab_chunk"``, the fastest of the widths timed for that pair), or
-  None."""
+  head's bucket (a lean ``steps`` row's ``"vocab_chunk"``, the fastest of the widths timed for that pair), where
+  that step ran the same blocks of tokens (the row's ``"token_block"`` of the pair; a row without one ran a single
+  block, None), else None: a width measured with other blocks holds other buffers and fills other waves."""
   found = _step_row(design, tokens, hidden, vocab, device_kind)
-  return None if found is None else found[1].get("vocab_chunk", {}).get(",".join(pair))
+  if found is None:
+    return None
+  key = ",".join(pair)
+  if found[1].get("token_block", {}).get(key) != token_block:
+    return None
+  return found[1].get("vocab_chunk", {}).get(key)
 
 
 def _step_row(design: str, tokens: int, hidden: int, vocab: int, device_kind: str):
