@@ -183,6 +183,14 @@ def test_lean_token_blocks_plan():
   assert op.plan(b - 128, h, v, Config(products="gemm"), mode="lean").token_block is None
   assert op.plan(b, h, v, Config(products="xla"), mode="lean").token_block is None
   assert op.memory_bytes(p, b, h, v, 2) <= b * h * 4 + op.LEAN_EXTRA_BYTES
+  # in blocks dz is [block, chunk]: gpt2-small's forward statistics on the GEMM (103 MB) fit none of the backward's
+  # buffers there, so its forward stays on the kernel of kernels_ws.py (counting dz as [B, chunk] had put them on
+  # the GEMM, and the step held 154 MB against the bound's 114 on an H200)
+  g = (16384, 768, 50304)
+  gp = op.plan(*g, Config(products="gemm", token_block=4096), mode="lean")
+  assert gp.token_block == 4096 and not gp.stats_gemm
+  assert op._gemm_stats_bytes(gp.gemm, g[0], g[2]) > max(4096 * gp.vocab_chunk * 2, g[0] * g[1] * 4, g[1] * g[2] * 2)
+  assert op.memory_bytes(gp, *g, 2) <= g[0] * g[1] * 4 + op.LEAN_EXTRA_BYTES
   assert op.plan(1000, 512, 2048, Config(products="gemm", token_block=1024), mode="lean").token_block is None
   for cfg, match in ((Config(products="gemm", token_block=100), "multiple of block_t=128"),
                      (Config(products="xla", token_block=1024), "products='gemm'"),

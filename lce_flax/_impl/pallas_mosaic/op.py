@@ -373,13 +373,16 @@ def lean_stats_on_gemm(p: Plan, num_tokens: int, hidden: int, vocab: int, itemsi
   """Whether lean mode's forward runs on the GEMM (else the forward kernel of kernels_ws.py, whose statistics are a
   few float32 per row and split): its statistics, 4 float32 per row and 128-column tile, are dead before the
   backward allocates, so they add nothing where they fit in one of the backward's buffers (the float32 dx, dz) or
-  in dw's output (written only by the backward; XLA places them there). At gpt2-small's 16384×768×50304 none
-  holds (103 MB against 50, 59 and 77 MB with the chunk products on the GEMM: the statistics beside them took the
-  step to 154 MB on an H200), and the forward kernel keeps lean mode within B·H·4 + 64 MB."""
+  in dw's output (written only by the backward; XLA places them there). dz is [B, chunk], or [block, chunk] in
+  blocks of tokens. At gpt2-small's 16384×768×50304 none holds (103 MB against 50, 59 and 77 MB with the chunk
+  products on the GEMM: the statistics beside them took the step to 154 MB on an H200; in blocks of 4096 tokens
+  dz is 36 MB, and counting it as [B, chunk] took that step to 154 MB too), and the forward kernel keeps lean mode
+  within B·H·4 + 64 MB."""
   if p.gemm is None:
     return False
   rows = cdiv(max(num_tokens, 1), p.block_t) * p.block_t
-  room = max(rows * hidden * 4, rows * p.vocab_chunk * itemsize, hidden * vocab * itemsize)
+  dz_rows = p.token_block or rows
+  room = max(rows * hidden * 4, dz_rows * p.vocab_chunk * itemsize, hidden * vocab * itemsize)
   return _gemm_stats_bytes(p.gemm, rows, vocab) <= room
 
 
