@@ -733,6 +733,7 @@ def test_bench_lean_widths(tmp_path):
   assert row["default"] == 512 and set(row["ms"]) == {"512", "384", "256"} and row["vs_default"]["512"] == 1.0
   assert row["max_grad_rel_diff"] < 1e-2
   assert set(row["temp_bytes"]) == set(row["ms"]) and all(v > 0 for v in row["temp_bytes"].values())
+  assert row["over_bound"] == [k for k, v in row["temp_bytes"].items() if v > row["lean_bound_bytes"]]
   # --chunks: the op's width and the given ones (here V = 512 is the op's own: none can be wider)
   assert bench_lean.main(["--interpret", "--shapes", "tiny", "--rounds", "1", "--widths", "--chunks", "128,256",
                           "--out", str(tmp_path)]) == 0
