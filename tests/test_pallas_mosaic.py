@@ -239,20 +239,25 @@ def test_lean_measured_width_follows_its_blocks(monkeypatch):
       assert r["token_block"]["gemm,gemm"] == op.LEAN_TOKEN_BLOCK, r["name"]
 
 
-def test_every_lean_steps_row_is_what_lean_runs(monkeypatch):
-  """Each lean ``steps`` row of the package's table is what lean mode runs at its shape on its device kind: the
-  row's pair of chunk products, its blocks of tokens and its chunk width (a row the plan would pass over, as the
-  32768-token widths were before blocks could take a measured width, fails here)."""
+def test_every_steps_row_is_what_the_op_runs(monkeypatch):
+  """Each ``steps`` row of the package's table is what the op runs at its shape on its device kind: a fast row's
+  design and pair of backward products; a lean row's pair of chunk products, its blocks of tokens and its chunk
+  width (a row the plan would pass over, as the 32768-token lean widths were before blocks could take a measured
+  width, fails here)."""
   from lce_flax._impl.pallas_mosaic import gemm, tuning
 
-  rows = [(kind, r) for kind, rs in tuning.load_steps().items() for r in rs if r["design"] == "recompute"]
-  assert rows
+  rows = [(kind, r) for kind, rs in tuning.load_steps().items() for r in rs]
+  assert {r["design"] for _, r in rows} == {"logits", "tokens", "recompute"}
   for kind, r in rows:
     monkeypatch.setattr(gemm, "_device_kind", lambda kind=kind: kind)
-    p = op.plan(*r["shape"], mode="lean")
     pair = ",".join(r["products"])
-    ran = (",".join(p.products), p.token_block, p.vocab_chunk)
-    assert ran == (pair, r.get("token_block", {}).get(pair), r["vocab_chunk"][pair]), (kind, r["name"], ran)
+    if r["design"] == "recompute":
+      p = op.plan(*r["shape"], mode="lean")
+      ran = (",".join(p.products), p.token_block, p.vocab_chunk)
+      assert ran == (pair, r.get("token_block", {}).get(pair), r["vocab_chunk"][pair]), (kind, r["name"], ran)
+    else:
+      p = op.plan(*r["shape"], mode="fast")
+      assert (p.fast_design, ",".join(p.products)) == (r["design"], pair), (kind, r["name"])
 
 
 def test_lean_products_follow_the_measured_step(monkeypatch):
