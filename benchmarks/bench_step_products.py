@@ -13,7 +13,8 @@ GPU's power limit, the order can differ (``benchmarks/probe_clocks.py``). So per
 and writes a row of the table's ``"steps"`` (:func:`lce_flax._impl.pallas_mosaic.tuning.load_steps`): the design,
 the bucket, the fastest pair, every time and each step's compiled temporaries (``temp_gb``). With ``--mode lean``
 the same for lean mode (design "recompute"), whose pair is each vocabulary chunk's dx (added into the float32 dx)
-and dw, with its bound (lean mode is held to B·H·4 + 64 MB) and each pair's chunk width (``vocab_chunk``: the op
+and dw, with its bound (lean mode is held to B·H·4 + 64 MB: the row's pair is the fastest of those whose step held
+no more, ``over_bound`` names the others) and each pair's chunk width (``vocab_chunk``: the op
 plans wider chunks for the pair on the GEMM, whose products take the chunk in place); ``--widths W1,W2`` times each
 pair at those narrower widths too (those below the width the op plans for it, whole CTA tiles: a width whose
 products fill the GPU's waves better can be the faster), and the row keeps each pair's fastest width (its time,
@@ -101,15 +102,17 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
     ms_key, mem_key, width_key = t.pop(key), mem.pop(key), widths.pop(key)
     if ms_key < t[pair_key]:
       t[pair_key], mem[pair_key], widths[pair_key] = ms_key, mem_key, width_key
-  best = min((k for k in t if k != "plain"), key=t.get)
+  bound_gb = round((b * h * 4 + op.LEAN_EXTRA_BYTES) / 1e9, 4)
+  over = [k for k in mem if mode == "lean" and mem[k] > bound_gb]  # (lean mode holds B·H·4 + 64 MB)
+  best = min((k for k in t if k != "plain" and k not in over), key=t.get, default=None)
+  best = best or min((k for k in t if k != "plain"), key=t.get)  # (none fits: the merge refuses the row)
   rows = -(-b // block_t) * block_t  # (the op's rows: tokens padded to its row tile, as its lookup takes them)
   row = {"design": design, "bucket": list(tuning.bucket(rows, h, v)), "shape": [b, h, v], "name": name,
          "products": best.split(","), "ms": {k: round(s, 3) for k, s in t.items()},
          "source": f"benchmarks/bench_step_products.py, {rounds} alternated rounds"}
   row.update(temp_gb=mem, vs_plain={k: round(s / t["plain"], 3) for k, s in t.items() if k != "plain"})
   if mode == "lean":
-    row.update(vocab_chunk=widths, token_block=blocks,
-               temp_bound_gb=round((b * h * 4 + op.LEAN_EXTRA_BYTES) / 1e9, 4))
+    row.update(vocab_chunk=widths, token_block=blocks, temp_bound_gb=bound_gb, over_bound=over)
   if width_ms:
     row["width_ms"] = width_ms
   return row

@@ -5,7 +5,9 @@ Two kinds of rows come back from the GPU:
   "devices"   GEMM rows, ``{kind: {role: [row, ...]}}``: ``bench_gemm.py --sweep`` and ``--schedules`` write them
               (their ``gemm_tuning.json``); a row replaces the table's row of the same device kind, role and bucket
   "steps"     whole-step rows, ``{kind: [row, ...]}``: ``bench_step_products.py`` writes them (``steps.json``); a
-              row replaces the table's row of the same device kind, design and bucket
+              row replaces the table's row of the same device kind, design and bucket. A lean row (design
+              "recompute") whose pair's step held more than lean mode's bound (``temp_gb`` over ``temp_bound_gb``)
+              is refused: the package would run it
 
 Every other row stays, so rows measured on one chip (an H200) can be added beside another's (the H100's) one bucket
 at a time: the package runs a kind's own row where it is the nearest, and the same chip's other rows elsewhere
@@ -55,6 +57,9 @@ def merge(path: str, table_path: str = tuning.TABLE_PATH) -> dict:
     for role, rows in roles.items():
       for row in rows:
         put(mine.setdefault(role, []), row, lambda a, b: a["bucket"] == b["bucket"])
+  for kind, rows in new.get("steps", {}).items():
+    for row in rows:
+      _check_lean_bound(path, kind, row)
   steps = table.setdefault("steps", {})
   for kind, rows in new.get("steps", {}).items():
     mine = steps.setdefault(kind_key(steps, kind), [])
@@ -64,6 +69,18 @@ def merge(path: str, table_path: str = tuning.TABLE_PATH) -> dict:
     json.dump(table, f, indent=1)
     f.write("\n")
   return counts
+
+
+def _check_lean_bound(path: str, kind: str, row: dict) -> None:
+  """``ValueError`` for a lean steps row whose chosen pair's step held more than lean mode's bound (B·H·4 + 64 MB):
+  lean mode promises that bound, and the package runs a merged row's pair and width."""
+  if row.get("design") != "recompute" or "temp_bound_gb" not in row:
+    return
+  pair = ",".join(row["products"])
+  held = row.get("temp_gb", {}).get(pair)
+  if held is not None and held > row["temp_bound_gb"]:
+    raise ValueError(f"{path}: the lean steps row {row.get('name', row['bucket'])} of {kind} chose ({pair}), whose "
+                     f"step held {held} GB, over lean mode's bound of {row['temp_bound_gb']} GB; not merged")
 
 
 def main(argv=None) -> int:

@@ -938,6 +938,31 @@ def test_tuning_table_merges_gemm_rows_of_another_kind(tmp_path, package_table):
     tuning_table.merge(str(empty), str(table))
 
 
+def test_tuning_table_refuses_a_lean_row_over_its_bound(tmp_path):
+  """benchmarks/tuning_table.py: a lean steps row whose chosen pair's step held more than lean mode's bound is
+  refused, naming the row, the pair and both sizes, and the table stays as it was; the same row within the bound
+  is merged."""
+  import json
+
+  from benchmarks import tuning_table
+
+  table = tmp_path / "gemm_tuning.json"
+  before = json.dumps({"devices": {}, "steps": {"NVIDIA H200": []}})
+  table.write_text(before)
+  row = {"design": "recompute", "bucket": [16384, 1024, 65536], "shape": [16384, 768, 50304], "name": "gpt2-small",
+         "products": ["gemm", "gemm"], "ms": {"plain": 7.0, "gemm,gemm": 10.3, "xla,xla": 11.0}, "source": "test",
+         "temp_gb": {"gemm,gemm": 0.1539, "xla,xla": 0.0947}, "temp_bound_gb": 0.1143,
+         "vocab_chunk": {"gemm,gemm": 1792, "xla,xla": 768}}
+  new = tmp_path / "steps.json"
+  new.write_text(json.dumps({"steps": {"NVIDIA H200": [row]}}))
+  with pytest.raises(ValueError, match=r"gpt2-small of NVIDIA H200 chose \(gemm,gemm\), whose step held 0.1539 GB, "
+                                       r"over lean mode's bound of 0.1143 GB; not merged"):
+    tuning_table.merge(str(new), str(table))
+  assert table.read_text() == before
+  new.write_text(json.dumps({"steps": {"NVIDIA H200": [{**row, "products": ["xla", "xla"]}]}}))
+  assert tuning_table.merge(str(new), str(table)) == {"replaced": 0, "added": 1}
+
+
 def test_bench_step_products_merges_rows_into_the_table(tmp_path, package_table):
   """benchmarks/tuning_table.py (bench_step_products --merge): a steps row replaces the table's row of the same kind,
   design and bucket, others stay; the GEMM rows are untouched; the package reads the merged rows
@@ -1036,6 +1061,7 @@ def test_bench_step_products_lean_row(monkeypatch):
   assert ",".join(r["products"]) == min(pairs, key=r["ms"].get)
   assert r["temp_bound_gb"] == round((256 * 64 * 4 + 64 * 10**6) / 1e9, 4)
   assert all(0 < t <= r["temp_bound_gb"] for t in r["temp_gb"].values()), r["temp_gb"]
+  assert r["over_bound"] == []  # (the pair is the fastest of those within the bound: here all of them)
   kind = "NVIDIA H100 80GB HBM3"
   monkeypatch.setattr(tuning, "load_steps", lambda: {tuning.norm_kind(kind): [r]})
   assert tuning.step_products("recompute", 256, 64, 960, kind)[0] == tuple(r["products"])

@@ -255,6 +255,7 @@ def test_every_steps_row_is_what_the_op_runs(monkeypatch):
       p = op.plan(*r["shape"], mode="lean")
       ran = (",".join(p.products), p.token_block, p.vocab_chunk)
       assert ran == (pair, r.get("token_block", {}).get(pair), r["vocab_chunk"][pair]), (kind, r["name"], ran)
+      assert r["temp_gb"][pair] <= r["temp_bound_gb"], (kind, r["name"])  # (lean mode's B·H·4 + 64 MB)
     else:
       p = op.plan(*r["shape"], mode="fast")
       assert (p.fast_design, ",".join(p.products)) == (r["design"], pair), (kind, r["name"])
