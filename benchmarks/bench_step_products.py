@@ -104,8 +104,8 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
       t[pair_key], mem[pair_key], widths[pair_key] = ms_key, mem_key, width_key
   bound_gb = round((b * h * 4 + op.LEAN_EXTRA_BYTES) / 1e9, 4)
   over = [k for k in mem if mode == "lean" and mem[k] > bound_gb]  # (lean mode holds B·H·4 + 64 MB)
-  best = min((k for k in t if k != "plain" and k not in over), key=t.get, default=None)
-  best = best or min((k for k in t if k != "plain"), key=t.get)  # (none fits: the merge refuses the row)
+  # the fastest pair within the bound (none within it: the fastest, and the table's merge refuses the row)
+  best = min((k for k in t if k != "plain"), key=lambda k: (k in over, t[k]))
   rows = -(-b // block_t) * block_t  # (the op's rows: tokens padded to its row tile, as its lookup takes them)
   row = {"design": design, "bucket": list(tuning.bucket(rows, h, v)), "shape": [b, h, v], "name": name,
          "products": best.split(","), "ms": {k: round(s, 3) for k, s in t.items()},
