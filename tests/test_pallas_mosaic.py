@@ -1205,6 +1205,10 @@ def test_lean_products_on_the_gemm_lower_for_cuda(w_layout, bias, products):
   slices = re.findall(r"stablehlo\.dynamic_slice[^\n]*-> (tensor<[^>]*>)", text)
   assert (chunk_type in slices) == (on_dx == "xla" or on_dw == "xla"), slices  # w's chunk copied only for XLA
   assert text.count("stablehlo.while") == 1
+  # each kernel named by its role and hooks, as a profile shows it (benchmarks/profile_head.py)
+  for name, on in (("lce_gemm_lean_dz_LogitGrad", True), ("lce_gemm_dx_acc_AddTo", on_dx == "gemm"),
+                   ("lce_gemm_dw_AddTo", on_dw == "gemm")):
+    assert (name in text) == on, name
 
 
 @pytest.mark.parametrize("w_layout,bias", [("hv", True), ("vh", False)])

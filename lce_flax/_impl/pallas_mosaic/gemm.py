@@ -1423,7 +1423,7 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
     kern = plgpu.kernel(window(functools.partial(body, **hooks)), out_type=out_type, grid=(_device.num_sms() // cs,),
                         grid_names=("sm",), cluster=(cs,), cluster_names=("cluster",),
                         num_threads=2 if config.schedule == "pingpong" else 3,
-                        thread_name="wg",
+                        thread_name="wg", kernel_name=kernel_name(role, parts, prologue),
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                                              approx_math=approx_math,
                                                              unsafe_no_auto_barriers=not config.auto_barriers))
@@ -1433,6 +1433,13 @@ def gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False, epilogue
   for p, os_, xs in zip(parts, _split(res, n_out), part_in):
     flat.extend(p.finish(os_ + tuple(jax.freeze(xs[i]) for i in p.in_place), prob, config))
   return flat[0] if len(flat) == 1 else tuple(flat)
+
+
+def kernel_name(role: str, parts, prologue=None) -> str:
+  """The GPU kernel's name, as profiles and traces show it: the role and the hooks, e.g.
+  ``lce_gemm_lean_dz_LogitGrad`` (``benchmarks/profile_head.py`` sums the time of each)."""
+  hooks = ([type(prologue).__name__] if prologue is not None else []) + [type(p).__name__ for p in parts]
+  return "_".join(["lce_gemm", role, *hooks])
 
 
 def _device_kind() -> str:
