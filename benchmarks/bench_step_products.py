@@ -23,6 +23,8 @@ chunks in ``token_block``), which the op then runs with that pair where it runs 
 
     python3 -m benchmarks.bench_step_products [--shapes llama3-8b,qwen3-8b] [--rounds 7] [--mode lean] [--out DIR]
     python3 -m benchmarks.bench_step_products --mode lean --widths 3072,3328 --shapes llama3-8b,gemma2-2b
+    python3 -m benchmarks.bench_step_products --mode lean --pairs gemm,gemm --widths 1536,2048 --blocks 4096,2048 \
+        --shapes llama3-8b-32k                                          # lean's blocks of tokens, with the widths
     python3 -m benchmarks.bench_step_products --merge DIR/steps.json     # into the package's table (tuning_table)
     python3 -m benchmarks.bench_step_products --check [--shapes ...]     # then: plain against auto, as it now runs
     python3 -m benchmarks.bench_step_products --check --logit-softcap 30 --shapes gemma2-2b   # both heads capped
@@ -62,22 +64,26 @@ def fast_step(y, config: PallasMosaicConfig, interpret: bool, mode: str = "fast"
   return jax.jit(jax.value_and_grad(lambda x, w: linear_cross_entropy(x, w, y, **kw), (0, 1))), kw
 
 
-def pair_step(y, pair, interpret: bool, mode: str = "fast", vocab_chunk: int | None = None):
+def pair_step(y, pair, interpret: bool, mode: str = "fast", vocab_chunk: int | None = None,
+              token_block: int | None = None):
   """:func:`fast_step` with the backward products ``pair`` (``PallasMosaicConfig.products``), lean mode's chunks
-  of ``vocab_chunk`` columns when given."""
-  return fast_step(y, PallasMosaicConfig(products=pair, vocab_chunk=vocab_chunk), interpret, mode)
+  of ``vocab_chunk`` columns and blocks of ``token_block`` tokens when given."""
+  return fast_step(y, PallasMosaicConfig(products=pair, vocab_chunk=vocab_chunk, token_block=token_block),
+                   interpret, mode)
 
 
-def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=PAIRS, widths_asked=()) -> dict:
+def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=PAIRS, widths_asked=(),
+             blocks_asked=()) -> dict:
   """One shape's times and its ``steps`` row with each pair's compiled temporaries (lean mode's also with each
   pair's chunk width and its bound), of the ``pairs`` timed; in lean mode each pair also at the ``widths_asked``
-  below its own, keeping its fastest."""
+  below its own, and the GEMM's pair in each of the ``blocks_asked`` blocks of tokens at every width asked,
+  keeping its fastest within lean's bound."""
   x, w, y = bench.make_inputs(SHAPES[name])
   b, h = x.shape
   v = w.shape[1]
   calls = {"plain": (head_steps(y, False, interpret)["plain"], (x, w))}
   design = block_t = None
-  mem, widths, blocks = {}, {}, {}
+  mem, widths, blocks, asked = {}, {}, {}, {}  # (asked: the blocks of a variant timed at --blocks)
   for pair in pairs:
     f, kw = pair_step(y, pair, interpret, mode)
     d = explain(x, w, y, **kw)
@@ -93,16 +99,28 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
       if mode == "lean":
         widths[key] = own if c is None else c
       calls[key] = (g, (x, w))
+    for tb in (blocks_asked if mode == "lean" and pair == ("gemm", "gemm") else ()):
+      for c in sorted({c for c in widths_asked if c % step == 0}, reverse=True):  # (wider than its own too)
+        key = ",".join(pair) + f"@{c}/tb{tb}"
+        g = pair_step(y, pair, interpret, mode, c, tb)[0].lower(x, w).compile()
+        mem[key], widths[key], asked[key] = round(g.memory_analysis().temp_size_in_bytes / 1e9, 4), c, tb
+        calls[key] = (g, (x, w))
   t = interleaved(calls, rounds=rounds)
-  width_ms = {}
-  for key in [k for k in t if "@" in k]:  # each pair's fastest width stands for it
-    pair_key = key.split("@")[0]
-    width_ms.setdefault(pair_key, {str(widths[pair_key]): round(t[pair_key], 3)})
-    width_ms[pair_key][str(widths[key])] = round(t[key], 3)
-    ms_key, mem_key, width_key = t.pop(key), mem.pop(key), widths.pop(key)
-    if ms_key < t[pair_key]:
-      t[pair_key], mem[pair_key], widths[pair_key] = ms_key, mem_key, width_key
   bound_gb = round((b * h * 4 + op.LEAN_EXTRA_BYTES) / 1e9, 4)
+  over_of = lambda k: mode == "lean" and mem[k] > bound_gb
+  label = lambda k: str(widths[k]) + (f"/tb{asked[k]}" if k in asked else "")
+  width_ms = {}
+  for key in [k for k in t if "@" in k]:  # each pair's fastest width (and blocks) within the bound stands for it
+    pair_key = key.split("@")[0]
+    width_ms.setdefault(pair_key, {label(pair_key): round(t[pair_key], 3)})
+    width_ms[pair_key][label(key)] = round(t[key], 3)
+    if (over_of(key), t[key]) < (over_of(pair_key), t[pair_key]):
+      t[pair_key], mem[pair_key], widths[pair_key] = t[key], mem[key], widths[key]
+      blocks[pair_key] = asked.get(key, blocks[pair_key])
+      if key in asked:
+        asked[pair_key] = asked[key]
+    for d_ in (t, mem, widths, asked):
+      d_.pop(key, None)
   over = [k for k in mem if mode == "lean" and mem[k] > bound_gb]  # (lean mode holds B·H·4 + 64 MB)
   # the fastest pair within the bound (none within it: the fastest, and the table's merge refuses the row)
   best = min((k for k in t if k != "plain"), key=lambda k: (k in over, t[k]))
@@ -194,6 +212,10 @@ def main(argv=None) -> int:
                   "time (lean: design \"recompute\", each chunk's products)")
   ap.add_argument("--widths", metavar="W1,W2", help="with --mode lean: each pair also at these chunk widths (those "
                   "below its own), the row keeping its fastest")
+  ap.add_argument("--blocks", metavar="T1,T2", help="with --mode lean and --widths: the GEMM's pair also in blocks "
+                  "of these many tokens at every width asked (wider than its own too), the row keeping the fastest "
+                  "within lean's bound")
+  ap.add_argument("--pairs", metavar="DX,DW;DX,DW", help="only these pairs of backward products (default: all four)")
   ap.add_argument("--logit-softcap", type=float, default=None, help="with --check: both heads cap their logits "
                   "(Gemma 2's head: 30)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_step_products"))
@@ -204,6 +226,11 @@ def main(argv=None) -> int:
     raise SystemExit("--mode lean times the steps rows only (not --check or --chunks)")
   if a.widths and a.mode != "lean":
     raise SystemExit("--widths goes with --mode lean (the fast designs have no vocabulary chunks)")
+  if a.blocks and not a.widths:
+    raise SystemExit("--blocks goes with --mode lean and --widths (the widths to run each block at)")
+  pairs = PAIRS if not a.pairs else tuple(tuple(p.split(",")) for p in a.pairs.split(";"))
+  if any(p not in PAIRS for p in pairs):
+    raise SystemExit(f"--pairs {a.pairs!r}: each pair is two of gemm, xla (e.g. 'gemm,gemm;xla,xla')")
   if a.merge:
     print(tuning_table.merge(a.merge))
     return 0
@@ -214,8 +241,9 @@ def main(argv=None) -> int:
       r = chunk_row(name, [int(c) for c in a.chunks.split(",")], a.rounds, a.interpret)
     else:
       r = (check_row(name, a.rounds, a.interpret, a.logit_softcap) if a.check
-           else step_row(name, a.rounds, a.interpret, a.mode,
-                         widths_asked=[int(c) for c in (a.widths or "").split(",") if c]))
+           else step_row(name, a.rounds, a.interpret, a.mode, pairs,
+                         widths_asked=[int(c) for c in (a.widths or "").split(",") if c],
+                         blocks_asked=[int(c) for c in (a.blocks or "").split(",") if c]))
     rows.append(r)
     print(json.dumps(r), flush=True)
     save_probe(a.out, rows, a.rounds)

@@ -1094,6 +1094,24 @@ def test_bench_step_products_lean_widths(monkeypatch):
     assert p.products == ("gemm", "gemm") and p.vocab_chunk == runs, (width, p.vocab_chunk)
 
 
+def test_bench_step_products_lean_blocks():
+  """bench_step_products --mode lean --widths --blocks on the CPU: the GEMM's pair also in blocks of tokens at each
+  width asked, wider than its own too; each variant's time under its width and blocks in ``width_ms``, the row
+  keeping the fastest within lean's bound, with the blocks it ran (``token_block``)."""
+  from benchmarks import bench_step_products
+  from lce_flax._impl.pallas_mosaic import op
+
+  own = op.plan(256, 64, 960, op.Config(products="gemm"), interpret=True, mode="lean").vocab_chunk
+  r = bench_step_products.step_row("tiny", 1, True, "lean", pairs=(("gemm", "gemm"),), widths_asked=[own + 128],
+                                   blocks_asked=[128])
+  ms = r["width_ms"]["gemm,gemm"]
+  assert set(ms) == {str(own), f"{own + 128}/tb128"}, ms
+  fastest = min(ms, key=ms.get)
+  assert r["ms"]["gemm,gemm"] == ms[fastest] and r["vocab_chunk"]["gemm,gemm"] == int(fastest.split("/")[0])
+  assert r["token_block"]["gemm,gemm"] == (128 if "/tb" in fastest else None)
+  assert set(r["temp_gb"]) == {"gemm,gemm"} and r["over_bound"] == []
+
+
 def test_bench_step_products_chunk_row():
   """bench_step_products --chunks on the CPU: the "tokens" design at a chunk beside the plain head, each step's
   extra memory from its compiled step, the ratio taken from the same medians."""
