@@ -25,7 +25,8 @@ times the op's width, the three products lean runs for it (the chunk's logits x�
 product x·w and the plain head's forward and backward (``bench.py``'s ``plain_bf16``): a lean step
 at a width costs at least the forward product plus its chunks' products (``lean_floor_ms``), against the 1.25×
 the plain head that lean mode is held to; and, with ``--sweep``, ``lean_dz`` on each config of a grid (the warpgroup
-split, the 2-CTA cluster and its direction, the snake's order and width); the fastest per head goes into
+split, the 2-CTA cluster and its direction, the snake's order and width, the ping-pong schedule fed by a TMA
+warpgroup with and without clusters), each checked against the kernels_ws recompute; the fastest per head goes into
 ``lean_dz_rows.json`` in the table's format, with its time against XLA's bare product (``vs_xla``), to be merged
 into ``lce_flax/_impl/pallas_mosaic/gemm_tuning.json`` under this device's kind (``benchmarks/tuning_table.py``).
 Every kernel's dz is checked against the kernels_ws one on the same inputs (``check`` rows).
@@ -284,10 +285,18 @@ def main(argv=None) -> int:
       continue
     cands = {"table": plans["lean_dz"].gemm and tuning.select_config("lean_dz", *mnk, kind)}
     cands.update({c.short(): tuning.fit_role("lean_dz", c) for c in sweep_configs("fwd")})
+    # the ping-pong schedules: one warpgroup's epilogue (the logit gradient's exps and its bf16 store) runs while
+    # the other's MMAs keep the tensor cores busy
+    cands.update({c.short(): tuning.fit_role("lean_dz", c) for c in (
+        tuning.PINGPONG_WS, *(dataclasses.replace(tuning.PINGPONG_WS, cluster=d) for d in ("n", "m")))})
     fns = {"xla": fns["xla"]}
     for tag, cfg in cands.items():
       if cfg is not None and time.time() - t0 < budget:
         fns[tag] = (looped(logit_grad_with(cfg, spec, cw), n, cw), args)
+        got = fns[tag][0](*args)  # (the last chunk's dz, against the kernels_ws one's)
+        emit(kind="check", shape=name, config=tag, rel_err_vs_kernels_ws=float(
+            jnp.linalg.norm(got.astype(jnp.float32) - outs["kernels_ws"].astype(jnp.float32))
+            / jnp.linalg.norm(outs["kernels_ws"].astype(jnp.float32))))
     t = {k: val / n for k, val in interleaved(fns, rounds=a.rounds).items()}
     best = min((k for k in t if k != "xla"), key=t.get)
     emit(kind="sweep", shape=name, mnk=list(mnk), ms={k: round(val, 4) for k, val in t.items()}, best=best)

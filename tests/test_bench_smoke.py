@@ -611,8 +611,13 @@ def test_bench_lean_runs_each_kernel_and_checks_it(tmp_path, monkeypatch):
   monkeypatch.setenv("SWEEP_N", "1")  # (one config of the sweep's grid beside the table's)
   assert bench_lean.main(["--interpret", "--shapes", "tiny", "--rounds", "1", "--sweep", "--out", str(tmp_path)]) == 0
   rows = json.loads((tmp_path / "bench_lean.json").read_text())["rows"]
-  check, chunk, sweep = rows
+  check, chunk, *configs, sweep = rows
   assert check["kind"] == "check" and check["lean_dz_vs_kernels_ws_rel_err"] < 1e-2
+  # each config of the sweep (the ping-pong schedules among them) checked against the kernels_ws recompute
+  assert [r["kind"] for r in configs] == ["check"] * len(configs) and len(configs) == len(sweep["ms"]) - 1
+  assert all(r["rel_err_vs_kernels_ws"] < 1e-2 for r in configs), configs
+  assert {r["config"] for r in configs} == set(sweep["ms"]) - {"xla"}
+  assert sum("pingpong_ws" in k for k in sweep["ms"]) == 3, sweep["ms"]
   assert set(chunk["ms"]) == {"xla", "gemm", "lean_dz", "kernels_ws"} and "gemm[lean_dz] 128x512x64" in chunk[
       "lean_dz_config"]
   assert sweep["best"] in sweep["ms"] and sweep["best"] != "xla"
@@ -1096,16 +1101,17 @@ def test_bench_step_products_lean_widths(monkeypatch):
 
 def test_bench_step_products_lean_blocks():
   """bench_step_products --mode lean --widths --blocks on the CPU: the GEMM's pair also in blocks of tokens at each
-  width asked, wider than its own too; each variant's time under its width and blocks in ``width_ms``, the row
+  width asked; each variant's time under its width and blocks in ``width_ms``, the row
   keeping the fastest within lean's bound, with the blocks it ran (``token_block``)."""
   from benchmarks import bench_step_products
   from lce_flax._impl.pallas_mosaic import op
 
-  own = op.plan(256, 64, 960, op.Config(products="gemm"), interpret=True, mode="lean").vocab_chunk
-  r = bench_step_products.step_row("tiny", 1, True, "lean", pairs=(("gemm", "gemm"),), widths_asked=[own + 128],
-                                   blocks_asked=[128])
+  # (V whole 128-column tiles: blocks of tokens need lean mode on the GEMM)
+  own = op.plan(256, 64, 1024, op.Config(products="gemm"), interpret=True, mode="lean").vocab_chunk
+  r = bench_step_products.step_row("256x64x1024", 1, True, "lean", pairs=(("gemm", "gemm"),),
+                                   widths_asked=[512], blocks_asked=[128])
   ms = r["width_ms"]["gemm,gemm"]
-  assert set(ms) == {str(own), f"{own + 128}/tb128"}, ms
+  assert set(ms) == {str(own), "512", "512/tb128"}, ms
   fastest = min(ms, key=ms.get)
   assert r["ms"]["gemm,gemm"] == ms[fastest] and r["vocab_chunk"]["gemm,gemm"] == int(fastest.split("/")[0])
   assert r["token_block"]["gemm,gemm"] == (128 if "/tb" in fastest else None)

@@ -205,11 +205,11 @@ def test_lean_token_blocks_plan():
   assert "each in blocks of 1024 tokens" in d.chunking, d.chunking
 
 
-def test_lean_measured_width_follows_its_blocks(monkeypatch):
-  """A lean ``steps`` row's chunk width runs where its step ran the blocks of tokens the op runs: at 32768 tokens
-  (blocks of 8192) a width measured with blocks of 8192 runs, within the memory those blocks allow; one measured in
-  a single block (or in a row that does not say: a row before blocks) or with other blocks does not, nor one past
-  the memory or off the CTA tile: the width by memory alone runs instead."""
+def test_lean_runs_the_blocks_and_width_of_its_steps_row(monkeypatch):
+  """A lean ``steps`` row's blocks of tokens and chunk width run together: at 32768 tokens the blocks the row's step
+  ran with its pair (one block where it says None; blocks of 8192 where it does not say: a row before blocks), and
+  its width where that step ran those blocks, whole CTA tiles, within the memory they allow (the 64 MB beside the
+  float32 dx, or in blocks the x gradient's buffer: op._blocked_chunk_fits); else the width by memory alone."""
   from lce_flax._impl.pallas_mosaic import gemm, tuning
 
   kind, (b, h, v) = "NVIDIA H200", (32768, 4096, 128256)
@@ -226,17 +226,27 @@ def test_lean_measured_width_follows_its_blocks(monkeypatch):
   assert own.products == ("gemm", "gemm") and own.token_block == 8192
   step = 2 * own.block_v
   assert own.vocab_chunk == op.lean_chunk(b, h, step, in_place=True, token_block=8192) == 1280
-  for width, blocks, runs in ((1024, 8192, 1024), (1280, 8192, 1280), (1024, None, 1280), (1024, 4096, 1280),
-                              (1024, "absent", 1280), (1280 + step, 8192, 1280), (1000, 8192, 1280)):
+  single = op.lean_chunk(b, h, step, in_place=True)
+  fits = b * h * 2 // (8192 * 2 + h * 6) // step * step  # (the x gradient's buffer: 6400 columns)
+  assert single == 768 and fits == 6400 and op.lean_chunk(b, h, step, in_place=True, token_block=4096) == 1536
+  for width, blocks, runs in ((1024, 8192, (8192, 1024)), (1280, 8192, (8192, 1280)), (1024, None, (None, 768)),
+                              (512, None, (None, 512)), (1024, 4096, (4096, 1024)), (2048, 4096, (4096, 2048)),
+                              (1024, "absent", (8192, 1280)), (fits, 8192, (8192, fits)),
+                              (fits + step, 8192, (8192, 1280)), (1000, 8192, (8192, 1280))):
     table = rows(width, blocks)
     monkeypatch.setattr(tuning, "load_steps", lambda table=table: table)
     p = op.plan(b, h, v, mode="lean")
-    assert (p.products, p.token_block, p.vocab_chunk) == (("gemm", "gemm"), 8192, runs), (width, blocks)
+    assert (p.products, p.token_block, p.vocab_chunk) == (("gemm", "gemm"), *runs), (width, blocks)
+    d = op.design(b, h, common.Spec(_math.LossSpec(vocab_size=v)), jnp.bfloat16, "lean")
+    assert ("steps row" in d.chunking) == (blocks not in ("absent", None)), d.chunking
+  # asked blocks win over the row's
+  p = op.plan(b, h, v, op.Config(token_block=2048), mode="lean")
+  assert p.token_block == 2048 and p.vocab_chunk == op.lean_chunk(b, h, step, in_place=True, token_block=2048)
   # the package's own rows at 32768 tokens say the blocks they ran
   monkeypatch.undo()
   for r in tuning.load_steps()["nvidia h200"]:
     if r["design"] == "recompute" and r["bucket"][0] >= op.LEAN_BLOCKED_TOKENS:
-      assert r["token_block"]["gemm,gemm"] == op.LEAN_TOKEN_BLOCK, r["name"]
+      assert r["token_block"]["gemm,gemm"] in (4096, 8192), r["name"]
 
 
 def test_every_steps_row_is_what_the_op_runs(monkeypatch):
@@ -1044,12 +1054,15 @@ def test_gpu_lean_token_blocks_compiled(w_layout):
 @pytest.mark.gpu(min_cc=(9, 0))
 @pytest.mark.parametrize("b,h,v", [(32768, 4096, 128256), (32768, 2304, 256000)],
                          ids=["llama3-8b-32k", "gemma2-2b-32k"])
-def test_gpu_lean_token_blocks_memory(b, h, v):
-  """Lean mode in blocks of 4096 tokens at 32768 tokens holds at most B·H·4 + 64 MB of temporaries, as planned
-  (dz [block, chunk], the chunk's float32 dw and its rounded sum beside the float32 dx)."""
+@pytest.mark.parametrize("asked", [True, False], ids=["blocks-4096", "default"])
+def test_gpu_lean_token_blocks_memory(b, h, v, asked):
+  """Lean mode in blocks of tokens at 32768 tokens holds at most B·H·4 + 64 MB of temporaries (dz [block, chunk],
+  the chunk's float32 dw and its rounded sum beside the float32 dx): in blocks of 4096 tokens at the width by
+  memory, and as it runs by default (the blocks and width of the tuning table's steps row on this GPU, which may
+  be wider: op._blocked_chunk_fits)."""
   sds = jax.ShapeDtypeStruct
   args = (sds((b, h), jnp.bfloat16), sds((h, v), jnp.bfloat16), sds((b,), jnp.int32))
-  cfg = Config(products="gemm", token_block=4096)
+  cfg = Config(products="gemm", token_block=4096) if asked else None
   f = lambda x, w, y: linear_cross_entropy(x, w, y, impl="pallas_mosaic", mode="lean", reduction="sum", config=cfg)
   temp = jax.jit(jax.grad(f, (0, 1))).lower(*args).compile().memory_analysis().temp_size_in_bytes
   assert temp <= b * h * 4 + 64 * 10**6, (temp, b * h * 4 + 64 * 10**6)

@@ -130,8 +130,10 @@ class Config:
       formed in turn, x's block and dx's rows read and added into in place (:class:`.gemm.Window`), and the chunk's
       dw accumulated over the blocks in a float32 [H, chunk] buffer: with B well above H the chunks are then wider
       for the same memory, so the B×H float32 dx makes fewer round trips (one per chunk). At least the tokens:
-      one block of them all (the chunk's dw complete after one product). None: blocks of ``LEAN_TOKEN_BLOCK``
-      (8192) from ``LEAN_BLOCKED_TOKENS`` (32768) tokens on where both chunk products are on the GEMM, else one.
+      one block of them all (the chunk's dw complete after one product). None, where both chunk products are on
+      the GEMM: the blocks lean mode's whole step ran its pair with in the tuning table's ``steps`` row of this
+      head's bucket (:func:`.tuning.step_token_block`), else blocks of ``LEAN_TOKEN_BLOCK`` (8192) from
+      ``LEAN_BLOCKED_TOKENS`` (32768) tokens on; else one.
     stored: what the fast forward stores of each tile: ``"exponentials"`` (``exp(zc - r)`` against a reference logit
       r per row: the backward's products take them as they are, no pass over B×V; :mod:`.fast`) or
       ``"shifted"`` (logits shifted by their row max, turned into dz in place by a dz pass); None: exponentials
@@ -305,7 +307,7 @@ def plan(num_tokens: int, hidden: int, vocab: int, config: Config | None = None,
   # the chunk products first: on the GEMM they read and write the chunk in place, which leaves room for wider chunks
   p = _products(dataclasses.replace(tiles, gemm=_gemm_config(c, "fwd_stats", tokens, hidden, vocab, interpret, ws)),
                 c, tokens, hidden, vocab)
-  block = _token_block(c.token_block, p, tokens, bt)
+  block = _token_block(c.token_block, p, tokens, bt, hidden, vocab)
   chunk = c.vocab_chunk or _measured_chunk(p, tokens, hidden, vocab, block) or lean_chunk(
       tokens, hidden, bv * (2 if ws else 1), in_place=_products_in_place(p), token_block=block)
   if chunk % bv:
@@ -328,16 +330,43 @@ def _measured_chunk(p: Plan, tokens: int, hidden: int, vocab: int, block: int | 
   rows, step = cdiv(tokens, p.block_t) * p.block_t, p.block_v * (2 if p.warp_specialized else 1)
   width = tuning.step_chunk("recompute", rows, hidden, vocab, gemm_lib._device_kind(), p.products, block)
   most = lean_chunk(tokens, hidden, step, in_place=_products_in_place(p), token_block=block)
+  if block is not None:  # the blocked chunk's buffers also fit in the x gradient's (see _blocked_chunk_fits)
+    most = max(most, _blocked_chunk_fits(rows, hidden, block) // step * step)
   return width if width is not None and width % step == 0 and width <= most else None
 
 
-def _token_block(asked: int | None, p: Plan, tokens: int, bt: int) -> int | None:
+def _blocked_chunk_fits(rows: int, hidden: int, block: int, itemsize: int = 2) -> int:
+  """The widest chunk whose buffers in blocks of ``block`` tokens (dz [block, chunk], the chunk's float32 dw
+  [H, chunk] and its rounded sum) fit in the x gradient's output buffer (rows·H·itemsize bytes, written only
+  at the end), where XLA places them: on an H200 at llama3-8b's 32768×4096 lean mode's step held 0.554 GB of
+  temporaries both at 1024 columns in blocks of 8192 and at 2048 in blocks of 4096 (67 MB of chunk buffers,
+  beyond lean_chunk's 1536 there): the float32 dx and 17 MB
+  (``benchmarks/results/h200-2026-11-29-lean-32k-blocks/``). A steps row's width may be this wide; lean mode's
+  width by memory alone (:func:`lean_chunk`, no row) keeps to ``LEAN_EXTRA_BYTES``."""
+  return rows * hidden * itemsize // (block * itemsize + hidden * (4 + itemsize))
+
+
+def _row_token_block(p: Plan, tokens: int, hidden: int, vocab: int) -> tuple[bool, int | None]:
+  """``(True, block)`` where the tuning table's ``steps`` row chose lean mode's pair (``p.products_step``) and
+  records the blocks of tokens its step ran with it (:func:`.tuning.step_token_block`), else ``(False, None)``."""
+  if p.products_step is None:
+    return False, None
+  rows = cdiv(tokens, p.block_t) * p.block_t
+  return tuning.step_token_block("recompute", rows, hidden, vocab, gemm_lib._device_kind(), p.products)
+
+
+def _token_block(asked: int | None, p: Plan, tokens: int, bt: int, hidden: int, vocab: int) -> int | None:
   """Lean mode's tokens per block (``Config.token_block``) as it runs: None where one block would hold them all;
   ``ValueError`` unless a multiple of ``block_t`` with both chunk products on the GEMM reading x in place. Not
-  asked: ``LEAN_TOKEN_BLOCK`` from ``LEAN_BLOCKED_TOKENS`` tokens on with both products in place, else None."""
+  asked: where both products are in place, the blocks the tuning table's ``steps`` row ran its pair with
+  (:func:`_row_token_block`), else ``LEAN_TOKEN_BLOCK`` from ``LEAN_BLOCKED_TOKENS`` tokens on; else None."""
   if asked is None:
-    blocked = _products_in_place(p) and tokens >= LEAN_BLOCKED_TOKENS and LEAN_TOKEN_BLOCK % bt == 0
-    return LEAN_TOKEN_BLOCK if blocked else None
+    if not _products_in_place(p):
+      return None
+    found, block = _row_token_block(p, tokens, hidden, vocab)
+    if found:
+      return block if block is not None and block % bt == 0 and block < cdiv(tokens, bt) * bt else None
+    return LEAN_TOKEN_BLOCK if tokens >= LEAN_BLOCKED_TOKENS and LEAN_TOKEN_BLOCK % bt == 0 else None
   if asked % bt:
     raise ValueError(f"token_block={asked} must be a multiple of block_t={bt}")
   if not _products_in_place(p):
@@ -607,8 +636,11 @@ def design(num_tokens: int, hidden: int, spec: common.Spec, dtype, mode: str, co
   if p.fast_design is None:
     name, chunking = "recompute", f"{tiles}; backward: vocabulary chunks of {p.vocab_chunk} columns"
     if p.token_block is not None:
-      chunking += (f", each in blocks of {p.token_block} tokens (x's block and dx's rows read and added into in "
-                   "place, the chunk's dw accumulated over the blocks in float32)")
+      why = ("asked" if config is not None and config.token_block is not None
+             else "the blocks of the tuning table's steps row" if _row_token_block(p, num_tokens, hidden, vocab)[0]
+             else f"the default from {LEAN_BLOCKED_TOKENS} tokens on")
+      chunking += (f", each in blocks of {p.token_block} tokens ({why}; x's block and dx's rows read and added into "
+                   "in place, the chunk's dw accumulated over the blocks in float32)")
   elif p.fast_design == "logits":
     name, chunking = "logits", f"{tiles}; the logits of all {num_tokens} tokens stored at once (no chunk loop)"
   else:

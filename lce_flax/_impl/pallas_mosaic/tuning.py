@@ -238,6 +238,16 @@ def step_chunk(design: str, tokens: int, hidden: int, vocab: int, device_kind: s
   return found[1].get("vocab_chunk", {}).get(key)
 
 
+def step_token_block(design: str, tokens: int, hidden: int, vocab: int, device_kind: str, pair):
+  """``(True, block)``: the blocks of tokens the whole step of ``design`` ran with the (dx, dw) ``pair`` at this
+  head's bucket (a lean ``steps`` row's ``"token_block"`` of the pair; None: one block), where the row records
+  them; else ``(False, None)``."""
+  found = _step_row(design, tokens, hidden, vocab, device_kind)
+  blocks = {} if found is None else found[1].get("token_block", {})
+  key = ",".join(pair)
+  return (True, blocks[key]) if key in blocks else (False, None)
+
+
 def _step_row(design: str, tokens: int, hidden: int, vocab: int, device_kind: str):
   """(measured_on, row): the ``steps`` row of ``design`` at this head's bucket, the device's own kind's first."""
   steps = load_steps()
