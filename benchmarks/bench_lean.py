@@ -73,8 +73,10 @@ def chunk_inputs(b: int, h: int, v: int, interpret: bool):
   y = jax.random.randint(k[2], (b,), 0, v, jnp.int32)
   lse = jnp.full((b,), jnp.log(v) + 0.5, jnp.float32)
   spec = common.Spec(_math.LossSpec(vocab_size=v), "hv", interpret)
-  plans = {"lean_dz": op.plan(b, h, v, None, interpret, "lean"),
-           "kernels_ws": op.plan(b, h, v, Config(gemm=False), interpret, "lean")}
+  gemm = op.plan(b, h, v, None, interpret, "lean")
+  # (the same chunk width for both: the GEMM's plan can take a steps row's wider one, and their dz are compared)
+  plans = {"lean_dz": gemm, "kernels_ws": op.plan(b, h, v, Config(gemm=False, vocab_chunk=gemm.vocab_chunk),
+                                                  interpret, "lean")}
   return x, w, y, lse, spec, plans
 
 
