@@ -1118,6 +1118,32 @@ def test_bench_step_products_lean_blocks():
   assert set(r["temp_gb"]) == {"gemm,gemm"} and r["over_bound"] == []
 
 
+def test_probe_table_ab_compiles_the_step_under_each_table(tmp_path):
+  """benchmarks/probe_table_ab.py on the CPU: the step compiled under the package's table and under a copy with a
+  row merged (a lean_dz row of another config at the shape's bucket), the explain() notes naming each table's
+  row, the two steps' gradients equal, and the package's table as it was afterwards."""
+  import dataclasses
+  import json
+
+  from benchmarks import probe_table_ab
+  from lce_flax._impl.pallas_mosaic import gemm, tuning
+
+  before = open(tuning.TABLE_PATH).read()
+  kind = gemm._device_kind()  # (the kind whose rows the op reads here)
+  cfg = dataclasses.asdict(dataclasses.replace(tuning.DEFAULT, order_width=8))
+  rows = tmp_path / "rows.json"
+  rows.write_text(json.dumps({"devices": {kind: {"lean_dz": [{"bucket": [256, 1024, 64], "shape": [256, 1024, 64],
+                                                                "config": cfg}]}}}))
+  assert probe_table_ab.main(["--interpret", "--rows", str(rows), "--shapes", "256x64x1024", "--rounds", "1",
+                              "--out", str(tmp_path / "out")]) == 0
+  meta, r = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+  assert meta["merged"] == {"replaced": 0, "added": 1}
+  assert set(r["ms"]) == {"plain", "table", "merged"} and r["grad_rel_diff"] < 1e-6, r
+  lean_dz = [[n for n in r["plans"][k] if "gemm[lean_dz]" in n] for k in ("table", "merged")]
+  assert lean_dz[0] != lean_dz[1] and "order=n8" in lean_dz[1][0], lean_dz
+  assert open(tuning.TABLE_PATH).read() == before and tuning.TABLE_PATH.endswith("gemm_tuning.json")
+
+
 def test_bench_step_products_chunk_row():
   """bench_step_products --chunks on the CPU: the "tokens" design at a chunk beside the plain head, each step's
   extra memory from its compiled step, the ratio taken from the same medians."""

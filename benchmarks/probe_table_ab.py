@@ -1,0 +1,108 @@
+"""What merging rows into the tuning table would do to the op's whole step, measured before merging (one GPU).
+
+The op reads the package's table (``lce_flax/_impl/pallas_mosaic/gemm_tuning.json``) at trace time, so one
+process can compile the step twice: once under the table as it is (``table``) and once under a copy with the rows
+of ``--rows`` merged into it (``merged``: ``benchmarks/tuning_table.py``'s merge, the same as ``--merge`` would
+do). Per shape it times, in alternation (median of ``--rounds`` rounds of 10-run medians), ``value_and_grad`` of x
+and w (summed loss) of the plain head and of ``impl="pallas_mosaic"`` in ``--mode`` under each table, with each
+step's compiled temporaries and the largest relative difference of the two steps' gradients.
+
+    python3 -m benchmarks.probe_table_ab --rows DIR/lean_dz_rows.json --mode lean --shapes gemma2-2b,llama3-8b
+    python3 -m benchmarks.probe_table_ab --interpret --rows ROWS --shapes tiny --rounds 1     # a CPU check
+
+Writes ``DIR/results.json`` (device, versions, date, ``LCE_FLAX_COMMIT``, rows) after every shape and prints one
+JSON line per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import bench, tuning_table  # noqa: E402
+from benchmarks.bench_floors import SHAPES, head_steps  # noqa: E402
+from benchmarks.bench_gemm import interleaved, save_probe  # noqa: E402
+from lce_flax import explain, linear_cross_entropy  # noqa: E402
+from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
+
+
+@contextlib.contextmanager
+def table_at(path: str):
+  """The op reads the table at ``path`` inside the block (its caches cleared on the way in and out)."""
+  old = tuning.TABLE_PATH
+  tuning.TABLE_PATH = path
+  tuning.load_table.cache_clear()
+  tuning.load_steps.cache_clear()
+  try:
+    yield
+  finally:
+    tuning.TABLE_PATH = old
+    tuning.load_table.cache_clear()
+    tuning.load_steps.cache_clear()
+
+
+def op_step(y, mode: str, interpret: bool):
+  """A new jitted ``value_and_grad`` of x and w (summed loss) of ``impl="pallas_mosaic"`` in ``mode`` (a new
+  function each call: jit's cache must not hand one table's trace to the other)."""
+  kw = dict(reduction="sum", impl="pallas_mosaic", mode=mode, interpret=interpret)
+  return jax.jit(jax.value_and_grad(lambda x, w: linear_cross_entropy(x, w, y, **kw), (0, 1))), kw
+
+
+def ab_row(name: str, merged_path: str, mode: str, rounds: int, interpret: bool) -> dict:
+  x, w, y = bench.make_inputs(SHAPES[name])
+  calls, temp, plans, grads = {"plain": (head_steps(y, False, interpret)["plain"], (x, w))}, {}, {}, {}
+  for label, path in (("table", tuning.TABLE_PATH), ("merged", merged_path)):
+    with table_at(path):
+      f, kw = op_step(y, mode, interpret)
+      d = explain(x, w, y, **kw)
+      plans[label] = [str(d.config), *d.notes]  # (the notes name each kernel's config and its table row)
+      g = f.lower(x, w).compile()  # (compiled under this table: the plan and kernels are fixed from here on)
+    temp[label] = round(g.memory_analysis().temp_size_in_bytes / 1e9, 4)
+    grads[label] = g(x, w)[1]
+    calls[label] = (g, (x, w))
+  diff = max(float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+             for a, b in zip(grads["merged"], grads["table"]))
+  del grads
+  t = interleaved(calls, rounds=rounds)
+  return {"name": name, "shape": [*x.shape, w.shape[1]], "mode": mode, "ms": {k: round(v, 3) for k, v in t.items()},
+          "vs_plain": {k: round(t[k] / t["plain"], 3) for k in ("table", "merged")},
+          "merged_speedup": round(t["table"] / t["merged"], 3), "temp_gb": temp,
+          "same_plan": plans["table"] == plans["merged"], "plans": plans, "grad_rel_diff": diff}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--rows", required=True, help="a file of rows in the table's format (\"devices\" and/or \"steps\")")
+  ap.add_argument("--mode", choices=("fast", "lean"), default="lean")
+  ap.add_argument("--shapes", default="gpt2-small,llama3-8b,qwen3-8b,gemma2-2b")
+  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--interpret", action="store_true", help="the kernels interpreted (a CPU check)")
+  ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/probe_table_ab"))
+  a = ap.parse_args(argv)
+  os.makedirs(a.out, exist_ok=True)
+  with tempfile.TemporaryDirectory() as tmp:
+    merged = os.path.join(tmp, "gemm_tuning.json")
+    shutil.copy(tuning.TABLE_PATH, merged)
+    counts = tuning_table.merge(a.rows, merged)
+    print(json.dumps({"merged": counts, "rows": a.rows}), flush=True)
+    rows = []
+    for name in a.shapes.split(","):
+      r = ab_row(name, merged, a.mode, a.rounds, a.interpret)
+      rows.append(r)
+      print(json.dumps(r), flush=True)
+      save_probe(a.out, [{"rows_file": a.rows, "merged": counts}, *rows], a.rounds)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
