@@ -1224,6 +1224,32 @@ def test_lean_products_on_the_gemm_lower_for_cuda(w_layout, bias, products):
     assert (name in text) == on, name
 
 
+@pytest.mark.parametrize("token_block", [None, 1024], ids=["one-block", "blocks"])
+def test_lean_notes_name_the_rows_its_kernels_take(token_block, monkeypatch):
+  """explain()'s lean notes name, for the recompute and each chunk's two products on the GEMM, the tuning table's
+  row of the shape (role, M×N×K) the kernels look their config up by as they lower for CUDA (per block of tokens
+  where lean mode runs blocks: dw then added into the chunk's float32 dw, the role dw_acc)."""
+  from lce_flax._impl.pallas_mosaic import tuning
+
+  seen = set()
+  real = tuning.select_config  # (what the GEMM calls as it lowers; explain() describes rows by select_row)
+
+  def spy(role, m, n, k, kind):
+    seen.add(f"gemm[{role}] {m}x{n}x{k}")
+    return real(role, m, n, k, kind)
+
+  monkeypatch.setattr(tuning, "select_config", spy)
+  b, h, v = 4000, 512, 2048
+  cfg = Config(products="gemm", vocab_chunk=768, token_block=token_block)
+  plan, _, _ = _lean_lowered(b, h, v, "hv", False, cfg)
+  assert plan.token_block == token_block, plan
+  spec = common.Spec(_math.LossSpec(vocab_size=v), "hv", interpret=False)
+  notes = " ".join(pallas_mosaic.design(b, h, spec, jnp.bfloat16, "lean", cfg).notes)
+  named = set(re.findall(r"gemm\[(?:lean_dz|dx_acc|dw|dw_acc)\] \d+x\d+x\d+", notes))
+  looked_up = {n for n in seen if re.match(r"gemm\[(lean_dz|dx_acc|dw|dw_acc)\]", n)}
+  assert len(named) == 3 and named == looked_up, (named, looked_up)
+
+
 @pytest.mark.parametrize("w_layout,bias", [("hv", True), ("vh", False)])
 def test_lean_token_blocks_lower_for_cuda(w_layout, bias):
   """Lean mode in blocks of the tokens, lowered for CUDA on CPU: one loop over the vocabulary chunks holding one over

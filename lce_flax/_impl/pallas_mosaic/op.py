@@ -688,17 +688,21 @@ def _lean_note(p: Plan, num_tokens: int, hidden: int, vocab: int) -> str:
   fwd = (f"the forward with the statistics epilogue, {tuning.describe('fwd_stats', rows, vocab, hidden, kind)}"
          if p.stats_gemm else "the forward on the kernel of kernels_ws.py (the GEMM's statistics, 4 float32 per row "
          "and 128-column tile, would exceed lean mode's memory here)")
+  block = p.token_block or rows  # (the tokens each recompute and product takes: a block of them, or all)
   return (f"lean kernels on the persistent GEMM (lce_flax/_impl/pallas_mosaic/gemm.py): {fwd}; each chunk's logit "
           f"gradient recomputed with the LogitGrad epilogue, "
-          f"{tuning.describe('lean_dz', rows, p.vocab_chunk, hidden, kind)}; {products}")
+          f"{tuning.describe('lean_dz', block, p.vocab_chunk, hidden, kind)}; {products}")
 
 
 def _lean_products_note(p: Plan, rows: int, hidden: int, kind: str) -> str:
-  """explain()'s words on who forms each lean chunk's two products (``rows``: the tokens as padded)."""
-  cw = p.vocab_chunk
-  dx = (f"on the GEMM's TMA reduce-adds into the float32 dx, {tuning.describe('dx_acc', rows, hidden, cw, kind)}"
+  """explain()'s words on who forms each lean chunk's two products (``rows``: the tokens as padded), per block of
+  tokens where it runs blocks (dw then added into the chunk's float32 dw: the role ``dw_acc``)."""
+  cw, block = p.vocab_chunk, p.token_block or rows
+  dx = (f"on the GEMM's TMA reduce-adds into the float32 dx, {tuning.describe('dx_acc', block, hidden, cw, kind)}"
         if p.products[0] == "gemm" else "by XLA (cuBLAS, added into the float32 dx)")
-  dw = f"on the GEMM, {tuning.describe('dw', hidden, cw, rows, kind)}" if p.products[1] == "gemm" else "by XLA (cuBLAS)"
+  dw_role = "dw" if p.token_block is None else "dw_acc"
+  dw = (f"on the GEMM, {tuning.describe(dw_role, hidden, cw, block, kind)}" if p.products[1] == "gemm"
+        else "by XLA (cuBLAS)")
   out = f"each chunk's dx {dx}; its dw {dw}"
   return out + (f" ({p.products_step})" if p.products_step else "")
 
