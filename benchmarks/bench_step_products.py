@@ -108,6 +108,7 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
   t = interleaved(calls, rounds=rounds)
   bound_gb = round((b * h * 4 + op.LEAN_EXTRA_BYTES) / 1e9, 4)
   over_of = lambda k: mode == "lean" and mem[k] > bound_gb
+  own_block = dict(blocks)
   label = lambda k: str(widths[k]) + (f"/tb{asked[k]}" if k in asked else "")
   width_ms = {}
   for key in [k for k in t if "@" in k]:  # each pair's fastest width (and blocks) within the bound stands for it
@@ -116,9 +117,7 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
     width_ms[pair_key][label(key)] = round(t[key], 3)
     if (over_of(key), t[key]) < (over_of(pair_key), t[pair_key]):
       t[pair_key], mem[pair_key], widths[pair_key] = t[key], mem[key], widths[key]
-      blocks[pair_key] = asked.get(key, blocks[pair_key])
-      if key in asked:
-        asked[pair_key] = asked[key]
+      blocks[pair_key] = asked.get(key, own_block[pair_key])  # (a narrower width runs the pair's own blocks)
     for d_ in (t, mem, widths, asked):
       d_.pop(key, None)
   over = [k for k in mem if mode == "lean" and mem[k] > bound_gb]  # (lean mode holds B·H·4 + 64 MB)
