@@ -17,7 +17,6 @@ JSON line per shape.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -36,21 +35,6 @@ from lce_flax import explain, linear_cross_entropy  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 
 
-@contextlib.contextmanager
-def table_at(path: str):
-  """The op reads the table at ``path`` inside the block (its caches cleared on the way in and out)."""
-  old = tuning.TABLE_PATH
-  tuning.TABLE_PATH = path
-  tuning.load_table.cache_clear()
-  tuning.load_steps.cache_clear()
-  try:
-    yield
-  finally:
-    tuning.TABLE_PATH = old
-    tuning.load_table.cache_clear()
-    tuning.load_steps.cache_clear()
-
-
 def op_step(y, mode: str, interpret: bool):
   """A new jitted ``value_and_grad`` of x and w (summed loss) of ``impl="pallas_mosaic"`` in ``mode`` (a new
   function each call: jit's cache must not hand one table's trace to the other)."""
@@ -62,7 +46,7 @@ def ab_row(name: str, merged_path: str, mode: str, rounds: int, interpret: bool)
   x, w, y = bench.make_inputs(SHAPES[name])
   calls, temp, plans, grads = {"plain": (head_steps(y, False, interpret)["plain"], (x, w))}, {}, {}, {}
   for label, path in (("table", tuning.TABLE_PATH), ("merged", merged_path)):
-    with table_at(path):
+    with tuning.table_at(path):
       f, kw = op_step(y, mode, interpret)
       d = explain(x, w, y, **kw)
       plans[label] = [str(d.config), *d.notes]  # (the notes name each kernel's config and its table row)

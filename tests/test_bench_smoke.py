@@ -894,19 +894,15 @@ def test_probe_clocks_reads_nvidia_smi_samples():
 
 
 @pytest.fixture
-def package_table(monkeypatch):
+def package_table():
   """``use(path)``: the package reads its tuning table from ``path`` (its cached reads dropped; call it again after
   the file changes); the package's own table again after the test."""
+  import contextlib
+
   from lce_flax._impl.pallas_mosaic import tuning
 
-  def use(path):
-    monkeypatch.setattr(tuning, "TABLE_PATH", str(path))
-    tuning.load_table.cache_clear()
-    tuning.load_steps.cache_clear()
-
-  yield use
-  tuning.load_table.cache_clear()
-  tuning.load_steps.cache_clear()
+  with contextlib.ExitStack() as stack:
+    yield lambda path: stack.enter_context(tuning.table_at(path))
 
 
 def test_tuning_table_merges_gemm_rows_of_another_kind(tmp_path, package_table):

@@ -25,6 +25,7 @@ its fastest pair runs (:func:`step_products`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -153,6 +154,23 @@ def _read() -> dict:
     return {}
   with open(TABLE_PATH) as f:
     return json.load(f)
+
+
+@contextlib.contextmanager
+def table_at(path: str):
+  """The package reads its table from ``path`` inside the block, its cached reads dropped on the way in and out:
+  a copy with rows merged, measured before they land (``benchmarks/probe_table_ab.py``), or a test's table. The
+  op reads the table at trace time, so what is traced inside keeps that table's configs."""
+  global TABLE_PATH
+  old, TABLE_PATH = TABLE_PATH, str(path)
+  load_table.cache_clear()
+  load_steps.cache_clear()
+  try:
+    yield
+  finally:
+    TABLE_PATH = old
+    load_table.cache_clear()
+    load_steps.cache_clear()
 
 
 @functools.lru_cache(maxsize=1)
