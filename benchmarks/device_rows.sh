@@ -14,8 +14,9 @@
 #           plain head, on the table as merged; OUT/steps/steps.json merged too
 #   lean    bench_step_products.py --mode lean: lean mode's step with each pair of chunk products (each at the
 #           width the op plans for it, and at the narrower LEAN_WIDTHS, e.g. 3072,3328: the row keeps each pair's
-#           fastest width, which the op then runs) against the plain head; OUT/lean/steps.json merged (design
-#           "recompute")
+#           fastest width, which the op then runs) against the plain head; with LEAN_BLOCKS (e.g. 8192,4096) the
+#           GEMM's pair also in those blocks of tokens at every width of LEAN_WIDTHS; LEAN_PAIRS (e.g. "gemm,gemm")
+#           times only those pairs; OUT/lean/steps.json merged (design "recompute")
 #   check   bench_step_products.py --check: the plain head against auto as the merged table picks it
 #
 # OUT/gemm_tuning.json is the table as merged: to land the rows, merge the stages' files of OUT into the package's
@@ -23,7 +24,7 @@
 # gpu_check.sh. Each stage writes its own folder of OUT (forward/ and sweep/ with their .jsonl, steps/, check/), so
 # stages can run in separate jobs, the earlier stages' files merged into the table before the later ones run.
 # Env: SHAPES (default the four LLM heads), SWEEP_BUDGET_S (300: the sweep stops starting products after it),
-# ROUNDS (3: alternated rounds of steps and check), LEAN_WIDTHS (none), PYTHON (python3).
+# ROUNDS (3: alternated rounds of steps and check), LEAN_WIDTHS, LEAN_BLOCKS, LEAN_PAIRS (none), PYTHON (python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: device_rows.sh OUT [STAGES]}
@@ -55,7 +56,8 @@ for stage in $STAGES; do
       [ -f "$OUT/steps/steps.json" ] && $PY -m benchmarks.tuning_table "$OUT/steps/steps.json" ;;
     lean)
       $PY -m benchmarks.bench_step_products --mode lean --shapes "$SHAPES" --rounds "$ROUNDS" --out "$OUT/lean" \
-        ${LEAN_WIDTHS:+--widths "$LEAN_WIDTHS"} || status=1
+        ${LEAN_WIDTHS:+--widths "$LEAN_WIDTHS"} ${LEAN_BLOCKS:+--blocks "$LEAN_BLOCKS"} \
+        ${LEAN_PAIRS:+--pairs "$LEAN_PAIRS"} || status=1
       [ -f "$OUT/lean/steps.json" ] && $PY -m benchmarks.tuning_table "$OUT/lean/steps.json" ;;
     check)
       $PY -m benchmarks.bench_step_products --check --shapes "$SHAPES" --rounds "$ROUNDS" --out "$OUT/check" \
