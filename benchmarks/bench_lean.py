@@ -55,7 +55,7 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import bench, shapes  # noqa: E402
-from benchmarks.bench_gemm import interleaved, sweep_configs  # noqa: E402
+from benchmarks.bench_gemm import interleaved, rel_err, sweep_configs  # noqa: E402
 from lce_flax import _device, _math, linear_cross_entropy  # noqa: E402
 from lce_flax._impl import common  # noqa: E402
 from lce_flax._impl.pallas_mosaic import Config, op, tuning  # noqa: E402
@@ -237,8 +237,7 @@ def main(argv=None) -> int:
            "lean_dz": (looped(op_recompute(spec, plans["lean_dz"]), n, cw), args),
            "kernels_ws": (looped(op_recompute(spec, plans["kernels_ws"]), n, cw), args)}
     outs = {k: fns[k][0](*args) for k in ("lean_dz", "kernels_ws")}  # (the last chunk's dz)
-    err = float(jnp.linalg.norm(outs["lean_dz"].astype(jnp.float32) - outs["kernels_ws"].astype(jnp.float32))
-                / jnp.linalg.norm(outs["kernels_ws"].astype(jnp.float32)))
+    err = rel_err(outs["lean_dz"], outs["kernels_ws"])
     emit(kind="check", shape=name, chunk=cw, lean_dz_vs_kernels_ws_rel_err=err)
     t = {k: val / n for k, val in interleaved(fns, rounds=a.rounds).items()}  # (per chunk)
     flops = 2 * b * cw * h
@@ -296,9 +295,7 @@ def main(argv=None) -> int:
       if cfg is not None and time.time() - t0 < budget:
         fns[tag] = (looped(logit_grad_with(cfg, spec, cw), n, cw), args)
         got = fns[tag][0](*args)  # (the last chunk's dz, against the kernels_ws one's)
-        emit(kind="check", shape=name, config=tag, rel_err_vs_kernels_ws=float(
-            jnp.linalg.norm(got.astype(jnp.float32) - outs["kernels_ws"].astype(jnp.float32))
-            / jnp.linalg.norm(outs["kernels_ws"].astype(jnp.float32))))
+        emit(kind="check", shape=name, config=tag, rel_err_vs_kernels_ws=rel_err(got, outs["kernels_ws"]))
     t = {k: val / n for k, val in interleaved(fns, rounds=a.rounds).items()}
     best = min((k for k in t if k != "xla"), key=t.get)
     emit(kind="sweep", shape=name, mnk=list(mnk), ms={k: round(val, 4) for k, val in t.items()}, best=best)

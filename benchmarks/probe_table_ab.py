@@ -24,13 +24,12 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import bench, tuning_table  # noqa: E402
 from benchmarks.bench_floors import SHAPES, head_steps  # noqa: E402
-from benchmarks.bench_gemm import interleaved, save_probe  # noqa: E402
+from benchmarks.bench_gemm import interleaved, rel_err, save_probe  # noqa: E402
 from lce_flax import explain, linear_cross_entropy  # noqa: E402
 from lce_flax._impl.pallas_mosaic import tuning  # noqa: E402
 
@@ -54,8 +53,7 @@ def ab_row(name: str, merged_path: str, mode: str, rounds: int, interpret: bool)
     temp[label] = round(g.memory_analysis().temp_size_in_bytes / 1e9, 4)
     grads[label] = g(x, w)[1]
     calls[label] = (g, (x, w))
-  diff = max(float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
-             for a, b in zip(grads["merged"], grads["table"]))
+  diff = max(rel_err(a, b) for a, b in zip(grads["merged"], grads["table"]))
   del grads
   t = interleaved(calls, rounds=rounds)
   return {"name": name, "shape": [*x.shape, w.shape[1]], "mode": mode, "ms": {k: round(v, 3) for k, v in t.items()},
