@@ -120,9 +120,9 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
       blocks[pair_key] = asked.get(key, own_block[pair_key])  # (a narrower width runs the pair's own blocks)
     for d_ in (t, mem, widths, asked):
       d_.pop(key, None)
-  over = [k for k in mem if mode == "lean" and mem[k] > bound_gb]  # (lean mode holds B·H·4 + 64 MB)
+  over = [k for k in mem if over_of(k)]  # (lean mode holds B·H·4 + 64 MB)
   # the fastest pair within the bound (none within it: the fastest, and the table's merge refuses the row)
-  best = min((k for k in t if k != "plain"), key=lambda k: (k in over, t[k]))
+  best = min((k for k in t if k != "plain"), key=lambda k: (over_of(k), t[k]))
   rows = -(-b // block_t) * block_t  # (the op's rows: tokens padded to its row tile, as its lookup takes them)
   row = {"design": design, "bucket": list(tuning.bucket(rows, h, v)), "shape": [b, h, v], "name": name,
          "products": best.split(","), "ms": {k: round(s, 3) for k, s in t.items()},
