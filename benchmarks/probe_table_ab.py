@@ -1,13 +1,19 @@
-"""What merging rows into the tuning table would do to the op's whole step, measured before merging (one GPU).
+"""What merging rows into the tuning table, or turning one of the kernels' switches, would do to the op's whole
+step, measured before the change lands (one GPU).
 
-The op reads the package's table (``lce_flax/_impl/pallas_mosaic/gemm_tuning.json``) at trace time, so one
-process can compile the step twice: once under the table as it is (``table``) and once under a copy with the rows
-of ``--rows`` merged into it (``merged``: ``benchmarks/tuning_table.py``'s merge, the same as ``--merge`` would
-do). Per shape it times, in alternation (median of ``--rounds`` rounds of 10-run medians), ``value_and_grad`` of x
-and w (summed loss) of the plain head and of ``impl="pallas_mosaic"`` in ``--mode`` under each table, with each
-step's compiled temporaries and the largest relative difference of the two steps' gradients.
+The op reads the package's table (``lce_flax/_impl/pallas_mosaic/gemm_tuning.json``) and the kernels' module
+switches (e.g. ``gemm.L2_PREFETCH``) at trace time, so one process can compile the step twice:
+
+* ``--rows FILE``: under the table as it is (``table``) and under a copy with the rows of ``FILE`` merged into it
+  (``merged``: ``benchmarks/tuning_table.py``'s merge, the same as ``--merge`` would do);
+* ``--flag MODULE.NAME``: with that switch of ``lce_flax._impl.pallas_mosaic`` False (``off``) and True (``on``).
+
+Per shape and mode it times, in alternation (median of ``--rounds`` rounds of 10-run medians), ``value_and_grad``
+of x and w (summed loss) of the plain head and of ``impl="pallas_mosaic"`` in each ``--mode`` under each variant,
+with each step's compiled temporaries and the largest relative difference of the two steps' gradients.
 
     python3 -m benchmarks.probe_table_ab --rows DIR/lean_dz_rows.json --mode lean --shapes gemma2-2b,llama3-8b
+    python3 -m benchmarks.probe_table_ab --flag gemm.L2_PREFETCH --mode fast,lean --shapes llama3-8b-32k
     python3 -m benchmarks.probe_table_ab --interpret --rows ROWS --shapes tiny --rounds 1     # a CPU check
 
 Writes ``DIR/results.json`` (device, versions, date, ``LCE_FLAX_COMMIT``, rows) after every shape and prints one
@@ -17,6 +23,8 @@ JSON line per shape.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -41,48 +49,80 @@ def op_step(y, mode: str, interpret: bool):
   return jax.jit(jax.value_and_grad(lambda x, w: linear_cross_entropy(x, w, y, **kw), (0, 1))), kw
 
 
-def ab_row(name: str, merged_path: str, mode: str, rounds: int, interpret: bool) -> dict:
+def ab_row(name: str, variants: dict, mode: str, rounds: int, interpret: bool) -> dict:
+  """One shape in one mode: the plain head and the op's step compiled under each of the two ``variants`` (label →
+  a context manager factory in force while the step traces and compiles), timed in alternation."""
   x, w, y = bench.make_inputs(SHAPES[name])
   calls, temp, plans, grads = {"plain": (head_steps(y, False, interpret)["plain"], (x, w))}, {}, {}, {}
-  for label, path in (("table", tuning.TABLE_PATH), ("merged", merged_path)):
-    with tuning.table_at(path):
+  for label, variant in variants.items():
+    with variant():
       f, kw = op_step(y, mode, interpret)
       d = explain(x, w, y, **kw)
       plans[label] = [str(d.config), *d.notes]  # (the notes name each kernel's config and its table row)
-      g = f.lower(x, w).compile()  # (compiled under this table: the plan and kernels are fixed from here on)
+      g = f.lower(x, w).compile()  # (compiled under this variant: the plan and kernels are fixed from here on)
     temp[label] = round(g.memory_analysis().temp_size_in_bytes / 1e9, 4)
     grads[label] = g(x, w)[1]
     calls[label] = (g, (x, w))
-  diff = max(rel_err(a, b) for a, b in zip(grads["merged"], grads["table"]))
+  a, b = variants
+  diff = max(rel_err(u, v) for u, v in zip(grads[b], grads[a]))
   del grads
   t = interleaved(calls, rounds=rounds)
   return {"name": name, "shape": [*x.shape, w.shape[1]], "mode": mode, "ms": {k: round(v, 3) for k, v in t.items()},
-          "vs_plain": {k: round(t[k] / t["plain"], 3) for k in ("table", "merged")},
-          "merged_speedup": round(t["table"] / t["merged"], 3), "temp_gb": temp,
-          "same_plan": plans["table"] == plans["merged"], "plans": plans, "grad_rel_diff": diff}
+          "vs_plain": {k: round(t[k] / t["plain"], 3) for k in variants},
+          f"{b}_speedup": round(t[a] / t[b], 3), "temp_gb": temp,
+          "same_plan": plans[a] == plans[b], "plans": plans, "grad_rel_diff": diff}
+
+
+@contextlib.contextmanager
+def flag_set(flag: str, value: bool):
+  """``lce_flax._impl.pallas_mosaic.MODULE.NAME`` (``flag`` = ``"MODULE.NAME"``) set to ``value`` while in force."""
+  module, name = flag.rsplit(".", 1)
+  mod = importlib.import_module(f"lce_flax._impl.pallas_mosaic.{module}")
+  if not isinstance(getattr(mod, name, None), bool):
+    raise ValueError(f"--flag {flag}: lce_flax._impl.pallas_mosaic.{module} has no boolean {name}")
+  old = getattr(mod, name)
+  setattr(mod, name, value)
+  try:
+    yield
+  finally:
+    setattr(mod, name, old)
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--rows", required=True, help="a file of rows in the table's format (\"devices\" and/or \"steps\")")
-  ap.add_argument("--mode", choices=("fast", "lean"), default="lean")
+  what = ap.add_mutually_exclusive_group(required=True)
+  what.add_argument("--rows", help="a file of rows in the table's format (\"devices\" and/or \"steps\")")
+  what.add_argument("--flag", help="MODULE.NAME: a boolean switch of lce_flax._impl.pallas_mosaic, off against on")
+  ap.add_argument("--mode", default="lean", help="comma list of fast, lean")
   ap.add_argument("--shapes", default="gpt2-small,llama3-8b,qwen3-8b,gemma2-2b")
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--interpret", action="store_true", help="the kernels interpreted (a CPU check)")
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/probe_table_ab"))
   a = ap.parse_args(argv)
+  modes = a.mode.split(",")
+  if not set(modes) <= {"fast", "lean"}:
+    ap.error(f"--mode {a.mode}: each of fast, lean")
   os.makedirs(a.out, exist_ok=True)
   with tempfile.TemporaryDirectory() as tmp:
-    merged = os.path.join(tmp, "gemm_tuning.json")
-    shutil.copy(tuning.TABLE_PATH, merged)
-    counts = tuning_table.merge(a.rows, merged)
-    print(json.dumps({"merged": counts, "rows": a.rows}), flush=True)
+    if a.rows:
+      merged = os.path.join(tmp, "gemm_tuning.json")
+      shutil.copy(tuning.TABLE_PATH, merged)
+      counts = tuning_table.merge(a.rows, merged)
+      variants = {"table": lambda: tuning.table_at(tuning.TABLE_PATH), "merged": lambda: tuning.table_at(merged)}
+      head = {"rows_file": a.rows, "merged": counts}
+    else:
+      with flag_set(a.flag, False):  # (a flag that is not there fails here, before any shape runs)
+        pass
+      variants = {"off": lambda: flag_set(a.flag, False), "on": lambda: flag_set(a.flag, True)}
+      head = {"flag": a.flag}
+    print(json.dumps(head), flush=True)
     rows = []
     for name in a.shapes.split(","):
-      r = ab_row(name, merged, a.mode, a.rounds, a.interpret)
-      rows.append(r)
-      print(json.dumps(r), flush=True)
-      save_probe(a.out, [{"rows_file": a.rows, "merged": counts}, *rows], a.rounds)
+      for mode in modes:
+        r = ab_row(name, variants, mode, a.rounds, a.interpret)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        save_probe(a.out, [head, *rows], a.rounds)
   return 0
 
 

@@ -1140,6 +1140,26 @@ def test_probe_table_ab_compiles_the_step_under_each_table(tmp_path):
   assert open(tuning.TABLE_PATH).read() == before and tuning.TABLE_PATH.endswith("gemm_tuning.json")
 
 
+def test_probe_table_ab_flips_a_kernel_switch(tmp_path):
+  """probe_table_ab.py --flag on the CPU: the step compiled with a switch of the kernels off and on, in each mode
+  asked, the switch as it was afterwards; a name that is not a boolean switch fails before any shape runs."""
+  import json
+
+  from benchmarks import probe_table_ab
+  from lce_flax._impl.pallas_mosaic import gemm
+
+  before = gemm.L2_PREFETCH
+  assert probe_table_ab.main(["--interpret", "--flag", "gemm.L2_PREFETCH", "--mode", "fast,lean", "--shapes",
+                              "256x64x1024", "--rounds", "1", "--out", str(tmp_path / "out")]) == 0
+  head, *rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+  assert head == {"flag": "gemm.L2_PREFETCH"} and [r["mode"] for r in rows] == ["fast", "lean"]
+  for r in rows:  # (the interpreted kernels prefetch nothing: the two steps are the same program)
+    assert set(r["ms"]) == {"plain", "off", "on"} and r["grad_rel_diff"] == 0.0 and "on_speedup" in r, r
+  assert gemm.L2_PREFETCH is before
+  with pytest.raises(ValueError, match="no boolean NOPE"):
+    probe_table_ab.main(["--interpret", "--flag", "gemm.NOPE", "--shapes", "256x64x1024", "--out", str(tmp_path)])
+
+
 def test_bench_step_products_chunk_row():
   """bench_step_products --chunks on the CPU: the "tokens" design at a chunk beside the plain head, each step's
   extra memory from its compiled step, the ratio taken from the same medians."""

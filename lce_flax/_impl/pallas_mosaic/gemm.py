@@ -95,6 +95,8 @@ from lce_flax._impl.pallas_mosaic import epilogue, tuning
 from lce_flax._impl.pallas_mosaic.tuning import SCHEDULES, GemmConfig  # noqa: F401  (part of this module's API)
 
 _SUPPORTED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# AddTo's default: each warpgroup tile of the target is prefetched into L2 before its K loop (AddTo.l2_prefetch)
+L2_PREFETCH = True
 _MINOR = 64  # elements of a 128-byte swizzle row (16-bit operands)
 
 
@@ -338,12 +340,17 @@ class AddTo(Part):
   every column gets one nonzero product, so the rounded sum is the rounded product).
 
   On the GPU each sub-tile of the accumulator goes registers → SMEM → a TMA *reduce-add* into ``c``
-  (``cp.reduce.async.bulk.tensor``): the add happens on the way to memory, so the epilogue reads nothing and costs
-  what a float32 store costs; the copies drain while the next tile's K loop runs. The interpret twin (Mosaic GPU's
-  interpreter has no TMA reductions) reads each sub-tile of ``c`` by TMA into SMEM, adds and stores it back."""
+  (``cp.reduce.async.bulk.tensor``): the add happens on the way to memory, so the epilogue reads nothing into the
+  SM; the copies drain while the next tile's K loop runs. A reduce-add still has to bring its lines of ``c`` from
+  memory into L2 first, and every CTA reaches its epilogue at about the same time, so with ``l2_prefetch`` (None:
+  :data:`L2_PREFETCH`) each warpgroup asks for its tile of ``c`` to be brought into L2 before its K loop
+  (``cp.async.bulk.prefetch.tensor``, :func:`plgpu.async_prefetch`): the reads from memory then overlap the MMAs.
+  The interpret twin (Mosaic GPU's interpreter has no TMA reductions) reads each sub-tile of ``c`` by TMA into SMEM,
+  adds and stores it back."""
 
   c: Any
   window: Window | None = None
+  l2_prefetch: bool | None = None
   in_place = (0,)
 
   def inputs(self, prob, cfg):
@@ -378,6 +385,8 @@ class AddTo(Part):
 
   def prefetch(self, t, ins, smem):
     if not t.prob.interpret:
+      if L2_PREFETCH if self.l2_prefetch is None else self.l2_prefetch:
+        plgpu.async_prefetch(self._target(ins).at[t.rows, t.cols])
       return
     # (twin) the first sub-tile of C lands while the K loop runs; slot 0 was last read by the previous tile's
     # second-to-last store, which is done once at most one copy is in flight
