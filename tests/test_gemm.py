@@ -662,17 +662,17 @@ def test_kernel_without_pallas_barriers_keeps_its_own(base, monkeypatch):
 @pytest.mark.parametrize("schedule", [tuning.DEFAULT, tuning.PINGPONG_WS], ids=lambda c: c.schedule)
 def test_add_to_prefetches_its_target_into_l2(schedule):
   """AddTo's GPU kernel asks for each warpgroup tile of its target in L2 before the tile's K loop (Mosaic GPU's
-  ``async_prefetch`` in the lowered module), on its own switch and by default on ``L2_PREFETCH``; a Store never."""
+  ``async_prefetch`` in the lowered module) when its switch or, by default, ``L2_PREFETCH`` says so; a Store never."""
   a, b, c = SDS((1000, 1088), BF), SDS((1000, 2112), BF), SDS((1088, 2112), jnp.float32)
   cfg = tuning.fit_role("dw_acc", schedule)
   lowered = lambda part: _lower(lambda a, b, c: G.gemm(a, b, transpose_a=True, epilogue=part(c), config=cfg), a, b, c)
-  assert "async_prefetch" in lowered(G.AddTo) and G.L2_PREFETCH
+  assert "async_prefetch" in lowered(lambda c: G.AddTo(c, l2_prefetch=True))
   assert "async_prefetch" not in lowered(lambda c: G.AddTo(c, l2_prefetch=False))
   assert "async_prefetch" not in lowered(lambda c: G.Store())
+  assert ("async_prefetch" in lowered(G.AddTo)) == G.L2_PREFETCH
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(G, "L2_PREFETCH", False)
-    assert "async_prefetch" not in lowered(G.AddTo)
-    assert "async_prefetch" in lowered(lambda c: G.AddTo(c, l2_prefetch=True))
+    mp.setattr(G, "L2_PREFETCH", not G.L2_PREFETCH)
+    assert ("async_prefetch" in lowered(G.AddTo)) == G.L2_PREFETCH
 
 
 @pytest.mark.parametrize("cfg", [G.GemmConfig(), G.GemmConfig(wg_split="m", cluster="n", epi_n=32, epi_slots=3),
