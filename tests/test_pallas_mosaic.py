@@ -755,6 +755,12 @@ def test_fast_products_follow_the_measured_step(monkeypatch):
   assert ("(dx, dw) on (xla, gemm): 37.50 ms against (gemm, gemm) 38.20, (gemm, xla) 38.00, (xla, xla) 37.80, the "
           "plain head 39.50") in line
   assert f"table: {kind}/steps/logits/1024x512x2048" in line
+  # a row that timed one pair (bench_step_products --pairs) says so: it chose no pair
+  steps[kind][0]["ms"] = {"xla,gemm": 37.5, "plain": 39.5}
+  d = explain(*args(1000), impl="pallas_mosaic", mode="fast", interpret=True)
+  assert d.config.products == ("xla", "gemm") and not any("measured fastest" in n for n in d.notes), d.notes
+  assert any("whole step measured only with (dx, dw) on (xla, gemm): 37.50 ms against the plain head 39.50" in n
+             for n in d.notes), d.notes
   # another bucket of tokens: the per-product rows (ours faster on both)
   d = explain(*args(4000), impl="pallas_mosaic", mode="fast", interpret=True, config=Config(fast_design="logits"))
   assert d.config.products == ("gemm", "gemm") and not any("whole step" in n for n in d.notes)

@@ -95,11 +95,11 @@ from lce_flax._impl.pallas_mosaic import epilogue, tuning
 from lce_flax._impl.pallas_mosaic.tuning import SCHEDULES, GemmConfig  # noqa: F401  (part of this module's API)
 
 _SUPPORTED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_MINOR = 64  # elements of a 128-byte swizzle row (16-bit operands)
 # AddTo's default for prefetching each warpgroup tile of its target into L2 before the tile's K loop
 # (AddTo.l2_prefetch): off, since it made the whole step slower on an H200 at 32768 tokens, 0.980-0.992x as fast in
 # both modes at llama3-8b and gemma2-2b (benchmarks/results/h200-2026-11-30-l2-prefetch)
 L2_PREFETCH = False
-_MINOR = 64  # elements of a 128-byte swizzle row (16-bit operands)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,8 +347,8 @@ class AddTo(Part):
   into L2, and every CTA reaches its epilogue at about the same time. With ``l2_prefetch`` (None: the module's
   ``L2_PREFETCH``, off) each warpgroup asks for its tile of ``c`` in L2 before its K loop
   (``cp.async.bulk.prefetch.tensor``, :func:`plgpu.async_prefetch`), so that those reads overlap the MMAs; measured
-  in the whole step, that was slower (see ``L2_PREFETCH``). The interpret twin (Mosaic GPU's interpreter has no TMA reductions) reads each sub-tile of ``c`` by TMA into SMEM,
-  adds and stores it back."""
+  in the whole step, that was slower (see ``L2_PREFETCH``). The interpret twin (Mosaic GPU's interpreter has no TMA
+  reductions) reads each sub-tile of ``c`` by TMA into SMEM, adds and stores it back."""
 
   c: Any
   window: Window | None = None

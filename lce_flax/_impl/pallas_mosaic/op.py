@@ -197,7 +197,7 @@ LEAN_RESERVE = 4 * 2**20
 # blocks of 8192, which measured 1.018x (llama3-8b) and 1.019x (gemma2-2b) as fast at 32768 tokens on an H200 as
 # one block with XLA's chunk products (the op's pair there then), where blocks of 4096 measured 1.02x and 0.93x
 # (benchmarks/results/h200-2026-11-29-lean-blocks; the steps rows of h200-2026-11-29-lean-32k-rows then chose the
-# GEMM's pair with these blocks at both heads). A steps row that records other blocks for its pair runs those
+# GEMM's pair with these blocks at both heads). A steps row that records blocks for its pair runs those
 # (_row_token_block), at its width: llama3-8b's 3072 and gemma2-2b's 3584 columns in blocks of 8192, whose chunk
 # buffers fill part of the x gradient's (h200-2026-11-30-lean-32k-widths).
 LEAN_BLOCKED_TOKENS = 32768

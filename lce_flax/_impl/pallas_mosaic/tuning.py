@@ -236,7 +236,9 @@ def step_products(design: str, tokens: int, hidden: int, vocab: int, device_kind
                    for k, v in ms.items() if k != ",".join(pair))
   b = "x".join(str(x) for x in row["bucket"])
   same = "" if measured_on == norm_kind(device_kind) else f", the same chip as {device_kind}"
-  return pair, (f"the whole step measured fastest with (dx, dw) on ({', '.join(pair)}): "
+  # (a row that timed one pair, e.g. bench_step_products --pairs, chose its width and blocks, not its pair)
+  timed = "fastest" if set(ms) - {"plain", ",".join(pair)} else "only"
+  return pair, (f"the whole step measured {timed} with (dx, dw) on ({', '.join(pair)}): "
                 f"{ms[','.join(pair)]:.2f} ms{at(','.join(pair))} against {rest} "
                 f"(table: {measured_on}/steps/{design}/{b}{same})")
 
