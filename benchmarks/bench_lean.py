@@ -271,15 +271,13 @@ def main(argv=None) -> int:
       temp = {w_: f.lower(*fa).compile().memory_analysis().temp_size_in_bytes for w_, (f, fa) in fns.items()}
       ref = {w_: f(*fa) for w_, (f, fa) in fns.items()}
       t = interleaved(fns, rounds=a.rounds)
-      rel = lambda a, b_: float(jnp.linalg.norm((a - b_).astype(jnp.float32)) / jnp.linalg.norm(b_.astype(
-          jnp.float32)))
-      bound = b * h * 4 + op.LEAN_EXTRA_BYTES
+      bound = op.lean_bound_bytes(b, h)
       emit(kind="widths", shape=name, default=base, wave_efficiency={str(k): e for k, e in widths.items()},
            ms={str(k): round(val, 3) for k, val in t.items()},
            vs_default={str(k): round(t[base] / val, 3) for k, val in t.items()},
            temp_bytes={str(k): temp[k] for k in widths}, lean_bound_bytes=bound,
            over_bound=[str(k) for k in widths if temp[k] > bound],  # (a time bought past lean's memory)
-           max_grad_rel_diff=max(rel(g, g0) for r in ref.values() for g, g0 in zip(r[1], ref[base][1])))
+           max_grad_rel_diff=max(rel_err(g, g0) for r in ref.values() for g, g0 in zip(r[1], ref[base][1])))
     if a.products:
       emit(**products_row(name, x, w, y, cw, a.rounds))
     if not a.sweep:

@@ -106,7 +106,7 @@ def step_row(name: str, rounds: int, interpret: bool, mode: str = "fast", pairs=
         mem[key], widths[key], asked[key] = round(g.memory_analysis().temp_size_in_bytes / 1e9, 4), c, tb
         calls[key] = (g, (x, w))
   t = interleaved(calls, rounds=rounds)
-  bound_gb = round((b * h * 4 + op.LEAN_EXTRA_BYTES) / 1e9, 4)
+  bound_gb = round(op.lean_bound_bytes(b, h) / 1e9, 4)
   over_of = lambda k: mode == "lean" and mem[k] > bound_gb
   own_block = dict(blocks)
   label = lambda k: str(widths[k]) + (f"/tb{asked[k]}" if k in asked else "")

@@ -193,6 +193,13 @@ class Plan:
 # else XLA holds at the peak.
 LEAN_EXTRA_BYTES = 64 * 10**6
 LEAN_RESERVE = 4 * 2**20
+
+
+def lean_bound_bytes(num_tokens: int, hidden: int) -> int:
+  """What lean mode promises to hold beside its inputs and gradients: its float32 dx and ``LEAN_EXTRA_BYTES``."""
+  return num_tokens * hidden * 4 + LEAN_EXTRA_BYTES
+
+
 # Lean mode's default blocks of tokens within each vocabulary chunk (Config.token_block): from 32768 tokens on, in
 # blocks of 8192, which measured 1.018x (llama3-8b) and 1.019x (gemma2-2b) as fast at 32768 tokens on an H200 as
 # one block with XLA's chunk products (the op's pair there then), where blocks of 4096 measured 1.02x and 0.93x
