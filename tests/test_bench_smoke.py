@@ -1134,7 +1134,7 @@ def test_probe_table_ab_compiles_the_step_under_each_table(tmp_path):
                               "--out", str(tmp_path / "out")]) == 0
   meta, r = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
   assert meta["merged"] == {"replaced": 0, "added": 1}
-  assert set(r["ms"]) == {"plain", "table", "merged"} and r["grad_rel_diff"] < 1e-6, r
+  assert set(r["ms"]) == {"plain", "table", "merged"} and r["grad_rel_diff"] < 1e-6 and "merged" in r["speedup"], r
   lean_dz = [[n for n in r["plans"][k] if "gemm[lean_dz]" in n] for k in ("table", "merged")]
   assert lean_dz[0] != lean_dz[1] and "order=n8" in lean_dz[1][0], lean_dz
   assert open(tuning.TABLE_PATH).read() == before and tuning.TABLE_PATH.endswith("gemm_tuning.json")
@@ -1154,10 +1154,33 @@ def test_probe_table_ab_flips_a_kernel_switch(tmp_path):
   head, *rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
   assert head == {"flag": "gemm.L2_PREFETCH"} and [r["mode"] for r in rows] == ["fast", "lean"]
   for r in rows:  # (the interpreted kernels prefetch nothing: the two steps are the same program)
-    assert set(r["ms"]) == {"plain", "off", "on"} and r["grad_rel_diff"] == 0.0 and "on_speedup" in r, r
+    assert set(r["ms"]) == {"plain", "off", "on"} and r["grad_rel_diff"] == 0.0 and set(r["speedup"]) == {"on"}, r
   assert gemm.L2_PREFETCH is before
   with pytest.raises(ValueError, match="no boolean NOPE"):
     probe_table_ab.main(["--interpret", "--flag", "gemm.NOPE", "--shapes", "256x64x1024", "--out", str(tmp_path)])
+
+
+def test_probe_table_ab_sweeps_a_roles_config_in_the_step(tmp_path):
+  """probe_table_ab.py --role --configs on the CPU: the step compiled with every lean_dz GEMM on the table's config
+  changed, each change named in explain()'s lean_dz note; a change the kernel refuses is recorded, not fatal; the
+  table's own pick as it was afterwards."""
+  import json
+
+  from benchmarks import probe_table_ab
+  from lce_flax._impl.pallas_mosaic import tuning
+
+  pick = tuning.select_row
+  assert probe_table_ab.main(["--interpret", "--role", "lean_dz", "--configs", "order_width=8;tile_k=48",
+                              "--shapes", "256x64x1024", "--rounds", "1", "--out", str(tmp_path / "out")]) == 0
+  head, r = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+  assert head == {"role": "lean_dz", "configs": ["order_width=8", "tile_k=48"]}
+  assert set(r["ms"]) == {"plain", "table", "order_width=8"} and set(r["speedup"]) == {"order_width=8"}, r
+  assert "tile_k=48" in r["errors"] and r["grad_rel_diff"] < 1e-6, r
+  lean_dz = {k: [n for n in r["plans"][k] if "gemm[lean_dz]" in n] for k in ("table", "order_width=8")}
+  assert "changed" not in lean_dz["table"][0] and "changed: {'order_width': 8}" in lean_dz["order_width=8"][0], r
+  assert tuning.select_row is pick
+  with pytest.raises(SystemExit):  # (--role without --configs)
+    probe_table_ab.main(["--interpret", "--role", "lean_dz", "--shapes", "256x64x1024", "--out", str(tmp_path)])
 
 
 def test_bench_step_products_chunk_row():
