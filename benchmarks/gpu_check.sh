@@ -10,9 +10,10 @@
 #    tokens a step), where the plain head does not fit;
 # 2. README.md's code blocks, each in turn in one namespace (later blocks use the names of earlier ones), on the GPU;
 #    with one GPU, the Multi-GPU block (and tests/test_readme.py, if present) on 8 simulated CPU devices;
-# 3. every `-m gpu` test, with pytest-xdist (-n 4) on the one GPU: XLA_PYTHON_CLIENT_PREALLOCATE=false and a memory
-#    fraction per worker, so that the four workers compile in parallel on the CPU cores and share the GPU's memory;
-#    the slowest tests are listed (--durations). It gets the time left of GPU_CHECK_SECONDS (default 570);
+# 3. every `-m gpu` test, with pytest-xdist, four workers a GPU (-n 4 on one; on N GPUs 4·N workers, each seeing
+#    one GPU): XLA_PYTHON_CLIENT_PREALLOCATE=false and a memory fraction per worker, so that the workers compile in
+#    parallel on the CPU cores and share a GPU's memory; the slowest tests are listed (--durations). It gets the time
+#    left of GPU_CHECK_SECONDS (default 570);
 # 4. with 2 or more GPUs: the trainer's fused step compiled on a data-parallel mesh of 2 against one GPU at the same
 #    per-device batch (the bytes alive at once per device should not grow; the temporaries' ratio is printed).
 # Each section has a time limit; the log ends with one line per section and the script exits non-zero if any failed.
@@ -163,7 +164,9 @@ export -f readme readme_blocks
 want 2 && section "README code blocks" 90 readme
 
 # 3. The GPU tests, in the time left of the 9.5 minutes (less 15 s for the summary, and a minute for section 4 where
-#    it runs): four workers on one GPU, each allowed 22% of its memory, allocating as they go. A run cut short prints
+#    it runs): four workers a GPU, each allowed 22% of its memory, allocating as they go. On a host of N GPUs the
+#    4·N workers (at most one a CPU core) are spread over them, each seeing one GPU (LCE_FLAX_TEST_GPUS, read by
+#    tests/conftest.py), so every test runs as on a one-GPU host and the section ends sooner. A run cut short prints
 #    what ran and the slowest.
 # The client-stack tests (tests/test_integrations_<client>.py) are CPU tests with no gpu mark; where their client is
 # not installed (a bare GPU image) pytest could not even import them, so they are left out by name, in the log.
@@ -175,8 +178,11 @@ for pair in tunix:tunix kauldron:gemma; do  # test file's client : the module it
   fi
 done
 left=$(( ${GPU_CHECK_SECONDS:-570} - SECONDS - (NGPU >= 2 ? 105 : 15) ))
-want 3 && section "gpu tests (pytest -m gpu -n 4)" "$(( left > 60 ? left : 60 ))" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.22 "$PY" -m pytest -m gpu -n 4 -q -rfEs -p no:cacheprovider --durations=15 "${IGNORE[@]}" tests
+workers=$(( 4 * NGPU < $(nproc) ? 4 * NGPU : $(nproc) ))
+spread=$([ "$NGPU" -ge 2 ] && echo "LCE_FLAX_TEST_GPUS=$NGPU" || echo "LCE_FLAX_TEST_GPUS=")
+want 3 && section "gpu tests (pytest -m gpu -n $workers)" "$(( left > 60 ? left : 60 ))" env "$spread" \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.22 \
+  "$PY" -m pytest -m gpu -n "$workers" -q -rfEs -p no:cacheprovider --durations=15 "${IGNORE[@]}" tests
 
 # 4. Per-device memory of the trainer's data-parallel step (needs 2 GPUs): the fused step at 64 sequences per device
 #    compiled on one GPU and on data=2 (benchmarks/trainer_scaling.py --schedule), compared by

@@ -8,7 +8,23 @@ start the longest tests first and the run ends without a long tail (``benchmarks
 import importlib.util
 import os
 
+
+def gpu_of_worker(environ) -> str | None:
+  """The one GPU a pytest-xdist worker takes where ``LCE_FLAX_TEST_GPUS`` = N spreads the workers over a host's N
+  GPUs (``benchmarks/gpu_check.sh`` on a multi-GPU host): worker ``gwK`` gets the ``K mod N``-th of the GPUs this
+  process may use (those of ``CUDA_VISIBLE_DEVICES`` where it is set), so each runs as on a one-GPU host; None
+  (every GPU visible) without it or outside a worker."""
+  gpus, worker = environ.get("LCE_FLAX_TEST_GPUS"), environ.get("PYTEST_XDIST_WORKER", "")
+  if not gpus or not worker.startswith("gw"):
+    return None
+  visible = environ.get("CUDA_VISIBLE_DEVICES")
+  ids = visible.split(",") if visible else [str(i) for i in range(int(gpus))]
+  return ids[int(worker[2:]) % min(len(ids), int(gpus))]
+
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if (_gpu := gpu_of_worker(os.environ)) is not None:  # (before JAX initialises its backends)
+  os.environ["CUDA_VISIBLE_DEVICES"] = _gpu
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402

@@ -1183,6 +1183,25 @@ def test_probe_table_ab_sweeps_a_roles_config_in_the_step(tmp_path):
     probe_table_ab.main(["--interpret", "--role", "lean_dz", "--shapes", "256x64x1024", "--out", str(tmp_path)])
 
 
+def test_gpu_check_spreads_test_workers_over_the_gpus():
+  """tests/conftest.py's gpu_of_worker, as benchmarks/gpu_check.sh uses it on a host of N GPUs (LCE_FLAX_TEST_GPUS):
+  xdist worker gwK sees the K mod N-th GPU it may use, within CUDA_VISIBLE_DEVICES where that is set; nothing is
+  pinned without it, outside a worker, or with it empty (one GPU)."""
+  import subprocess
+
+  from tests.conftest import gpu_of_worker
+
+  on = lambda **env: gpu_of_worker(env)
+  assert [on(LCE_FLAX_TEST_GPUS="2", PYTEST_XDIST_WORKER=f"gw{k}") for k in range(5)] == ["0", "1", "0", "1", "0"]
+  assert [on(LCE_FLAX_TEST_GPUS="2", PYTEST_XDIST_WORKER=f"gw{k}", CUDA_VISIBLE_DEVICES="4,6") for k in range(3)] == [
+      "4", "6", "4"]
+  assert on(LCE_FLAX_TEST_GPUS="2", PYTEST_XDIST_WORKER="gw3", CUDA_VISIBLE_DEVICES="4,5,6,7") == "5"
+  assert on(PYTEST_XDIST_WORKER="gw1") is None and on(LCE_FLAX_TEST_GPUS="2") is None
+  assert on(LCE_FLAX_TEST_GPUS="", PYTEST_XDIST_WORKER="gw1") is None
+  assert subprocess.run(["bash", "-n", "benchmarks/gpu_check.sh"], cwd=os.path.dirname(os.path.dirname(__file__)),
+                        capture_output=True).returncode == 0
+
+
 def test_bench_step_products_chunk_row():
   """bench_step_products --chunks on the CPU: the "tokens" design at a chunk beside the plain head, each step's
   extra memory from its compiled step, the ratio taken from the same medians."""
