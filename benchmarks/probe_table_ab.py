@@ -40,6 +40,7 @@ import os
 import shutil
 import sys
 import tempfile
+from unittest import mock
 
 import jax
 
@@ -91,25 +92,19 @@ def ab_row(name: str, variants: dict, mode: str, rounds: int, interpret: bool) -
   return {**row, "errors": errors} if errors else row
 
 
-@contextlib.contextmanager
 def flag_set(flag: str, value: bool):
-  """``lce_flax._impl.pallas_mosaic.MODULE.NAME`` (``flag`` = ``"MODULE.NAME"``) set to ``value`` while in force."""
+  """A context manager in which ``lce_flax._impl.pallas_mosaic.MODULE.NAME`` (``flag`` = ``"MODULE.NAME"``) is
+  ``value``; ``ValueError`` at once where that is no boolean switch."""
   module, name = flag.rsplit(".", 1)
   mod = importlib.import_module(f"lce_flax._impl.pallas_mosaic.{module}")
   if not isinstance(getattr(mod, name, None), bool):
     raise ValueError(f"--flag {flag}: lce_flax._impl.pallas_mosaic.{module} has no boolean {name}")
-  old = getattr(mod, name)
-  setattr(mod, name, value)
-  try:
-    yield
-  finally:
-    setattr(mod, name, old)
+  return mock.patch.object(mod, name, value)
 
 
-@contextlib.contextmanager
 def role_changed(role: str, changes: dict):
-  """Every GEMM of ``role`` traced inside runs the config the table picks for it with ``changes`` applied (its
-  ``explain()`` note says so)."""
+  """A context manager in which every GEMM of ``role`` traced runs the config the table picks for it with
+  ``changes`` applied (its ``explain()`` note says so)."""
   pick = tuning.select_row
 
   def changed(r, m, n, k, device_kind):
@@ -118,11 +113,7 @@ def role_changed(role: str, changes: dict):
       return cfg, src
     return dataclasses.replace(cfg, **changes), f"{src}, changed: {changes}"
 
-  tuning.select_row = changed
-  try:
-    yield
-  finally:
-    tuning.select_row = pick
+  return mock.patch.object(tuning, "select_row", changed)
 
 
 def main(argv=None) -> int:
@@ -152,8 +143,7 @@ def main(argv=None) -> int:
       variants = {"table": lambda: tuning.table_at(tuning.TABLE_PATH), "merged": lambda: tuning.table_at(merged)}
       head = {"rows_file": a.rows, "merged": counts}
     elif a.flag:
-      with flag_set(a.flag, False):  # (a flag that is not there fails here, before any shape runs)
-        pass
+      flag_set(a.flag, False)  # (a flag that is not there fails here, before any shape runs)
       variants = {"off": lambda: flag_set(a.flag, False), "on": lambda: flag_set(a.flag, True)}
       head = {"flag": a.flag}
     else:
